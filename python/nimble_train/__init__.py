@@ -1,0 +1,23 @@
+"""nimble_train: a whole PyTorch training step captured once as a CUDA graph and replayed.
+
+The C++/CUDA runtime lives in the extension ``nimble_train._C``; this package is its Python
+face. ``build_info()`` says what the installed build compiled in.
+"""
+
+import torch  # noqa: F401  (loads libtorch and the CUDA libraries that _C links against)
+
+from ._extension import _C, build_info, describe_build, has_cuda, has_nccl
+from .errors import CaptureError, NimbleError, ShapeError, SyncError
+
+__version__ = build_info()["version"]
+
+__all__ = [
+    "CaptureError",
+    "NimbleError",
+    "ShapeError",
+    "SyncError",
+    "build_info",
+    "describe_build",
+    "has_cuda",
+    "has_nccl",
+]

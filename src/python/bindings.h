@@ -1,0 +1,11 @@
+// One registration function per component; module.cpp calls them all.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace nimble_train {
+
+void bind_build(pybind11::module_& m);    // build_info, has_cuda, has_nccl, runtime versions
+void bind_optim(pybind11::module_& m);    // src/optim
+
+}  // namespace nimble_train

@@ -1,0 +1,25 @@
+"""Skips GPU and multi-GPU tests, with the reason, on machines that cannot run them."""
+
+import pytest
+import torch
+
+
+def _gpu_count() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    gpus = _gpu_count()
+    no_gpu = pytest.mark.skip(
+        reason="needs a CUDA GPU; torch.cuda.is_available() is False here "
+        "(run scripts/gpu-test on a GPU machine)"
+    )
+    few_gpus = pytest.mark.skip(
+        reason=f"needs 2 or more CUDA GPUs; this machine has {gpus} "
+        "(run scripts/gpu-test on a multi-GPU machine)"
+    )
+    for item in items:
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(few_gpus)
+        elif "cuda" in item.keywords and gpus < 1:
+            item.add_marker(no_gpu)
