@@ -18,7 +18,10 @@ function(nt_cuda_library name)
        ${CUDAToolkit_INCLUDE_DIRS}/.. ${CUDAToolkit_LIBRARY_DIR}/..)
 
   find_path(NT_${up}_INCLUDE_DIR ${arg_HEADER} HINTS ${hints} PATH_SUFFIXES include)
-  find_library(NT_${up}_LIBRARY NAMES ${arg_LIBS} HINTS ${hints} PATH_SUFFIXES lib lib64)
+  # NAMES_PER_DIR: the first folder in hint order wins, whatever name the library has there
+  # (the wheels carry only libnccl.so.2, the system also libnccl.so).
+  find_library(NT_${up}_LIBRARY NAMES ${arg_LIBS} NAMES_PER_DIR HINTS ${hints}
+               PATH_SUFFIXES lib lib64)
   if(NOT NT_${up}_INCLUDE_DIR OR NOT NT_${up}_LIBRARY)
     set(NT_HAVE_${up} OFF PARENT_SCOPE)
     set(NT_${up}_VERSION "" PARENT_SCOPE)

@@ -5,8 +5,8 @@
 # architecture flags for a dozen GPUs. torch.utils.cpp_extension does not use it either; like
 # it, we take the headers and libraries from the torch package itself.
 #
-# Sets NT_TORCH_VERSION, NT_TORCH_CUDA ("" for a CPU build), NT_NVIDIA_DIRS (the nvidia-*
-# wheels' folders) and the targets
+# Sets NT_TORCH_VERSION, NT_TORCH_CUDA ("" for a CPU build), NT_TORCH_LIBSTDCXX (the C++
+# runtime torch's process loads), NT_NVIDIA_DIRS (the nvidia-* wheels' folders) and the targets
 # nt::torch, nt::torch_python and, for a CUDA build, nt::torch_cuda.
 
 function(_nt_run_torch_query out_var rc_var err_var)
@@ -68,6 +68,19 @@ macro(nt_find_torch)
   foreach(_nt_lib c10 torch_cpu torch)
     _nt_torch_library(nt::torch ${_nt_lib} "${NT_TORCH_PREFIX}")
   endforeach()
+
+  # The extension must use the C++ runtime that Python and torch have loaded. A toolchain that
+  # only ships libstdc++.a (CXX pointing at such a wrapper) would otherwise link a private
+  # copy into _C, whose streams and locales then get mixed with the process's copy and crash.
+  # Naming the loaded libstdc++.so first on the link line resolves every C++ runtime symbol
+  # there, so nothing is taken from the static archive.
+  execute_process(COMMAND ${CMAKE_CXX_COMPILER} -print-file-name=libstdc++.so
+                  OUTPUT_VARIABLE _nt_shared_libstdcxx OUTPUT_STRIP_TRAILING_WHITESPACE)
+  if(NOT IS_ABSOLUTE "${_nt_shared_libstdcxx}" AND NT_TORCH_LIBSTDCXX)
+    message(STATUS "nimble_train: ${CMAKE_CXX_COMPILER} has no shared libstdc++; linking the "
+                   "one torch runs with: ${NT_TORCH_LIBSTDCXX}")
+    target_link_libraries(nt::torch INTERFACE "${NT_TORCH_LIBSTDCXX}")
+  endif()
 
   add_library(nt::torch_python INTERFACE IMPORTED)
   _nt_torch_library(nt::torch_python torch_python "${NT_TORCH_PREFIX}")

@@ -22,11 +22,23 @@ if os.path.isdir(nvidia):
         or os.path.isdir(os.path.join(nvidia, d, "lib"))
     )
 
+
+def loaded_libstdcxx():
+    """The C++ runtime this process (Python + torch) has loaded; '' where /proc is missing."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libstdc++.so" in line}
+    except OSError:
+        return ""
+    return sorted(paths)[0] if paths else ""
+
+
 fields = {
     "prefix": os.path.dirname(os.path.dirname(torch.utils.cmake_prefix_path)),
     "version": torch.__version__,
     "cuda": torch.version.cuda or "",
     "cxx11_abi": int(torch._C._GLIBCXX_USE_CXX11_ABI),
+    "libstdcxx": loaded_libstdcxx(),
 }
 for key, value in fields.items():
     sys.stdout.write(f"{key}={value}\n")
