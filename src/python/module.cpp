@@ -7,4 +7,5 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "nimble_train's C++/CUDA runtime. Use it through the nimble_train package.";
   nimble_train::bind_build(m);
   nimble_train::bind_optim(m);
+  nimble_train::bind_streams(m);
 }
