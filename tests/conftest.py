@@ -1,7 +1,13 @@
 """Skips GPU and multi-GPU tests, with the reason, on machines that cannot run them."""
 
+import os
+import sys
+
 import pytest
 import torch
+
+# Shared helpers (tests/step_reference.py) import as top-level modules in every test folder.
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _gpu_count() -> int:

@@ -8,6 +8,8 @@ import torch  # noqa: F401  (loads libtorch and the CUDA libraries that _C links
 
 from ._extension import _C, build_info, describe_build, has_cuda, has_nccl
 from .errors import CaptureError, NimbleError, ShapeError, SyncError
+from . import models
+from .step import Step
 
 __version__ = build_info()["version"]
 
@@ -15,6 +17,7 @@ __all__ = [
     "CaptureError",
     "NimbleError",
     "ShapeError",
+    "Step",
     "SyncError",
     "build_info",
     "describe_build",

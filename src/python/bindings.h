@@ -8,5 +8,6 @@ namespace nimble_train {
 void bind_build(pybind11::module_& m);    // build_info, has_cuda, has_nccl, runtime versions
 void bind_optim(pybind11::module_& m);    // src/optim
 void bind_streams(pybind11::module_& m);  // src/streams
+void bind_capture(pybind11::module_& m);  // src/capture
 
 }  // namespace nimble_train

@@ -8,4 +8,5 @@ PYBIND11_MODULE(_C, m) {
   nimble_train::bind_build(m);
   nimble_train::bind_optim(m);
   nimble_train::bind_streams(m);
+  nimble_train::bind_capture(m);
 }

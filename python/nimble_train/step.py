@@ -1,0 +1,489 @@
+"""nt.Step: a whole training step, captured once as a CUDA graph and replayed.
+
+    step = nt.Step(model, optimizer, loss_fn)
+    for batch in loader:
+        loss = step(batch)   # one graph launch; a 0-dim device tensor, no host sync
+
+Lifecycle: the first batch fixes the template (shapes, dtypes, devices); the first `warmup`
+calls are ordinary eager training steps (on a side stream, with host syncs recorded); the next
+call captures the step into a graph-private memory pool and replays it; every later call
+copies the batch into the static inputs, stages the learning rates and launches the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import _capturable
+from ._batch import BatchTemplate, StaticBatch
+from ._extension import _C
+from ._sync import SyncRecorder
+from .errors import CaptureError, NimbleError, ShapeError, SyncError
+
+_AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PARTIAL_BATCH = ("pad", "eager", "error")
+
+
+class Step:
+    """One training iteration of `model` with `optimizer`, captured once and replayed.
+
+    Args:
+        model: the module to train (its parameters on one device).
+        optimizer: a torch.optim.Optimizer over (some of) the model's parameters. SGD, Adam
+            and AdamW are switched to their fused/capturable forms so that learning rates set
+            by schedulers reach the graph without recapture.
+        loss_fn: ``loss_fn(outputs, target)`` for (inputs, target) batches,
+            ``loss_fn(outputs, batch)`` for dict batches; None for dict batches whose model
+            returns its own loss. It may return a scalar or one loss per sample; per-sample
+            losses let a short last batch be padded and masked inside the graph.
+        streams: "auto", or the most CUDA streams to use (1: a single stream).
+        warmup: eager iterations before capture (at least 1); they are real training steps.
+        amp: None, "bf16" (autocast to bfloat16) or "fp16".
+        grad_clip: max global gradient norm, applied on the device; None for no clipping.
+        partial_batch: a batch with fewer samples than the first: "pad" (pad and mask, in the
+            graph), "eager" (run it eagerly) or "error" (raise ShapeError).
+        capture: False runs every step eagerly with the same semantics (debugging, CPU).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[..., torch.Tensor] | None = None,
+        *,
+        streams: str | int = "auto",
+        warmup: int = 3,
+        amp: str | None = None,
+        grad_clip: float | None = None,
+        partial_batch: str = "pad",
+        capture: bool = True,
+    ):
+        _validate_arguments(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
+                            partial_batch, capture)
+        if amp == "fp16":
+            raise NotImplementedError(
+                'amp="fp16" needs the device-side dynamic loss scale of the fused optimizers, '
+                'which this build does not have yet; use amp="bf16" (no loss scaling needed)'
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.streams = streams
+        self.warmup = warmup
+        self.amp = amp
+        self.grad_clip = grad_clip
+        self.partial_batch = partial_batch
+        self.capture = capture
+
+        self._params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._device = _single_device(model, self._params)
+        self._cuda = self._device.type == "cuda"
+        self._will_capture = capture and self._cuda
+        if self._will_capture and not _C.has_cuda():
+            raise NimbleError(
+                f"Step needs nimble_train's CUDA runtime to capture on {self._device}, but this "
+                f"build has none ({_C.build_info()['cuda']['reason']}). Rebuild it "
+                "(pip install --no-build-isolation -e .) or pass capture=False."
+            )
+        self._staged_lr = _capturable.make_capturable(optimizer) if self._will_capture else []
+
+        self._template: BatchTemplate | None = None
+        self._static: StaticBatch | None = None
+        self._per_sample: bool | None = None  # does loss_fn return one loss per sample?
+        self._sync = SyncRecorder() if self._cuda else None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._scalars = None
+        self._static_loss: torch.Tensor | None = None
+        self._baked: list[dict] | None = None
+        self._capture_error: BaseException | None = None
+        self._counts = {"steps": 0, "eager_steps": 0, "replays": 0, "captures": 0}
+        self._graph_nodes: int | None = None
+        self._pool_bytes: int | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Runs one training step on `batch`; returns the loss (valid until the next call)."""
+        if self._template is None:
+            self._template = _checked_first_template(batch, self._device)
+        leaves, samples = self._template.check(batch)
+        short = samples < self._template.batch_size
+        if short and self.partial_batch == "error":
+            raise ShapeError(
+                f"this batch has {samples} samples, fewer than the {self._template.batch_size} "
+                'of the first batch, and partial_batch="error"; drop the last batch '
+                '(drop_last=True) or use partial_batch="pad" or "eager"'
+            )
+
+        if self._counts["steps"] < self.warmup or not self._will_capture or self._capture_error:
+            loss = self._eager_or_padded(batch, leaves, samples, short)
+        elif short and not self._can_pad():
+            loss = self._eager_step(batch, samples)
+        else:
+            if self._graph is None or self._hyperparameters_changed():
+                self._capture_graph(leaves, samples)  # copies the batch in
+            else:
+                self._static.copy_in(leaves, samples)
+            loss = self._launch(samples)
+        self._counts["steps"] += 1
+        return loss
+
+    def stats(self) -> dict:
+        """What the step has done and holds: capture state, streams, graph size, pool, calls."""
+        records = self._sync.records if self._sync else []
+        return {
+            "captured": self._graph is not None,
+            "streams": 1,
+            "syncs": 0,
+            "graph_nodes": self._graph_nodes,
+            "pool_bytes": self._pool_bytes,
+            "warmup_left": max(0, self.warmup - self._counts["steps"]),
+            "host_syncs_in_warmup": [str(r) for r in records],
+            "capture_error": None if self._capture_error is None else str(self._capture_error),
+            "lr_on_device": list(self._staged_lr),
+            **self._counts,
+        }
+
+    # ------------------------------------------------------------------ eager paths
+
+    def _eager_or_padded(self, batch, leaves, samples, short) -> torch.Tensor:
+        """Steps that are not replays: warm-up, capture=False, CPU, or after a failed capture."""
+        if short and not self._will_capture and self._can_pad():
+            # The padded, masked computation the graph would run, done eagerly: on CPU and
+            # with capture=False a short batch sees the semantics of the captured step.
+            return self._padded_eager_step(leaves, samples)
+        return self._eager_step(batch, samples)
+
+    def _eager_step(self, batch, samples: int) -> torch.Tensor:
+        in_warmup = self._counts["steps"] < self.warmup
+        with self._warmup_context(in_warmup):
+            # After capture, gradients live in the graph's pool: zero them in place, so that
+            # p.grad keeps pointing at the tensors the replays write.
+            self.optimizer.zero_grad(set_to_none=self._graph is None)
+            loss = self._loss(batch, samples, None)
+            self._backward_and_update(loss)
+        self._counts["eager_steps"] += 1
+        return loss.detach()
+
+    def _padded_eager_step(self, leaves, samples: int) -> torch.Tensor:
+        static = self._static_batch(leaves, samples)
+        self.optimizer.zero_grad(set_to_none=self._graph is None)
+        valid = torch.tensor(float(samples), device=self._device)
+        loss = self._loss(static.batch, self._template.batch_size, valid)
+        self._backward_and_update(loss)
+        self._counts["eager_steps"] += 1
+        return loss.detach()
+
+    @contextlib.contextmanager
+    def _warmup_context(self, in_warmup: bool):
+        if not (in_warmup and self._cuda):
+            yield
+            return
+        # Warm-up runs on a side stream, as capture will: lazily created state (cuDNN plans,
+        # optimizer state, the allocator's blocks) is then made the way the graph will use it.
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(side), self._sync:
+            yield
+        torch.cuda.current_stream(self._device).wait_stream(side)
+
+    # ------------------------------------------------------------------ the step's body
+
+    def _loss(self, batch, batch_size: int, valid: torch.Tensor | None) -> torch.Tensor:
+        """Forward and loss. `valid` (a 0-dim float tensor) masks rows at or past it."""
+        with self._autocast():
+            outputs, losses = self._forward(batch)
+        per_sample = self._classify_loss(losses, batch_size)
+        if not per_sample:
+            return losses
+        losses = losses.float()
+        if valid is None:
+            return losses.mean()
+        keep = torch.arange(batch_size, device=losses.device) < valid
+        # where, not a product: a padded row's loss may be inf or NaN, and 0 * NaN is NaN.
+        return torch.where(keep, losses, 0.0).sum() / valid
+
+    def _forward(self, batch):
+        if isinstance(batch, dict):
+            outputs = self.model(**batch)
+            if self.loss_fn is not None:
+                return outputs, self.loss_fn(outputs, batch)
+            return outputs, _own_loss(outputs)
+        inputs, target = batch
+        outputs = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+        return outputs, self.loss_fn(outputs, target)
+
+    def _classify_loss(self, losses, batch_size: int) -> bool:
+        if not isinstance(losses, torch.Tensor):
+            raise TypeError(f"the loss must be a tensor; got {type(losses).__name__}")
+        if losses.dim() == 0:
+            kind = False
+        elif losses.dim() == 1 and losses.shape[0] == batch_size:
+            kind = True
+        else:
+            raise ValueError(
+                "loss_fn must return a scalar or one loss per sample (shape "
+                f"[{batch_size}]); got shape {tuple(losses.shape)}. Reduce it yourself, or "
+                "return per-sample losses (e.g. reduction='none')."
+            )
+        if self._per_sample is None:
+            self._per_sample = kind
+        return kind
+
+    def _backward_and_update(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        if self.grad_clip is not None:
+            # foreach norms, clamped factor as a device tensor: no host sync, capturable.
+            torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=self._cuda)
+        self.optimizer.step()
+
+    def _autocast(self):
+        dtype = _AMP_DTYPES[self.amp]
+        if dtype is None:
+            return contextlib.nullcontext()
+        # The autocast cache would keep casts made during capture alive across replays.
+        return torch.autocast(self._device.type, dtype=dtype, cache_enabled=False)
+
+    def _can_pad(self) -> bool:
+        """A short batch can be padded when losses are per sample and no layer sees the batch."""
+        return (self.partial_batch == "pad" and self._per_sample is not False
+                and not _has_batch_statistics(self.model))
+
+    def _static_batch(self, leaves, samples: int) -> StaticBatch:
+        if self._static is None:
+            self._static = StaticBatch(self._template, leaves, samples)
+        else:
+            self._static.copy_in(leaves, samples)
+        return self._static
+
+    # ------------------------------------------------------------------ capture and replay
+
+    def _capture_graph(self, leaves, samples: int) -> None:
+        static = self._static_batch(leaves, samples)
+        if self._scalars is None:
+            # One slot per staged learning rate, and the number of valid samples last.
+            self._scalars = _C.DeviceScalars(sum(self._staged_lr) + 1, self._device)
+        self._graph = None
+        self._static_loss = None
+        saved_grads = [p.grad for p in self._params]
+        saved_lrs = [group["lr"] for group in self.optimizer.param_groups]
+        values = self._scalars.values
+        staged = iter(range(len(values) - 1))
+        for group, is_staged in zip(self.optimizer.param_groups, self._staged_lr):
+            if is_staged:
+                group["lr"] = values[next(staged)]
+        graph = _new_graph()
+        try:
+            self.optimizer.zero_grad(set_to_none=True)
+            # A fresh private pool for every capture: an earlier graph's pool dies with it.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                self._scalars.fetch()
+                loss = self._loss(static.batch, self._template.batch_size, values[-1])
+                self._backward_and_update(loss)
+            if hasattr(graph, "instantiate") and getattr(graph, "_nt_keep_graph", False):
+                graph.instantiate()
+        except Exception as exc:
+            for p, grad in zip(self._params, saved_grads):
+                p.grad = grad
+            del graph
+            _end_generator_capture(self._device)
+            self._capture_error = exc
+            raise self._capture_failure(exc) from exc
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, saved_lrs):
+                group["lr"] = lr
+        self._graph = graph
+        self._static_loss = loss.detach()
+        self._baked = _capturable.hyperparameters(self.optimizer, self._staged_lr)
+        self._counts["captures"] += 1
+        self._warn_if_recapturing_often()
+        self._pool_bytes = _pool_bytes(graph, self._device)
+        self._graph_nodes = _node_count(graph)
+
+    def _launch(self, samples: int) -> torch.Tensor:
+        """Stages this step's scalars and launches the graph: the whole replay path."""
+        values = [_capturable.host_lr(group)
+                  for group, staged in zip(self.optimizer.param_groups, self._staged_lr)
+                  if staged]
+        self._scalars.stage(values + [float(samples)])
+        try:
+            self._graph.replay()
+        except BaseException:
+            self._scalars.unstage()
+            raise
+        self._counts["replays"] += 1
+        return self._static_loss
+
+    def _warn_if_recapturing_often(self) -> None:
+        captures, steps = self._counts["captures"], self._counts["steps"]
+        if captures == 4 and steps < 4 * (self.warmup + 20):
+            warnings.warn(
+                f"Step has captured its graph {captures} times in {steps} steps: optimizer "
+                "hyper-parameters other than lr (momentum, betas, weight decay, ...) changed "
+                f"between steps, and {type(self.optimizer).__name__} bakes them into the graph. "
+                "Keep them fixed (e.g. OneCycleLR(cycle_momentum=False)); each change costs a "
+                "capture.", stacklevel=3)
+
+    def _hyperparameters_changed(self) -> bool:
+        now = _capturable.hyperparameters(self.optimizer, self._staged_lr)
+        return not _capturable.same_hyperparameters(now, self._baked)
+
+    def _capture_failure(self, exc: BaseException) -> NimbleError:
+        cause = _root_message(exc)
+        records = self._sync.records if self._sync else []
+        sync_like = any(s in cause for s in ("capturing", "StreamCapture", "capture"))
+        if records and sync_like:
+            found = "\n".join(f"  - {r}" for r in records)
+            return SyncError(
+                "capturing the step failed because it synchronises with the host; warm-up saw "
+                f"these host syncs:\n{found}\nKeep values on the device (no .item(), .cpu(), "
+                "printing CUDA tensors or data-dependent shapes such as nonzero / boolean "
+                "indexing inside the step), or pass capture=False. The model and optimizer "
+                "are as after the last step; later calls run eagerly. Cause: " + cause
+            )
+        return CaptureError(
+            f"capturing the step as a CUDA graph failed: {cause}. The model and optimizer are "
+            "as after the last completed step; later calls run eagerly (capture=False does "
+            "that from the start)."
+        )
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _validate_arguments(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
+                        partial_batch, capture) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None; got {type(loss_fn).__name__}")
+    if not (streams == "auto" or (isinstance(streams, int) and not isinstance(streams, bool)
+                                  and streams >= 1)):
+        raise ValueError(f'streams must be "auto" or an int >= 1; got {streams!r}')
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+        raise ValueError(
+            f"warmup must be an int >= 1 (eager steps before capture create optimizer state "
+            f"and pick cuDNN algorithms); got {warmup!r}")
+    if amp not in _AMP_DTYPES:
+        raise ValueError(f'amp must be None, "bf16" or "fp16"; got {amp!r}')
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
+        raise ValueError(f"grad_clip must be None or a positive number; got {grad_clip!r}")
+    if partial_batch not in _PARTIAL_BATCH:
+        raise ValueError(f'partial_batch must be "pad", "eager" or "error"; got {partial_batch!r}')
+    if not isinstance(capture, bool):
+        raise TypeError(f"capture must be True or False; got {capture!r}")
+
+
+def _single_device(model: torch.nn.Module, params: list[torch.Tensor]) -> torch.device:
+    devices = {p.device for p in list(model.parameters()) + params}
+    if len(devices) != 1:
+        raise ValueError(
+            "Step trains a model whose parameters all live on one device; got parameters on "
+            f"{sorted(str(d) for d in devices)}. Move the model with model.to(device) before "
+            "building the optimizer." if devices else
+            "the model and optimizer have no parameters; there is nothing to train")
+    return devices.pop()
+
+
+def _checked_first_template(batch: Any, device: torch.device) -> BatchTemplate:
+    if not isinstance(batch, (tuple, list, dict)):
+        raise TypeError(
+            "a batch must be a tuple/list (inputs, target) or a dict of model inputs; got "
+            f"{type(batch).__name__}")
+    if not isinstance(batch, dict) and len(batch) != 2:
+        raise TypeError(
+            f"a tuple/list batch must be (inputs, target); got {len(batch)} items. Wrap "
+            "several inputs in a tuple: ((x1, x2), target).")
+    template = BatchTemplate(batch)
+    for leaf in template.tensor_leaves:
+        if leaf.device != device:
+            raise ShapeError(
+                f"{leaf.path} is on {leaf.device} but the model is on {device}; move batches "
+                f"to the model's device (x.to('{device}', non_blocking=True)), or keep the "
+                "dataset there")
+    return template
+
+
+def _own_loss(outputs) -> torch.Tensor:
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if loss is None and isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        loss = outputs
+    if loss is None:
+        raise TypeError(
+            "with no loss_fn, the model must return its own loss (outputs.loss, "
+            f"outputs['loss'] or a 0-dim tensor); got {type(outputs).__name__}. Pass labels "
+            "in the batch so the model computes it, or give Step a loss_fn.")
+    return loss
+
+
+def _has_batch_statistics(model: torch.nn.Module) -> bool:
+    """Layers whose training-mode output or running statistics depend on the whole batch."""
+    from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+    for m in model.modules():
+        if isinstance(m, _NormBase) and m.training:
+            if isinstance(m, _BatchNorm) or m.track_running_stats:
+                return True
+    return False
+
+
+def _end_generator_capture(device: torch.device) -> None:
+    """Leaves the CUDA RNG out of capture mode after a failed capture.
+
+    A capture that fails inside cudaStreamEndCapture never reaches torch's capture epilogue,
+    and the default generator keeps believing it is being captured: every later dropout then
+    fails with "Offset increment outside graph capture". A trivial capture runs the prologue
+    and the epilogue again, which resets it.
+    """
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            torch.empty(1, device=device).zero_()
+    except Exception as exc:  # the original failure is what the user needs to see
+        warnings.warn(f"could not reset the CUDA generator after a failed capture: {exc}")
+
+
+def _new_graph() -> torch.cuda.CUDAGraph:
+    """A graph that keeps its cudaGraph_t, so its nodes can be counted, where torch allows."""
+    try:
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+        graph._nt_keep_graph = True
+    except TypeError:
+        graph = torch.cuda.CUDAGraph()
+    return graph
+
+
+def _pool_bytes(graph, device: torch.device) -> int | None:
+    """Bytes of the segments of the graph's private memory pool."""
+    pool = tuple(graph.pool())
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    segments = [seg for seg in torch.cuda.memory_snapshot()
+                if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) == pool]
+    return sum(seg["total_size"] for seg in segments) if segments else None
+
+
+def _node_count(graph) -> int | None:
+    if not getattr(graph, "_nt_keep_graph", False):
+        return None
+    try:
+        return _C.graph_node_count(int(graph.raw_cuda_graph()))
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None
+
+
+def _root_message(exc: BaseException) -> str:
+    """The first error of a chain: capture_end's own failure often hides the real cause."""
+    seen = exc
+    while seen.__context__ is not None and seen.__context__ is not seen:
+        seen = seen.__context__
+    text = f"{type(seen).__name__}: {seen}".strip()
+    return text.splitlines()[0] if text else type(seen).__name__

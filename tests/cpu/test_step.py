@@ -1,0 +1,196 @@
+"""Step's semantics on the CPU (the eager path runs the same code as the captured body)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nimble_train as nt
+from step_reference import (MLP, OwnLoss, SmallCNN, TwoInputs, assert_same_training,
+                            classification_batches, eager_loop, twin)
+
+per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+
+
+def run_step(model, optimizer, loss_fn, batches, **options):
+    step = nt.Step(model, optimizer, loss_fn, warmup=2, **options)
+    return step, [step(b).clone() for b in batches]
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+    lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=1e-3, amsgrad=True),
+], ids=["sgd-nesterov", "adamw", "adam-amsgrad"])
+def test_steps_equal_the_eager_loop(make_opt):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP(), make_opt)
+    batches = classification_batches(6, 16)
+    _, losses = run_step(m1, o1, per_sample, batches)
+    expected = eager_loop(m2, o2, per_sample, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_scalar_loss_and_bf16_autocast_and_clipping():
+    torch.manual_seed(1)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.5))
+    batches = classification_batches(5, 8)
+    _, losses = run_step(m1, o1, F.cross_entropy, batches, amp="bf16", grad_clip=0.05)
+    expected = eager_loop(m2, o2, F.cross_entropy, batches, amp=torch.bfloat16, grad_clip=0.05)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_learning_rate_schedule_is_followed():
+    torch.manual_seed(2)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    s1 = torch.optim.lr_scheduler.OneCycleLR(o1, max_lr=0.3, total_steps=8)
+    s2 = torch.optim.lr_scheduler.OneCycleLR(o2, max_lr=0.3, total_steps=8)
+    batches = classification_batches(8, 8)
+    step = nt.Step(m1, o1, per_sample, warmup=1)
+    for b in batches:
+        step(b)
+        s1.step()
+    eager_loop(m2, o2, per_sample, batches, scheduler=s2)
+    assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"]
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_short_last_batch_is_padded_and_equals_eager_on_the_real_samples():
+    torch.manual_seed(3)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.Adam(p, lr=1e-2))
+    batches = classification_batches(4, 16) + classification_batches(1, 5, seed=9)
+    step, losses = run_step(m1, o1, per_sample, batches)
+    expected = eager_loop(m2, o2, per_sample, batches)
+    # The masked mean sums 16 rows (11 of them zero) where eager sums 5: same up to rounding.
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_short_batch_through_batchnorm_runs_eagerly_and_matches():
+    torch.manual_seed(4)
+    (m1, o1), (m2, o2) = twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = (classification_batches(3, 8, image=True)
+               + classification_batches(1, 3, image=True, seed=5))
+    step, losses = run_step(m1, o1, per_sample, batches)
+    expected = eager_loop(m2, o2, per_sample, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same_training(m1, o1, m2, o2)  # running statistics included
+
+
+@pytest.mark.parametrize("loss_fn", [F.cross_entropy, per_sample], ids=["scalar", "per-sample"])
+def test_partial_batch_eager_and_error(loss_fn):
+    torch.manual_seed(5)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1))
+    batches = classification_batches(3, 8) + classification_batches(1, 3, seed=7)
+    _, losses = run_step(m1, o1, loss_fn, batches, partial_batch="eager")
+    expected = eager_loop(m2, o2, loss_fn, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same_training(m1, o1, m2, o2)
+
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                   partial_batch="error")
+    step(batches[0])
+    with pytest.raises(nt.ShapeError, match=r"3 samples, fewer than the 8 .*\(drop_last=True\)"):
+        step(batches[-1])
+
+
+def test_tuple_inputs_and_dict_batches():
+    torch.manual_seed(6)
+    (m1, o1), (m2, o2) = twin(TwoInputs(), lambda p: torch.optim.SGD(p, lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    batches = [((torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)),
+                torch.randn(8, 4, generator=g)) for _ in range(4)]
+    mse = torch.nn.MSELoss()
+    _, losses = run_step(m1, o1, mse, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_loop(m2, o2, mse, batches)))
+
+    (m1, o1), (m2, o2) = twin(OwnLoss(), lambda p: torch.optim.AdamW(p, lr=1e-2))
+    dicts = [{"input_ids": torch.randint(0, 11, (4, 7), generator=g),
+              "labels": torch.randint(0, 11, (4, 7), generator=g)} for _ in range(4)]
+    _, losses = run_step(m1, o1, None, dicts)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager_loop(m2, o2, None, dicts)))
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_state_dict_resume_equals_an_uninterrupted_run():
+    torch.manual_seed(7)
+    batches = classification_batches(8, 8)
+    make = lambda p: torch.optim.AdamW(p, lr=5e-3)  # noqa: E731
+    (m1, o1), (m2, o2) = twin(MLP(), make)
+    run_step(m1, o1, per_sample, batches)
+
+    _, _ = run_step(m2, o2, per_sample, batches[:4])
+    saved = copy.deepcopy({"model": m2.state_dict(), "optim": o2.state_dict()})
+    m3 = MLP()
+    o3 = make(m3.parameters())
+    m3.load_state_dict(saved["model"])
+    o3.load_state_dict(saved["optim"])
+    run_step(m3, o3, per_sample, batches[4:])
+    assert_same_training(m1, o1, m3, o3)
+
+
+def test_batch_mismatches_raise_shape_error_saying_expected_and_got():
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample)
+    x, y = classification_batches(1, 8)[0]
+    step((x, y))
+    cases = [
+        ((x.double(), y), r"batch\[0\] must be a tensor of shape \(N<=8, 12\), torch.float32.*"
+                          r"got a tensor of shape \(8, 12\), torch.float64"),
+        ((x[:, :10], y), r"batch\[0\] must be .*got a tensor of shape \(8, 10\)"),
+        ((torch.cat([x, x]), torch.cat([y, y])), "16 samples, more than the 8"),
+        ((x, y[:4]), "4 samples but an earlier entry of the batch has 8"),
+        ({"x": x, "y": y}, "structure differs"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(nt.ShapeError, match=message):
+            step(batch)
+
+
+def test_bad_arguments_are_rejected_with_the_fix():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        nt.Step("model", opt)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        nt.Step(model, "sgd")
+    with pytest.raises(ValueError, match='streams must be "auto" or an int >= 1; got 0'):
+        nt.Step(model, opt, per_sample, streams=0)
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        nt.Step(model, opt, per_sample, warmup=0)
+    with pytest.raises(ValueError, match='amp must be None, "bf16" or "fp16"; got \'fp8\''):
+        nt.Step(model, opt, per_sample, amp="fp8")
+    with pytest.raises(ValueError, match="grad_clip must be None or a positive number"):
+        nt.Step(model, opt, per_sample, grad_clip=-1.0)
+    with pytest.raises(ValueError, match='partial_batch must be "pad", "eager" or "error"'):
+        nt.Step(model, opt, per_sample, partial_batch="drop")
+    with pytest.raises(NotImplementedError, match='amp="bf16"'):
+        nt.Step(model, opt, per_sample, amp="fp16")
+    step = nt.Step(model, opt, per_sample)
+    with pytest.raises(TypeError, match=r"must be \(inputs, target\); got 3 items"):
+        step((torch.randn(4, 12), torch.randn(4), torch.randn(4)))
+
+
+def test_loss_of_the_wrong_shape_is_rejected():
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   lambda out, y: F.cross_entropy(out, y, reduction="none").reshape(2, -1))
+    with pytest.raises(ValueError, match=r"one loss per sample \(shape \[8\]\); got shape \(2, 4\)"):
+        step(classification_batches(1, 8)[0])
+
+
+def test_stats_report_the_lifecycle():
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample, warmup=2)
+    assert step.stats()["warmup_left"] == 2
+    for b in classification_batches(3, 8):
+        step(b)
+    stats = step.stats()
+    assert stats["warmup_left"] == 0 and stats["steps"] == 3 and stats["eager_steps"] == 3
+    assert stats["captured"] is False  # a CPU model runs eagerly
+    for key in ("streams", "syncs", "graph_nodes", "pool_bytes"):
+        assert key in stats

@@ -1,0 +1,239 @@
+"""Step on the GPU: captured steps equal eager ones, and failures lose nothing."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nimble_train as nt
+from nimble_train import _C
+from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
+                            eager_loop, twin)
+
+pytestmark = pytest.mark.cuda
+
+per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+
+
+def cuda_twin(model, make_opt):
+    return twin(model.cuda(), make_opt)
+
+
+def run_step(model, optimizer, loss_fn, batches, warmup=2, **options):
+    step = nt.Step(model, optimizer, loss_fn, warmup=warmup, **options)
+    losses = [step(b).clone() for b in batches]
+    torch.cuda.synchronize()
+    return step, losses
+
+
+# Where bitwise equality is impossible: the captured step uses fused SGD / capturable Adam
+# (same math, other rounding), and learning rates reach the graph as float32.
+TOL = {"rtol": 2e-4, "atol": 2e-5}
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4),
+    lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.05),  # capturable=False, as users build it
+], ids=["sgd-momentum", "adamw-default"])
+def test_captured_cnn_with_batchnorm_equals_eager(make_opt):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(), make_opt)
+    batches = classification_batches(10, 16, image=True, device="cuda")
+    step, losses = run_step(m1, o1, per_sample, batches)
+    expected = eager_loop(m2, o2, per_sample, batches)
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 8 and stats["captures"] == 1
+    assert stats["graph_nodes"] is None or stats["graph_nodes"] > 20
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOL)
+    assert_same_training(m1, o1, m2, o2, **TOL)  # BatchNorm running stats included
+
+
+def test_bf16_autocast_and_clipping_in_the_graph():
+    torch.manual_seed(1)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.3, momentum=0.9))
+    batches = classification_batches(8, 32, device="cuda")
+    step, losses = run_step(m1, o1, per_sample, batches, amp="bf16", grad_clip=0.1)
+    expected = eager_loop(m2, o2, per_sample, batches, amp=torch.bfloat16, grad_clip=0.1)
+    assert step.stats()["replays"] == 6
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-2, atol=1e-3)
+    assert_same_training(m1, o1, m2, o2, rtol=1e-2, atol=1e-3)
+
+
+def test_learning_rate_schedule_reaches_the_graph_without_recapture():
+    torch.manual_seed(2)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.AdamW(p, lr=1e-3))
+    # cycle_momentum would change betas each step too, which torch's AdamW bakes in.
+    s1 = torch.optim.lr_scheduler.OneCycleLR(o1, max_lr=1e-2, total_steps=12, cycle_momentum=False)
+    s2 = torch.optim.lr_scheduler.OneCycleLR(o2, max_lr=1e-2, total_steps=12, cycle_momentum=False)
+    batches = classification_batches(12, 16, device="cuda")
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    for b in batches:
+        step(b)
+        s1.step()
+    eager_loop(m2, o2, per_sample, batches, scheduler=s2)
+    assert step.stats()["captures"] == 1 and step.stats()["replays"] == 10
+    assert isinstance(o1.param_groups[0]["lr"], float)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_changing_momentum_recaptures():
+    torch.manual_seed(3)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = classification_batches(8, 16, device="cuda")
+    step = nt.Step(m1, o1, per_sample, warmup=1)
+    for i, b in enumerate(batches):
+        if i == 5:
+            o1.param_groups[0]["momentum"] = o2.param_groups[0]["momentum"] = 0.5
+        step(b)
+        eager_loop(m2, o2, per_sample, [b])
+    assert step.stats()["captures"] == 2
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_padded_last_batch_runs_in_the_graph():
+    torch.manual_seed(4)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = classification_batches(5, 32, device="cuda") + classification_batches(
+        1, 7, device="cuda", seed=3)
+    step, losses = run_step(m1, o1, per_sample, batches)
+    expected = eager_loop(m2, o2, per_sample, batches)
+    assert step.stats()["replays"] == 4 and step.stats()["eager_steps"] == 2
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOL)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_dropout_draws_fresh_masks_on_every_replay():
+    torch.manual_seed(5)
+    model = MLP(dropout=0.5).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # parameters stay put
+    batch = classification_batches(1, 64, device="cuda")[0]
+    step = nt.Step(model, opt, per_sample, warmup=1)
+    losses = torch.stack([step(batch).clone() for _ in range(12)])[1:]
+    assert step.stats()["replays"] == 11
+    # Same batch, same parameters: only the dropout masks differ, so should the losses.
+    assert torch.unique(losses).numel() == losses.numel(), losses
+
+
+def test_state_dict_resume_after_captured_steps():
+    torch.manual_seed(6)
+    batches = classification_batches(10, 16, device="cuda")
+    make = lambda p: torch.optim.Adam(p, lr=3e-3)  # noqa: E731
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), make)
+    run_step(m1, o1, per_sample, batches)
+    run_step(m2, o2, per_sample, batches[:6])
+    saved = copy.deepcopy({"model": m2.state_dict(), "optim": o2.state_dict()})
+    m3 = MLP().cuda()
+    o3 = make(m3.parameters())
+    m3.load_state_dict(saved["model"])
+    o3.load_state_dict(saved["optim"])
+    run_step(m3, o3, per_sample, batches[6:])
+    assert_same_training(m1, o1, m3, o3, **TOL)
+
+
+class SyncsInForward(MLP):
+    def forward(self, x):
+        scale = x.abs().max().item()  # a host sync
+        return super().forward(x / scale)
+
+
+def test_host_sync_raises_sync_error_naming_the_line_and_keeps_state():
+    torch.manual_seed(7)
+    (m1, o1), (m2, o2) = cuda_twin(SyncsInForward(), lambda p: torch.optim.SGD(p, lr=0.1))
+    batches = classification_batches(5, 16, device="cuda")
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    step(batches[0])
+    step(batches[1])
+    with pytest.raises(nt.SyncError) as info:
+        step(batches[2])
+    message = str(info.value)
+    assert ".item at " in message and "test_step_cuda.py:" in message, message
+    assert "scale = x.abs().max().item()" in message, message
+    eager_loop(m2, o2, per_sample, batches[:2])
+    assert_same_training(m1, o1, m2, o2, **TOL)  # the failed capture changed nothing
+    for p in m1.parameters():
+        assert p.grad is not None
+    # Training goes on eagerly.
+    step(batches[3])
+    step(batches[4])
+    eager_loop(m2, o2, per_sample, batches[3:])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    assert not step.stats()["captured"]
+
+
+class FailsWhileCapturing(MLP):
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this layer cannot be captured")
+        return super().forward(x)
+
+
+def test_capture_failure_raises_capture_error_and_keeps_state():
+    torch.manual_seed(8)
+    (m1, o1), (m2, o2) = cuda_twin(FailsWhileCapturing(dropout=0.1),
+                                    lambda p: torch.optim.AdamW(p, lr=1e-3))
+    batches = classification_batches(4, 16, device="cuda")
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    torch.manual_seed(100)
+    step(batches[0])
+    step(batches[1])
+    with pytest.raises(nt.CaptureError, match="this layer cannot be captured"):
+        step(batches[2])
+    torch.manual_seed(100)
+    eager_loop(m2, o2, per_sample, batches[:2])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    # Eager steps after the failure, dropout included, go on as in the eager loop.
+    torch.manual_seed(200)
+    step(batches[3])
+    torch.manual_seed(200)
+    eager_loop(m2, o2, per_sample, batches[3:])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def _segment_bytes(pool_id) -> int:
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == tuple(pool_id))
+
+
+def test_graph_pool_stays_near_the_eager_peak():
+    torch.manual_seed(9)
+    model = nt.models.resnet18_cifar().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = classification_batches(5, 64, device="cuda", image=True, classes=10)
+    batches = [(F.interpolate(x, size=32), y) for x, y in batches]
+    eager_model = copy.deepcopy(model)
+    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=0.1, momentum=0.9)
+    eager_loop(eager_model, eager_opt, per_sample, batches[:1])
+    # One eager step in a private pool of its own: the memory it needs under the same
+    # allocator rules (segment sizes, rounding) as the graph's pool, gradients included.
+    eager_model.zero_grad(set_to_none=True)
+    eager_pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(eager_pool):
+        eager_loop(eager_model, eager_opt, per_sample, batches[1:2])
+    torch.cuda.synchronize()
+    eager_bytes = _segment_bytes(eager_pool.id)
+
+    step, _ = run_step(model, opt, per_sample, batches)
+    pool = step.stats()["pool_bytes"]
+    assert eager_bytes > 0 and pool is not None
+    assert pool <= 1.3 * eager_bytes, (pool, eager_bytes)
+
+
+def test_device_scalars_survive_a_host_far_ahead_of_the_gpu():
+    # Each replay adds its staged value to an accumulator after a long sleep, so the host
+    # queues many replays before the GPU reads the first slots; a ring of 4 slots must make
+    # it wait, never overwrite a slot still to be read.
+    scalars = _C.DeviceScalars(1, torch.device("cuda"), 4)
+    total = torch.zeros(1, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(200_000)
+        scalars.fetch()
+        total.add_(scalars.values)
+    values = [float(i % 7 + 1) for i in range(40)]
+    for v in values:
+        scalars.stage([v])
+        graph.replay()
+    torch.cuda.synchronize()
+    assert total.item() == sum(values)
+    assert scalars.consumed == scalars.staged == 40

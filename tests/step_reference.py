@@ -1,0 +1,119 @@
+"""Models, data and the plain eager training loop that Step is compared against."""
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, features=12, hidden=32, classes=5, dropout=0.0):
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(features, hidden), torch.nn.GELU(), torch.nn.Dropout(dropout),
+            torch.nn.Linear(hidden, hidden), torch.nn.Tanh(),
+            torch.nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class SmallCNN(torch.nn.Module):
+    """Convolutions with BatchNorm: its batch statistics forbid padding."""
+
+    def __init__(self, classes=5):
+        super().__init__()
+        # No conv bias before BatchNorm: its gradient is rounding noise, which Adam amplifies.
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(8)
+        self.conv2 = torch.nn.Conv2d(8, 16, 3, padding=1, stride=2, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(16)
+        self.head = torch.nn.Linear(16, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.head(x.mean(dim=(2, 3)))
+
+
+class TwoInputs(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 4)
+        self.b = torch.nn.Linear(3, 4)
+
+    def forward(self, x, z):
+        return self.a(x) * torch.sigmoid(self.b(z))
+
+
+class OwnLoss(torch.nn.Module):
+    """Like a Hugging Face model: given labels, returns an object with .loss."""
+
+    class Output:
+        def __init__(self, loss, logits):
+            self.loss, self.logits = loss, logits
+
+    def __init__(self, vocab=11, dim=8):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.out = torch.nn.Linear(dim, vocab)
+
+    def forward(self, input_ids, labels):
+        logits = self.out(torch.tanh(self.emb(input_ids)))
+        return self.Output(F.cross_entropy(logits.flatten(0, 1), labels.flatten()), logits)
+
+
+def classification_batches(n, batch, features=12, classes=5, device="cpu", seed=0, image=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = (batch, 3, 8, 8) if image else (batch, features)
+    return [(torch.randn(shape, generator=g).to(device),
+             torch.randint(0, classes, (batch,), generator=g).to(device)) for _ in range(n)]
+
+
+def twin(model, make_optimizer):
+    """The model and a deep copy, each with its own optimizer from make_optimizer(params)."""
+    other = copy.deepcopy(model)
+    return (model, make_optimizer(model.parameters())), (other, make_optimizer(other.parameters()))
+
+
+def eager_loop(model, optimizer, loss_fn, batches, *, amp=None, grad_clip=None, scheduler=None):
+    """The plain loop Step must reproduce: zero_grad; loss; backward; (clip;) step."""
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad()
+        device = next(model.parameters()).device.type
+        ctx = torch.autocast(device, dtype=amp) if amp else torch.autocast(device, enabled=False)
+        with ctx:
+            if isinstance(batch, dict):
+                out = model(**batch)
+                loss = out.loss if loss_fn is None else loss_fn(out, batch)
+            else:
+                inputs, target = batch
+                out = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+                loss = loss_fn(out, target)
+        if loss.dim():
+            loss = loss.float().mean()
+        loss.backward()
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.detach())
+    return losses
+
+
+def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6):
+    """Parameters, buffers (BatchNorm statistics) and optimizer state agree."""
+    for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
+    state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    for key in state_a:
+        for field in state_a[key]:
+            a, b = state_a[key][field], state_b[key][field]
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=rtol, atol=atol,
+                                           msg=f"state {key} {field}")
+            else:
+                assert a == b
