@@ -8,6 +8,7 @@ import torch  # noqa: F401  (loads libtorch and the CUDA libraries that _C links
 
 from ._extension import _C, build_info, describe_build, has_cuda, has_nccl
 from .errors import CaptureError, NimbleError, ShapeError, SyncError
+from . import optim
 from . import models
 from .step import Step
 

@@ -1,12 +1,52 @@
 // Bindings for src/optim.
 #include <torch/csrc/utils/pybind.h>
 
+#include <tuple>
+#include <utility>
+
 #include "optim/boundary.h"
+#include "optim/device_tables.h"
+#include "optim/fused_update.h"
+#include "optim/step_control.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;
 
 namespace nimble_train {
+
+namespace {
+
+// The table layouts, so that Python builds and reads the tables without repeating numbers.
+py::dict layout() {
+  using namespace optim;
+  py::dict hyper;
+  const std::pair<const char*, int> columns[] = {
+      {"lr", kLr}, {"weight_decay", kWeightDecay}, {"momentum", kMomentum},
+      {"dampening", kDampening}, {"nesterov", kNesterov}, {"maximize", kMaximize},
+      {"beta1", kBeta1}, {"beta2", kBeta2}, {"eps", kEps}, {"bias_correction", kBiasCorrection},
+      {"decoupled_weight_decay", kDecoupledDecay}, {"always_adapt", kAlwaysAdapt},
+      {"step", kStep}};
+  for (const auto& [name, column] : columns) hyper[name] = column;
+  py::dict d;
+  d["hyper"] = hyper;
+  d["hyper_columns"] = int(kHyperColumns);
+  d["staged_columns"] = int(kNumStagedHyper);
+  d["slot_header"] = kSlotHeader;
+  d["seq_modulus"] = kSeqModulus;
+  d["control"] = py::dict(py::arg("grad_norm") = int(kGradNorm),
+                          py::arg("grad_factor") = int(kGradFactor),
+                          py::arg("found_inf") = int(kFoundInf),
+                          py::arg("skip_update") = int(kSkipUpdate));
+  d["control_size"] = int(kControlSize);
+  d["counter"] = py::dict(py::arg("steps_run") = int(kStepsRun),
+                          py::arg("staging_errors") = int(kStagingErrors));
+  d["counter_size"] = int(kCounterSize);
+  d["chunk_columns"] = int(kChunkColumns);
+  d["default_chunk_elems"] = kDefaultChunkElems;
+  return d;
+}
+
+}  // namespace
 
 void bind_optim(py::module_& m) {
   m.def("flat_scale_", &optim::flat_scale_, py::arg("x"), py::arg("scale"),
@@ -14,6 +54,76 @@ void bind_optim(py::module_& m) {
         "x *= scale, in place, with scale read on x's device (no host sync on CUDA).\n\n"
         "x: contiguous float tensor (float32, float16 or bfloat16 on CUDA; any float on CPU).\n"
         "scale: one-element float32 tensor on x's device.");
+
+  m.def("optim_layout", &layout,
+        "The layouts of the fused optimizer's tables (columns of hyper, control, counter; "
+        "staging slot header; chunk table width), as in src/optim/device_tables.h.");
+
+  m.def("optim_build_chunk_table", &optim::make_chunk_table, py::arg("offsets"),
+        py::arg("tensor_group"), py::arg("chunk_elems") = optim::kDefaultChunkElems,
+        py::call_guard<py::gil_scoped_release>(),
+        "Cuts flat buffers into chunks that straddle no tensor.\n\n"
+        "offsets: int64 [num_tensors + 1] CPU, offsets into flat (elements); tensor_group: int64 "
+        "[num_tensors] CPU. Returns (chunks int64 [num_chunks, 4], first_chunk int64 "
+        "[num_tensors + 1]).");
+
+  m.def("optim_grad_stats_rows", &optim::grad_stats_partial_rows, py::arg("n"),
+        "Rows of partials that optim_grad_stats_ writes for a gradient buffer of n elements.");
+
+  m.def("optim_grad_stats_", &optim::grad_stats_, py::arg("grads"), py::arg("inv_scale"),
+        py::arg("partials"), py::call_guard<py::gil_scoped_release>(),
+        "partials[rows, 2] = per block (sum of (grad * inv_scale)^2, non-finite flag).\n\n"
+        "grads: flat float32/float16/bfloat16 buffer; inv_scale: float32 [1] or None; "
+        "partials: float32 [optim_grad_stats_rows(grads.numel()), 2].");
+
+  py::class_<optim::StepTables>(m, "OptimStepTables",
+                                "The persistent tables of one fused optimizer (see "
+                                "src/optim/device_tables.h).")
+      .def(py::init([](at::Tensor ring_host, at::Tensor ring, at::Tensor hyper,
+                       at::Tensor param_steps, at::Tensor param_group, at::Tensor control,
+                       at::Tensor counter) {
+             return optim::StepTables{ring_host, ring, hyper, param_steps, param_group, control,
+                                      counter};
+           }),
+           py::kw_only(), py::arg("ring_host"), py::arg("ring"), py::arg("hyper"),
+           py::arg("param_steps"), py::arg("param_group"), py::arg("control"),
+           py::arg("counter"))
+      .def_readonly("ring_host", &optim::StepTables::ring_host)
+      .def_readonly("ring", &optim::StepTables::ring)
+      .def_readonly("hyper", &optim::StepTables::hyper)
+      .def_readonly("param_steps", &optim::StepTables::param_steps)
+      .def_readonly("param_group", &optim::StepTables::param_group)
+      .def_readonly("control", &optim::StepTables::control)
+      .def_readonly("counter", &optim::StepTables::counter);
+
+  m.def("optim_prepare_step_", &optim::prepare_step_, py::arg("tables"), py::arg("partials"),
+        py::arg("inv_scale"), py::arg("found_inf"), py::arg("max_norm"),
+        py::arg("skip_nonfinite"), py::call_guard<py::gil_scoped_release>(),
+        "One block of device work per step: copies the staging ring to the device, reduces the "
+        "partials (None: no stats) to the norm, clip factor (max_norm <= 0: none) and overflow "
+        "flag, writes found_inf (float32 [1] or None), advances the step counts unless the step "
+        "is skipped (skip_nonfinite and a non-finite gradient).");
+
+  m.def("optim_sgd_update_", &optim::sgd_update_, py::arg("params"), py::arg("grads"),
+        py::arg("momentum"), py::arg("chunks"), py::arg("hyper"), py::arg("control"),
+        py::call_guard<py::gil_scoped_release>(),
+        "SGD (momentum, dampening, Nesterov, weight decay, maximize) over flat buffers, in place. "
+        "momentum: the flat momentum buffer, or None when no group uses momentum.");
+
+  m.def("optim_adam_update_", &optim::adam_update_, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("max_exp_avg_sq"),
+        py::arg("chunks"), py::arg("hyper"), py::arg("control"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Adam / AdamW over flat buffers, in place. max_exp_avg_sq: the flat buffer (amsgrad) or "
+        "None.");
+
+  m.def("optim_lamb_update_", &optim::lamb_update_, py::arg("params"), py::arg("grads"),
+        py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("chunks"), py::arg("first_chunk"),
+        py::arg("hyper"), py::arg("control"), py::arg("chunk_norms"), py::arg("trust"),
+        py::call_guard<py::gil_scoped_release>(),
+        "LAMB over flat buffers, in place: moments and per-chunk norms, per-tensor trust ratios, "
+        "parameter update. chunk_norms: float32 [num_chunks, 2], trust: float32 [num_tensors] "
+        "scratch.");
 }
 
 }  // namespace nimble_train
