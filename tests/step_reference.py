@@ -117,3 +117,83 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
                                            msg=f"state {key} {field}")
             else:
                 assert a == b
+
+
+class InceptionCell(torch.nn.Module):
+    """Four parallel branches (1x1; 3x3; 3x3-3x3; pool-1x1), concatenated."""
+
+    def __init__(self, cin, width):
+        super().__init__()
+
+        def conv(i, o, k):
+            return torch.nn.Sequential(torch.nn.Conv2d(i, o, k, padding=k // 2, bias=False),
+                                       torch.nn.BatchNorm2d(o), torch.nn.ReLU())
+
+        self.b1 = conv(cin, width, 1)
+        self.b2 = torch.nn.Sequential(conv(cin, width, 1), conv(width, width, 3))
+        self.b3 = torch.nn.Sequential(conv(cin, width, 1), conv(width, width, 3),
+                                      conv(width, width, 3))
+        self.b4 = torch.nn.Sequential(torch.nn.MaxPool2d(3, 1, 1), conv(cin, width, 1))
+
+    def forward(self, x):
+        return torch.cat([self.b1(x), self.b2(x), self.b3(x), self.b4(x)], dim=1)
+
+
+class InceptionNet(torch.nn.Module):
+    def __init__(self, classes=5, width=8, cells=3):
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 4 * width, 3, padding=1, bias=False)
+        self.cells = torch.nn.Sequential(*[InceptionCell(4 * width, width) for _ in range(cells)])
+        self.head = torch.nn.Linear(4 * width, classes)
+
+    def forward(self, x):
+        return self.head(self.cells(self.stem(x)).mean(dim=(2, 3)))
+
+
+class TransformerBlock(torch.nn.Module):
+    """Attention with separate q/k/v projections (three parallel matmuls), then an MLP."""
+
+    def __init__(self, dim=32, heads=4, classes=5, dropout=0.0):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        # No key bias: softmax ignores it, so its gradient is rounding noise Adam would amplify.
+        self.q, self.v = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim, bias=False)
+        self.proj = torch.nn.Linear(dim, dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))
+        self.drop = torch.nn.Dropout(dropout)
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, x):  # x: [batch, seq, dim]
+        b, t, d = x.shape
+        h = self.norm1(x)
+        q, k, v = (f(h).view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for f in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v)
+        x = x + self.drop(self.proj(att.transpose(1, 2).reshape(b, t, d)))
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return self.head(x.mean(dim=1))
+
+
+class RandomDagNet(torch.nn.Module):
+    """A random DAG of small Linear+activation operators, each summing a random set of inputs."""
+
+    def __init__(self, seed, nodes=12, dim=16, classes=5):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.inputs = []
+        for v in range(nodes):
+            k = int(torch.randint(1, 3, (1,), generator=g)) if v else 0
+            self.inputs.append(sorted({int(torch.randint(0, v + 1, (1,), generator=g))
+                                       for _ in range(k)}) or [0])
+        self.ops = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh()) for _ in range(nodes))
+        self.head = torch.nn.Linear(dim, classes)
+
+    def forward(self, x):
+        values = [x]  # values[i + 1] is node i's output; values[0] the input
+        for op, inputs in zip(self.ops, self.inputs):
+            values.append(op(sum(values[i] for i in inputs)))
+        return self.head(values[-1] + values[len(values) // 2])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import traceback
@@ -58,6 +59,7 @@ class SyncRecorder:
 
     def __init__(self):
         self.records: list[SyncRecord] = []
+        self._active = False
 
     def __enter__(self) -> SyncRecorder:
         self._previous_mode = torch.cuda.get_sync_debug_mode()
@@ -70,12 +72,26 @@ class SyncRecorder:
         self._op = _CurrentOp()
         self._op.__enter__()
         torch.cuda.set_sync_debug_mode("warn")
+        self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
+        self._active = False
         torch.cuda.set_sync_debug_mode(self._previous_mode)
         self._op.__exit__(*exc)
         self._warnings.__exit__(*exc)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Within it, syncs are neither flagged nor recorded (nimble_train's own code)."""
+        if not self._active:
+            yield
+            return
+        torch.cuda.set_sync_debug_mode(self._previous_mode)
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("warn")
 
     def _on_warning(self, message, category, filename, lineno, file=None, line=None):
         if _SYNC_MESSAGE not in str(message):

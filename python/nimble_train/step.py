@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from . import _capturable
 from ._batch import BatchTemplate, StaticBatch
 from ._extension import _C
+from ._multistream import build_multistream, warn_single_stream
 from ._sync import SyncRecorder
 from .errors import CaptureError, NimbleError, ShapeError, SyncError
 
@@ -65,11 +66,6 @@ class Step:
     ):
         _validate_arguments(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                             partial_batch, capture)
-        if amp == "fp16":
-            raise NotImplementedError(
-                'amp="fp16" needs the device-side dynamic loss scale of the fused optimizers, '
-                'which this build does not have yet; use amp="bf16" (no loss scaling needed)'
-            )
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -90,13 +86,19 @@ class Step:
                 f"build has none ({_C.build_info()['cuda']['reason']}). Rebuild it "
                 "(pip install --no-build-isolation -e .) or pass capture=False."
             )
-        self._staged_lr = _capturable.make_capturable(optimizer) if self._will_capture else []
+        self._fused = None   # the FusedOptimizer, from the first capture on (see _fuse)
+        self._scaler = None  # fp16: DeviceLossScaler with the fused update
+        self._grad_scaler = None  # fp16: torch's GradScaler for eager steps
+        self._fuse_reason, self._staged_lr = self._choose_update(optimizer, amp)
+        self._stream = None  # warm-up and capture run on this side stream
 
         self._template: BatchTemplate | None = None
         self._static: StaticBatch | None = None
         self._per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self._sync = SyncRecorder() if self._cuda else None
         self._graph: torch.cuda.CUDAGraph | None = None
+        self._multistream = None  # the forward on several streams, once planned
+        self._single_stream_reason: str | None = None
         self._scalars = None
         self._static_loss: torch.Tensor | None = None
         self._baked: list[dict] | None = None
@@ -125,7 +127,7 @@ class Step:
         elif short and not self._can_pad():
             loss = self._eager_step(batch, samples)
         else:
-            if self._graph is None or self._hyperparameters_changed():
+            if self._graph is None or self._hyperparameters_changed():  # as-is optimizers
                 self._capture_graph(leaves, samples)  # copies the batch in
             else:
                 self._static.copy_in(leaves, samples)
@@ -138,14 +140,17 @@ class Step:
         records = self._sync.records if self._sync else []
         return {
             "captured": self._graph is not None,
-            "streams": 1,
-            "syncs": 0,
+            "streams": self._multistream.num_streams if self._multistream else 1,
+            "syncs": self._multistream.num_syncs if self._multistream else 0,
+            "traced_ops": len(self._multistream.graph.nodes) if self._multistream else None,
+            "single_stream_reason": self._single_stream_reason,
             "graph_nodes": self._graph_nodes,
             "pool_bytes": self._pool_bytes,
             "warmup_left": max(0, self.warmup - self._counts["steps"]),
             "host_syncs_in_warmup": [str(r) for r in records],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
-            "lr_on_device": list(self._staged_lr),
+            "optimizer": ("fused" if self._fused else
+                          "captured as-is" if self._fuse_reason else "eager"),
             **self._counts,
         }
 
@@ -162,9 +167,7 @@ class Step:
     def _eager_step(self, batch, samples: int) -> torch.Tensor:
         in_warmup = self._counts["steps"] < self.warmup
         with self._warmup_context(in_warmup):
-            # After capture, gradients live in the graph's pool: zero them in place, so that
-            # p.grad keeps pointing at the tensors the replays write.
-            self.optimizer.zero_grad(set_to_none=self._graph is None)
+            self._zero_grad()
             loss = self._loss(batch, samples, None)
             self._backward_and_update(loss)
         self._counts["eager_steps"] += 1
@@ -172,21 +175,26 @@ class Step:
 
     def _padded_eager_step(self, leaves, samples: int) -> torch.Tensor:
         static = self._static_batch(leaves, samples)
-        self.optimizer.zero_grad(set_to_none=self._graph is None)
+        self._zero_grad()
         valid = torch.tensor(float(samples), device=self._device)
         loss = self._loss(static.batch, self._template.batch_size, valid)
         self._backward_and_update(loss)
         self._counts["eager_steps"] += 1
         return loss.detach()
 
+    def _side_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self._device)
+        return self._stream
+
     @contextlib.contextmanager
     def _warmup_context(self, in_warmup: bool):
         if not (in_warmup and self._cuda):
             yield
             return
-        # Warm-up runs on a side stream, as capture will: lazily created state (cuDNN plans,
-        # optimizer state, the allocator's blocks) is then made the way the graph will use it.
-        side = torch.cuda.Stream(self._device)
+        # Warm-up runs on the stream capture will use: lazily made per-stream state (cuBLAS
+        # and cuDNN workspaces, optimizer state) then exists before capture, outside its pool.
+        side = self._side_stream()
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side), self._sync:
             yield
@@ -194,10 +202,11 @@ class Step:
 
     # ------------------------------------------------------------------ the step's body
 
-    def _loss(self, batch, batch_size: int, valid: torch.Tensor | None) -> torch.Tensor:
+    def _loss(self, batch, batch_size: int, valid: torch.Tensor | None,
+              model: Callable | None = None) -> torch.Tensor:
         """Forward and loss. `valid` (a 0-dim float tensor) masks rows at or past it."""
         with self._autocast():
-            outputs, losses = self._forward(batch)
+            outputs, losses = self._forward(batch, model or self.model)
         per_sample = self._classify_loss(losses, batch_size)
         if not per_sample:
             return losses
@@ -208,14 +217,14 @@ class Step:
         # where, not a product: a padded row's loss may be inf or NaN, and 0 * NaN is NaN.
         return torch.where(keep, losses, 0.0).sum() / valid
 
-    def _forward(self, batch):
+    def _forward(self, batch, model: Callable):
         if isinstance(batch, dict):
-            outputs = self.model(**batch)
+            outputs = model(**batch)
             if self.loss_fn is not None:
                 return outputs, self.loss_fn(outputs, batch)
             return outputs, _own_loss(outputs)
         inputs, target = batch
-        outputs = self.model(*inputs) if isinstance(inputs, tuple) else self.model(inputs)
+        outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
         return outputs, self.loss_fn(outputs, target)
 
     def _classify_loss(self, losses, batch_size: int) -> bool:
@@ -235,12 +244,84 @@ class Step:
             self._per_sample = kind
         return kind
 
+    def _zero_grad(self) -> None:
+        if self._fused is not None:
+            self._fused.zero_grad()  # one memset per flat gradient buffer
+        else:
+            # After capture, gradients live in the graph's pool: zero them in place, so that
+            # p.grad keeps pointing at the tensors the replays write.
+            self.optimizer.zero_grad(set_to_none=self._graph is None)
+
     def _backward_and_update(self, loss: torch.Tensor) -> None:
-        loss.backward()
-        if self.grad_clip is not None:
-            # foreach norms, clamped factor as a device tensor: no host sync, capturable.
-            torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=self._cuda)
-        self.optimizer.step()
+        if self._fused is not None:
+            if self._scaler is None:
+                loss.backward()
+                self._fused.step(max_grad_norm=self.grad_clip)  # clipping fused in
+            else:
+                self._scaler.scale_loss(loss).backward()
+                # Unscale, clip and the overflow skip inside the update; the scale moves on the
+                # device: no host sync anywhere.
+                self._scaler.step(self._fused, max_grad_norm=self.grad_clip)
+            return
+        scaler = self._grad_scaler
+        (scaler.scale(loss) if scaler else loss).backward()
+        # The update is ours, not the user's code: its syncs (GradScaler's) are not recorded.
+        with self._sync.paused() if self._sync else contextlib.nullcontext():
+            if self.grad_clip is not None:
+                if scaler:
+                    scaler.unscale_(self.optimizer)
+                # foreach norms, clamped factor as a device tensor: no host sync, capturable.
+                torch.nn.utils.clip_grad_norm_(self._params, self.grad_clip, foreach=self._cuda)
+            if scaler:
+                scaler.step(self.optimizer)
+                scaler.update()
+            else:
+                self.optimizer.step()
+
+    def _choose_update(self, optimizer, amp):
+        """How the update runs: returns (why it cannot be fused or None, staged_lr).
+
+        A captured step fuses SGD, Adam, AdamW and LAMB (FusedOptimizer, at the first capture:
+        warm-up tells which parameters get gradients); other optimizers are captured as they
+        are, with staged_lr saying which param groups read their lr from DeviceScalars.
+        """
+        from .optim import FusedOptimizer
+
+        if amp == "fp16" and not (self._will_capture and self._cuda):
+            self._grad_scaler = torch.amp.GradScaler(self._device.type)
+        if not self._will_capture:
+            return None, []
+        reason = FusedOptimizer.why_unsupported(optimizer)
+        if reason is None:
+            if amp == "fp16":
+                self._grad_scaler = torch.amp.GradScaler("cuda")  # warm-up steps are eager
+            return None, [False] * len(optimizer.param_groups)
+        if amp == "fp16":
+            raise NotImplementedError(
+                'amp="fp16" in a captured step needs a fused optimizer for its device-side loss '
+                f"scale, and this one cannot be fused: {reason}. Use amp=\"bf16\", SGD, Adam, "
+                "AdamW or nimble_train.optim.LAMB, or capture=False.")
+        warnings.warn(
+            f"nimble_train.Step captures the optimizer's own step(), which is slower than the "
+            f"fused update (one kernel per tensor group, hyper-parameters other than lr baked "
+            f"into the graph): {reason}.", stacklevel=3)
+        return reason, _capturable.make_capturable(optimizer)
+
+    def _fuse(self) -> None:
+        """Moves the update to FusedOptimizer before the first capture.
+
+        Parameters that got no gradient in warm-up are left out, as torch.optim skips them;
+        state made by the eager warm-up steps is carried into the flat buffers, and the fp16
+        loss scale from torch's GradScaler into the device-side scaler.
+        """
+        from .optim import DeviceLossScaler, FusedOptimizer
+
+        unused = frozenset(id(p) for p in self._params if p.grad is None)
+        self._fused = FusedOptimizer(self.optimizer, exclude=unused)
+        if self._grad_scaler is not None:
+            self._scaler = DeviceLossScaler(self._device)
+            self._scaler.load_state_dict(self._grad_scaler.state_dict())
+            self._grad_scaler = None
 
     def _autocast(self):
         dtype = _AMP_DTYPES[self.amp]
@@ -263,8 +344,20 @@ class Step:
 
     # ------------------------------------------------------------------ capture and replay
 
+    def _plan_streams(self) -> None:
+        """Traces and plans the forward on several streams, once, at the first capture."""
+        if self._multistream is not None or self._single_stream_reason is not None:
+            return
+        self._multistream, self._single_stream_reason = build_multistream(
+            self.model, self.streams, self._device)
+        if self._multistream is None and self.streams != 1:
+            warn_single_stream(self._single_stream_reason)
+
     def _capture_graph(self, leaves, samples: int) -> None:
         static = self._static_batch(leaves, samples)
+        if self._fused is None and self._fuse_reason is None:
+            self._fuse()
+        self._plan_streams()
         if self._scalars is None:
             # One slot per staged learning rate, and the number of valid samples last.
             self._scalars = _C.DeviceScalars(sum(self._staged_lr) + 1, self._device)
@@ -279,27 +372,49 @@ class Step:
                 group["lr"] = values[next(staged)]
         graph = _new_graph()
         try:
-            self.optimizer.zero_grad(set_to_none=True)
+            if self._fused is None:
+                self.optimizer.zero_grad(set_to_none=True)  # gradients are made in the graph
             # A fresh private pool for every capture: an earlier graph's pool dies with it.
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, stream=self._side_stream(),
+                                  capture_error_mode="thread_local"):
                 self._scalars.fetch()
-                loss = self._loss(static.batch, self._template.batch_size, values[-1])
+                if self._fused is not None:
+                    self._fused.zero_grad()  # inside: replays never accumulate gradients
+                loss = self._loss(static.batch, self._template.batch_size, values[-1],
+                                  self._multistream)
                 self._backward_and_update(loss)
+                if self._multistream is not None:
+                    # Every side stream rejoins the capture stream before capture ends.
+                    self._multistream.join()
             if hasattr(graph, "instantiate") and getattr(graph, "_nt_keep_graph", False):
                 graph.instantiate()
         except Exception as exc:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
+            _abandon_capture(graph, self._device)
             del graph
-            _end_generator_capture(self._device)
-            self._capture_error = exc
-            raise self._capture_failure(exc) from exc
+            failure = self._capture_failure(exc)
+            if self._multistream is not None and not isinstance(failure, SyncError):
+                # The plan's streams are an optimisation: try once more on one stream.
+                self._multistream = None
+                self._single_stream_reason = (
+                    f"capture on several streams failed ({_root_message(exc)})")
+                warn_single_stream(self._single_stream_reason)
+                retry = True
+            else:
+                self._capture_error = exc
+                raise failure from exc
+        else:
+            retry = False
         finally:
             for group, lr in zip(self.optimizer.param_groups, saved_lrs):
                 group["lr"] = lr
+        if retry:
+            return self._capture_graph(leaves, samples)
         self._graph = graph
         self._static_loss = loss.detach()
-        self._baked = _capturable.hyperparameters(self.optimizer, self._staged_lr)
+        if self._fused is None:
+            self._baked = _capturable.hyperparameters(self.optimizer, self._staged_lr)
         self._counts["captures"] += 1
         self._warn_if_recapturing_often()
         self._pool_bytes = _pool_bytes(graph, self._device)
@@ -311,6 +426,8 @@ class Step:
                   for group, staged in zip(self.optimizer.param_groups, self._staged_lr)
                   if staged]
         self._scalars.stage(values + [float(samples)])
+        if self._fused is not None:
+            self._fused.stage_host_values()  # this step's hyper-parameters, for the graph
         try:
             self._graph.replay()
         except BaseException:
@@ -330,6 +447,8 @@ class Step:
                 "capture.", stacklevel=3)
 
     def _hyperparameters_changed(self) -> bool:
+        if self._fused is not None:
+            return False  # the fused update reads every hyper-parameter on the device
         now = _capturable.hyperparameters(self.optimizer, self._staged_lr)
         return not _capturable.same_hyperparameters(now, self._baked)
 
@@ -437,14 +556,21 @@ def _has_batch_statistics(model: torch.nn.Module) -> bool:
     return False
 
 
-def _end_generator_capture(device: torch.device) -> None:
-    """Leaves the CUDA RNG out of capture mode after a failed capture.
+def _abandon_capture(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+    """Undoes what a failed capture left behind, so eager training can go on.
 
-    A capture that fails inside cudaStreamEndCapture never reaches torch's capture epilogue,
-    and the default generator keeps believing it is being captured: every later dropout then
-    fails with "Offset increment outside graph capture". A trivial capture runs the prologue
-    and the epilogue again, which resets it.
+    A capture that fails inside cudaStreamEndCapture (a host sync invalidated it) stops
+    torch's capture_end before its bookkeeping: the caching allocator still routes this
+    thread's allocations to the graph's pool (and asserts at exit), and the default CUDA
+    generator still believes it is being captured (every later dropout fails with "Offset
+    increment outside graph capture"). End the allocation to the pool, then run a trivial
+    capture, whose prologue and epilogue reset the generator.
     """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch._C._cuda_endAllocateToPool(index, graph.pool())
+    except (RuntimeError, AttributeError):
+        pass  # capture_end got that far: nothing to end
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             torch.empty(1, device=device).zero_()

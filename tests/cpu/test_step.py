@@ -168,11 +168,30 @@ def test_bad_arguments_are_rejected_with_the_fix():
         nt.Step(model, opt, per_sample, grad_clip=-1.0)
     with pytest.raises(ValueError, match='partial_batch must be "pad", "eager" or "error"'):
         nt.Step(model, opt, per_sample, partial_batch="drop")
-    with pytest.raises(NotImplementedError, match='amp="bf16"'):
-        nt.Step(model, opt, per_sample, amp="fp16")
     step = nt.Step(model, opt, per_sample)
     with pytest.raises(TypeError, match=r"must be \(inputs, target\); got 3 items"):
         step((torch.randn(4, 12), torch.randn(4), torch.randn(4)))
+
+
+def test_fp16_on_an_eager_step_uses_torch_grad_scaler():
+    torch.manual_seed(8)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = classification_batches(4, 8)
+    _, losses = run_step(m1, o1, per_sample, batches, amp="fp16", grad_clip=1.0)
+    scaler = torch.amp.GradScaler("cpu")
+    expected = []
+    for x, y in batches:
+        o2.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = per_sample(m2(x), y).float().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(o2)
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 1.0)
+        scaler.step(o2)
+        scaler.update()
+        expected.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
+    assert_same_training(m1, o1, m2, o2)
 
 
 def test_loss_of_the_wrong_shape_is_rejected():

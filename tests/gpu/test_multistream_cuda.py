@@ -1,0 +1,123 @@
+"""Multi-stream captured steps equal single-stream ones and the eager loop."""
+
+import copy
+
+import pytest
+import torch
+
+import nimble_train as nt
+from step_reference import (InceptionNet, RandomDagNet, TransformerBlock, assert_same_training,
+                            classification_batches, eager_loop)
+
+pytestmark = pytest.mark.cuda
+
+per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+# Not bitwise: where gradients of one tensor arrive from several streams, autograd sums them
+# in another order than on one stream, and BatchNorm's backward amplifies that rounding.
+TOL = {"rtol": 1e-3, "atol": 1e-4}
+BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def deterministic_cudnn():
+    # cuDNN's default backward algorithms sum with atomics, in a different order on every
+    # run; deterministic ones make two runs of the same graph comparable bit for bit.
+    before = torch.backends.cudnn.deterministic
+    torch.backends.cudnn.deterministic = True
+    yield
+    torch.backends.cudnn.deterministic = before
+
+
+def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None, **options):
+    """Step on planned streams (twice), on one stream, and the eager loop, from equal starts.
+
+    With `bitwise`, the two multi-stream runs must agree exactly: a captured graph fixes the
+    order of every sum, so a difference would be a race between streams.
+    """
+    models = [model.cuda()] + [copy.deepcopy(model).cuda() for _ in range(3)]
+    opts = [make_opt(m.parameters()) for m in models]
+    multi = nt.Step(models[0], opts[0], per_sample, streams="auto", warmup=2, **options)
+    again = nt.Step(models[1], opts[1], per_sample, streams="auto", warmup=2, **options)
+    single = nt.Step(models[2], opts[2], per_sample, streams=1, warmup=2, **options)
+    losses_multi = torch.stack([multi(b).clone() for b in batches])
+    losses_again = torch.stack([again(b).clone() for b in batches])
+    losses_single = torch.stack([single(b).clone() for b in batches])
+    losses_eager = torch.stack(eager_loop(models[3], opts[3], per_sample, batches))
+    if bitwise:
+        assert torch.equal(losses_multi, losses_again)
+        for a, b in zip(models[0].state_dict().values(), models[1].state_dict().values()):
+            assert torch.equal(a, b)
+    eager_tol = eager_tol or tol
+    torch.testing.assert_close(losses_multi, losses_single, **tol)
+    torch.testing.assert_close(losses_multi, losses_eager, **eager_tol)
+    assert_same_training(models[0], opts[0], models[2], opts[2], **tol)
+    assert_same_training(models[0], opts[0], models[3], opts[3], **eager_tol)
+    return multi.stats()
+
+
+def test_inception_net_runs_its_branches_on_four_streams():
+    torch.manual_seed(0)
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    stats = three_ways(InceptionNet(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                       batches)
+    assert stats["captured"] and stats["streams"] == 4 and stats["syncs"] > 0
+    assert stats["traced_ops"] > 40 and stats["replays"] == 6
+
+
+def test_transformer_block_with_parallel_projections():
+    torch.manual_seed(1)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 10, 32, generator=g).cuda(),
+                torch.randint(0, 5, (8,), generator=g).cuda()) for _ in range(6)]
+    # Attention's backward kernels are not deterministic: no bitwise comparison here.
+    stats = three_ways(TransformerBlock(), lambda p: torch.optim.AdamW(p, lr=1e-3), batches,
+                       tol=BF16_TOL, bitwise=False, amp="bf16")
+    assert stats["streams"] >= 3
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_random_dag_models(seed):
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(16, 16, generator=g).cuda(),
+                torch.randint(0, 5, (16,), generator=g).cuda()) for _ in range(6)]
+    stats = three_ways(RandomDagNet(seed), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                       batches)
+    assert stats["captured"]
+
+
+def test_googlenet_from_torchvision():
+    torchvision = pytest.importorskip("torchvision", reason="torchvision is not installed")
+    torch.manual_seed(2)
+    # No dropout: graph replays draw other random numbers than the eager generator.
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True,
+                                         num_classes=5, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 3, 64, 64, generator=g).cuda(),
+                torch.randint(0, 5, (8,), generator=g).cuda()) for _ in range(5)]
+    # 57 convolutions with BatchNorm over 8 samples amplify the rounding differences between
+    # the fused update and torch's SGD step after step; the two captured runs (several
+    # streams, one stream) must still agree tightly.
+    stats = three_ways(model, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), batches,
+                       eager_tol={"rtol": 3e-2, "atol": 3e-3})
+    assert stats["streams"] >= 4
+
+
+class Untraceable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 16), torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        for _ in range(x.shape[0] % 3):  # fx cannot trace this; eager and capture can
+            x = torch.tanh(self.a(x))
+        return self.b(x)
+
+
+def test_untraceable_model_runs_on_one_stream_with_a_warning():
+    torch.manual_seed(3)
+    batches = classification_batches(5, 16, features=16, device="cuda")
+    with pytest.warns(UserWarning, match="runs on one stream: torch.fx could not trace"):
+        stats = three_ways(Untraceable(), lambda p: torch.optim.SGD(p, lr=0.1), batches)
+    assert stats["captured"] and stats["streams"] == 1
+    assert "torch.fx" in stats["single_stream_reason"]
