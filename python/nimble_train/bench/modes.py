@@ -1,0 +1,131 @@
+"""The ways of running one training step that the benchmark compares.
+
+Every mode builds its own model and optimizer from the same seed and runs the same batches:
+eager PyTorch, eager with torch's fused optimizer, torch.compile (default and reduce-overhead,
+model only; the optimizer stays eager as most users run it), the whole step captured by hand
+as one CUDA graph (PyTorch's documented recipe), and nt.Step on one stream and with
+streams="auto".
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..step import Step
+from .workloads import Workload, forward_loss
+
+StepFn = Callable[[Any], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Mode:
+    key: str                                   # what --modes takes
+    label: str                                 # what the table and the chart show
+    build: Callable[[Workload], StepFn]
+    first_fast_call: Callable[[StepFn], int]   # which call is the first fast-path step
+
+
+def _autocast(amp: str | None, *, cache: bool = True):
+    if amp is None:
+        return contextlib.nullcontext()
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    # Inside a captured graph the autocast cache would keep casts made during capture alive.
+    return torch.autocast("cuda", dtype=dtype, cache_enabled=cache)
+
+
+def _fresh(w: Workload, seed: int = 0, **optimizer_options):
+    torch.manual_seed(seed)
+    model = w.make_model()
+    return model, w.make_optimizer(model, **optimizer_options)
+
+
+def _eager_loop(w: Workload, forward: Callable, model, optimizer) -> StepFn:
+    def step(batch):
+        optimizer.zero_grad(set_to_none=True)
+        with _autocast(w.amp):
+            loss = forward_loss(forward, w.loss_fn, batch)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+    step.model = model  # keeps the module alive with the step function
+    return step
+
+
+def eager(w: Workload) -> StepFn:
+    model, optimizer = _fresh(w)
+    return _eager_loop(w, model, model, optimizer)
+
+
+def eager_fused(w: Workload) -> StepFn:
+    model, optimizer = _fresh(w, fused=True)
+    return _eager_loop(w, model, model, optimizer)
+
+
+def _compiled(mode: str | None) -> Callable[[Workload], StepFn]:
+    def build(w: Workload) -> StepFn:
+        torch._dynamo.reset()  # no reuse of an earlier mode's compiled code
+        model, optimizer = _fresh(w)
+        forward = torch.compile(model, mode=mode)
+        return _eager_loop(w, forward, model, optimizer)
+    return build
+
+
+def hand_graph(w: Workload) -> StepFn:
+    """PyTorch's whole-network capture recipe, written out by hand: three warm-up steps on a
+    side stream, then forward, backward and optimizer step captured with gradients set to None
+    (so backward writes fresh gradients rather than accumulating into old ones)."""
+    model, optimizer = _fresh(w, capturable=True)
+    static = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
+                             w.batches[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for batch in w.batches[:3]:
+            optimizer.zero_grad(set_to_none=True)
+            with _autocast(w.amp):
+                loss = forward_loss(model, w.loss_fn, batch)
+            loss.backward()
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    optimizer.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        with _autocast(w.amp, cache=False):
+            static_loss = forward_loss(model, w.loss_fn, static)
+        static_loss.backward()
+        optimizer.step()
+    static_leaves = [t for t in pytree.tree_leaves(static) if isinstance(t, torch.Tensor)]
+
+    def step(batch):
+        leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+        for dst, src in zip(static_leaves, leaves):
+            dst.copy_(src, non_blocking=True)
+        graph.replay()
+        return static_loss
+    step.model = model
+    return step
+
+
+def _nt_step(streams) -> Callable[[Workload], StepFn]:
+    def build(w: Workload) -> StepFn:
+        model, optimizer = _fresh(w)
+        return Step(model, optimizer, w.loss_fn, streams=streams, amp=w.amp)
+    return build
+
+
+MODES: dict[str, Mode] = {m.key: m for m in [
+    Mode("eager", "eager", eager, lambda s: 1),
+    Mode("eager-fused", "eager + fused optimizer", eager_fused, lambda s: 1),
+    Mode("compile", "torch.compile", _compiled(None), lambda s: 1),
+    # cudagraph trees warm up on the first call, record on the second, replay from the third.
+    Mode("compile-ro", "torch.compile reduce-overhead", _compiled("reduce-overhead"),
+         lambda s: 3),
+    Mode("graph", "hand-written whole-step graph", hand_graph, lambda s: 1),
+    Mode("step", "nt.Step, 1 stream", _nt_step(1), lambda s: s.warmup + 1),
+    Mode("step-auto", 'nt.Step, streams="auto"', _nt_step("auto"), lambda s: s.warmup + 1),
+]}

@@ -1,0 +1,154 @@
+"""The benchmark's results as a table, a JSON file and a bar chart.
+
+A row is a dict: model, batch, mode (key), label, ms_per_step, samples_per_s, first_step_s,
+gpu_busy, note, error (None, or why the mode failed: its other figures are then None), and
+the ratios vs_eager and vs_reduce_overhead that add_ratios fills in (eager time / this time:
+above 1 is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Sequence
+
+REFERENCE_MODES = {"vs_eager": "eager", "vs_reduce_overhead": "compile-ro"}
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Speed-up of each row over the eager and reduce-overhead rows of the same batch."""
+    for row in rows:
+        for column, reference in REFERENCE_MODES.items():
+            ref = next((r for r in rows if r["batch"] == row["batch"] and r["mode"] == reference
+                        and _number(r.get("ms_per_step"))), None)
+            ok = ref is not None and _number(row.get("ms_per_step"))
+            row[column] = ref["ms_per_step"] / row["ms_per_step"] if ok else None
+    return rows
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _fmt(x: Any, spec: str, suffix: str = "") -> str:
+    if not isinstance(x, (int, float)) or not math.isfinite(x):
+        return "-"
+    return format(x, spec) + suffix
+
+
+def title(meta: dict) -> str:
+    return (f"{meta.get('description', meta.get('model', '?'))} — {meta.get('gpu', '?')}, "
+            f"torch {meta.get('torch', '?')}")
+
+
+def format_table(rows: Sequence[dict], meta: dict) -> str:
+    """The rows as a fixed-width text table under a title line and a line on the method."""
+    label_width = max([len(r["label"]) for r in rows] + [4])
+    head = (f"{'batch':>5}  {'mode':<{label_width}}  {'ms/step':>8}  {'samples/s':>10}  "
+            f"{'vs eager':>8}  {'vs r-o':>7}  {'first step':>10}  {'GPU busy':>8}  note")
+    lines = [title(meta),
+             f"median of {meta.get('repeats', '?')} x {meta.get('steps', '?')} steps, CUDA "
+             "events; first step: from building the model to the end of the first fast step",
+             head, "-" * len(head)]
+    for r in rows:
+        start = f"{r['batch']:>5}  {r['label']:<{label_width}}  "
+        if r.get("error"):
+            lines.append(start + "failed: " + r["error"])
+            continue
+        lines.append(
+            start + f"{_fmt(r.get('ms_per_step'), '.3f'):>8}  "
+            f"{_fmt(r.get('samples_per_s'), ',.0f'):>10}  "
+            f"{_fmt(r.get('vs_eager'), '.2f', 'x'):>8}  "
+            f"{_fmt(r.get('vs_reduce_overhead'), '.2f', 'x'):>7}  "
+            f"{_fmt(r.get('first_step_s'), '.1f', ' s'):>10}  "
+            f"{_fmt(r.get('gpu_busy'), '.0%'):>8}  {r.get('note') or ''}".rstrip())
+    return "\n".join(lines)
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None  # JSON has no NaN
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def write_json(path: str, rows: Sequence[dict], meta: dict) -> str:
+    with open(path, "w") as f:
+        json.dump(_json_safe({"meta": meta, "rows": list(rows)}), f, indent=1)
+        f.write("\n")
+    return path
+
+
+def read_json(path: str) -> tuple[list[dict], dict]:
+    with open(path) as f:
+        data = json.load(f)
+    return data["rows"], data["meta"]
+
+
+_COLOURS = {"eager": "#9e9e9e", "eager-fused": "#757575", "compile": "#90caf9",
+            "compile-ro": "#1e88e5", "graph": "#ffb74d", "step": "#43a047",
+            "step-auto": "#1b5e20"}
+
+
+def plot(path: str, rows: Sequence[dict], meta: dict) -> str | None:
+    """A bar chart of time per step (with the speed-up over eager written on each bar) and of
+    the GPU-busy fraction, one row of panels per batch size. Returns the path, or None (after
+    saying why) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed, so no chart was drawn (the table and JSON are "
+              "written): pip install matplotlib")
+        return None
+
+    batches = sorted({r["batch"] for r in rows})
+    height = sum(0.9 + 0.42 * sum(r["batch"] == b for r in rows) for b in batches) + 0.8
+    fig, axes = plt.subplots(len(batches), 2, figsize=(12, height), squeeze=False,
+                             gridspec_kw={"width_ratios": [3, 1]})
+    for (ax_ms, ax_busy), batch in zip(axes, batches):
+        mine = [r for r in rows if r["batch"] == batch][::-1]  # first mode on top
+        labels = [r["label"] for r in mine]
+        ms = [r["ms_per_step"] if _number(r.get("ms_per_step")) else 0.0 for r in mine]
+        colours = [_COLOURS.get(r["mode"], "#8e24aa") for r in mine]
+        ax_ms.barh(labels, ms, color=colours)
+        longest = max(ms + [1e-9])
+        for i, r in enumerate(mine):
+            if r.get("error"):
+                text = "failed: " + r["error"][:70]
+                ax_ms.text(longest * 0.01, i, text, va="center", color="#c62828", fontsize=8)
+                continue
+            speedup = _fmt(r.get("vs_eager"), ".2f", "× eager")
+            ax_ms.text(ms[i] + longest * 0.01, i, f"{ms[i]:.2f} ms   {speedup}", va="center",
+                       fontsize=9)
+        ax_ms.set_xlim(0, longest * 1.35)
+        ax_ms.set_xlabel("ms per training step (lower is better)")
+        ax_ms.set_title(f"batch {batch}", loc="left", fontsize=10)
+        busy = [r["gpu_busy"] * 100 if _number(r.get("gpu_busy")) else 0.0 for r in mine]
+        ax_busy.barh(labels, busy, color=colours)
+        for i, r in enumerate(mine):
+            if not r.get("error") and not _number(r.get("gpu_busy")):
+                ax_busy.text(2, i, "not measured", va="center", color="#616161", fontsize=8)
+        ax_busy.set_xlim(0, 100)
+        ax_busy.set_yticks([])
+        ax_busy.set_xlabel("GPU busy, % of the step")
+    fig.suptitle(title(meta), fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_all(out_dir: str, stem: str, rows: Sequence[dict], meta: dict) -> list[str]:
+    """Writes <stem>.json and <stem>.png under out_dir; returns the paths written."""
+    os.makedirs(out_dir, exist_ok=True)
+    written = [write_json(os.path.join(out_dir, stem + ".json"), rows, meta)]
+    png = plot(os.path.join(out_dir, stem + ".png"), rows, meta)
+    if png:
+        written.append(png)
+    return written

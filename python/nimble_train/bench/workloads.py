@@ -1,0 +1,225 @@
+"""The recipes' models, optimizers and synthetic data, defined once for recipes and benchmarks.
+
+A workload is what one training step is made of: a model, an optimizer over its parameters, a
+loss convention (Step's batch conventions, see DESIGN.md) and batches of a fixed shape. The
+recipes in ``recipes/`` train these; ``python -m nimble_train.bench`` times them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .. import models
+
+CIFAR_MODELS = ("resnet18", "branchy")
+BERT_SIZES = ("base", "tiny")
+
+# Token ids of BERT's uncased vocabulary that the synthetic data uses; content tokens come
+# from [FIRST_CONTENT_ID, vocab_size).
+PAD_ID, CLS_ID, SEP_ID, MASK_ID = 0, 101, 102, 103
+FIRST_CONTENT_ID = 104
+
+
+# ---------------------------------------------------------------------- CIFAR
+
+
+def cifar_model(name: str, device: torch.device | str = "cpu", width: float = 1.0):
+    """ResNet-18 or the branchy network for 32×32 images, on `device` (channels-last on CUDA,
+    where cuDNN's convolutions are fastest in that layout)."""
+    if name == "resnet18":
+        if width != 1.0:
+            raise ValueError(f"resnet18 has a fixed width; got width={width}")
+        model = models.resnet18_cifar()
+    elif name == "branchy":
+        model = models.branchy_cifar(width=width)
+    else:
+        raise ValueError(f"model must be one of {CIFAR_MODELS}; got {name!r}")
+    model = model.to(device)
+    if torch.device(device).type == "cuda":
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def cifar_optimizer(model: torch.nn.Module, lr: float, *, fused: bool | None = None,
+                    weight_decay: float = 5e-4) -> torch.optim.SGD:
+    """SGD with Nesterov momentum 0.9 and weight decay, as CIFAR ResNets are trained."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
+                           weight_decay=weight_decay, fused=fused)
+
+
+cifar_loss = torch.nn.CrossEntropyLoss(reduction="none")
+"""Per-sample losses: Step can then pad a short last batch and average exactly."""
+
+
+def random_cifar_batches(batch: int, count: int, device, seed: int = 0) -> list[tuple]:
+    """`count` batches of normalised-looking 32×32 images and labels (for timing only)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = []
+    for _ in range(count):
+        x = torch.randn(batch, 3, 32, 32, device=device, generator=g)
+        if torch.device(device).type == "cuda":
+            x = x.contiguous(memory_format=torch.channels_last)
+        out.append((x, torch.randint(0, 10, (batch,), device=device, generator=g)))
+    return out
+
+
+# ---------------------------------------------------------------------- BERT
+
+
+def require_transformers():
+    """The `transformers` module, or an ImportError that says how to install it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "the BERT workload builds Hugging Face's BertForMaskedLM, but `transformers` is not "
+            "installed: pip install transformers (or pip install 'nimble_train[recipes]')"
+        ) from exc
+    return transformers
+
+
+def bert_config(size: str = "base", **overrides):
+    """BERT-base (110 M parameters) or a tiny BERT for tests (2 layers of 128, 0.4 M)."""
+    transformers = require_transformers()
+    if size == "base":
+        shape = dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+                     num_attention_heads=12, intermediate_size=3072)
+    elif size == "tiny":
+        shape = dict(vocab_size=1024, hidden_size=128, num_hidden_layers=2,
+                     num_attention_heads=2, intermediate_size=256)
+    else:
+        raise ValueError(f"BERT size must be one of {BERT_SIZES}; got {size!r}")
+    # pad_token_id=None: the synthetic sequences have no padding, and without a pad id
+    # transformers never inspects input_ids on the host to warn about a missing mask.
+    return transformers.BertConfig(max_position_embeddings=512, pad_token_id=None,
+                                   **{**shape, **overrides})
+
+
+def bert_model(size: str = "base", device: torch.device | str = "cpu", **overrides):
+    """A freshly initialised BertForMaskedLM (built from its config; nothing is downloaded)."""
+    transformers = require_transformers()
+    return transformers.BertForMaskedLM(bert_config(size, **overrides)).to(device)
+
+
+def bert_optimizer(model: torch.nn.Module, lr: float, *, kind: str = "adamw",
+                   fused: bool | None = None, capturable: bool = False,
+                   weight_decay: float = 0.01) -> torch.optim.Optimizer:
+    """AdamW (or nimble_train's LAMB) with BERT's decay groups: no decay on biases and
+    LayerNorm weights, as in the reference BERT pretraining."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (no_decay if p.dim() < 2 or "LayerNorm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "adamw":
+        extra = {"fused": fused} if fused else {"capturable": capturable}
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6, **extra)
+    if kind == "lamb":
+        from ..optim import LAMB
+        return LAMB(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6)
+    raise ValueError(f'optimizer must be "adamw" or "lamb"; got {kind!r}')
+
+
+def synthetic_mlm(samples: int, seq: int, vocab_size: int, *, device, seed: int = 0,
+                  mask_prob: float = 0.15, period: int = 8) -> dict[str, torch.Tensor]:
+    """Masked-LM pretraining data with static shapes: `input_ids` and `labels`, [samples, seq].
+
+    Each sequence is [CLS] + a random motif of `period` tokens repeated + [SEP]; motif tokens
+    follow a Zipf law over the content vocabulary. A masked token can thus be learnt first from
+    its frequency, then exactly by copying it from `period` positions away: the loss has
+    somewhere to go. 15% of the content positions are chosen (BERT's 80% [MASK], 10% random
+    token, 10% unchanged); `labels` holds the original token there and -100 elsewhere.
+    """
+    if seq < 3 or vocab_size <= FIRST_CONTENT_ID:
+        raise ValueError(f"need seq >= 3 and vocab_size > {FIRST_CONTENT_ID}; "
+                         f"got seq={seq}, vocab_size={vocab_size}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    content = vocab_size - FIRST_CONTENT_ID
+    zipf = 1.0 / (torch.arange(content, device=device, dtype=torch.float32) + 1.0)
+    motif = torch.multinomial(zipf, samples * period, replacement=True, generator=g)
+    motif = motif.view(samples, period) + FIRST_CONTENT_ID
+    ids = motif.repeat(1, math.ceil((seq - 2) / period))[:, : seq - 2]
+    ids = torch.cat([torch.full((samples, 1), CLS_ID, device=device), ids,
+                     torch.full((samples, 1), SEP_ID, device=device)], dim=1)
+
+    chosen = torch.rand(samples, seq, device=device, generator=g) < mask_prob
+    chosen[:, 0] = chosen[:, -1] = False
+    labels = torch.where(chosen, ids, -100)
+    roll = torch.rand(samples, seq, device=device, generator=g)
+    random_ids = torch.randint(FIRST_CONTENT_ID, vocab_size, (samples, seq), device=device,
+                               generator=g)
+    inputs = torch.where(chosen & (roll < 0.8), MASK_ID, ids)
+    inputs = torch.where(chosen & (roll >= 0.8) & (roll < 0.9), random_ids, inputs)
+    return {"input_ids": inputs, "labels": labels}
+
+
+def slice_batches(data: dict[str, torch.Tensor], batch: int) -> list[dict[str, torch.Tensor]]:
+    """Consecutive full batches (views) of a dict of equally long tensors; the tail is dropped."""
+    n = next(iter(data.values())).shape[0] // batch
+    return [{k: v[i * batch:(i + 1) * batch] for k, v in data.items()} for i in range(n)]
+
+
+# ---------------------------------------------------------------------- workloads
+
+
+@dataclass
+class Workload:
+    """One training step's ingredients, for the benchmark."""
+
+    name: str          # "resnet18", "branchy", "bert"
+    description: str   # one line for the table's title
+    batch: int
+    make_model: Callable[[], torch.nn.Module]
+    # (model, fused) -> optimizer; fused=True asks for torch's fused implementation and
+    # capturable=True for one that a hand-written CUDA graph may capture.
+    make_optimizer: Callable[..., torch.optim.Optimizer]
+    loss_fn: Callable | None   # None: the model returns its own loss (dict batches)
+    batches: list[Any]
+    amp: str | None = None
+
+
+def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: str = "base",
+                  count: int = 8, seed: int = 0) -> Workload:
+    """The workload of the recipe `name` with `count` distinct batches of size `batch`."""
+    device = torch.device(device)
+    if name in CIFAR_MODELS:
+        title = {"resnet18": "ResNet-18", "branchy": "branchy inception-style net"}[name]
+        return Workload(
+            name=name, description=f"{title}, CIFAR 32×32, SGD momentum", batch=batch,
+            make_model=lambda: cifar_model(name, device),
+            make_optimizer=lambda m, fused=None, capturable=False: cifar_optimizer(
+                m, 0.05, fused=fused),
+            loss_fn=cifar_loss, batches=random_cifar_batches(batch, count, device, seed))
+    if name == "bert":
+        config = bert_config(bert_size)
+        data = synthetic_mlm(batch * count, seq, config.vocab_size, device=device, seed=seed)
+        return Workload(
+            name=name, description=f"BERT-{bert_size} masked LM, seq {seq}, bf16, AdamW",
+            batch=batch, make_model=lambda: bert_model(bert_size, device),
+            make_optimizer=lambda m, fused=None, capturable=False: bert_optimizer(
+                m, 1e-4, fused=fused, capturable=capturable),
+            loss_fn=None, batches=slice_batches(data, batch), amp="bf16")
+    raise ValueError(f"model must be one of {CIFAR_MODELS + ('bert',)}; got {name!r}")
+
+
+def forward_loss(model: Callable, loss_fn: Callable | None, batch: Any) -> torch.Tensor:
+    """Step's batch conventions, eagerly: the mean loss of one batch."""
+    if isinstance(batch, dict):
+        outputs = model(**batch)
+        loss = loss_fn(outputs, batch) if loss_fn is not None else outputs.loss
+    else:
+        inputs, target = batch
+        outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        loss = loss_fn(outputs, target)
+    return loss.float().mean() if loss.dim() else loss
+
+
+__all__ = [
+    "BERT_SIZES", "CIFAR_MODELS", "Workload", "bert_config", "bert_model", "bert_optimizer",
+    "cifar_loss", "cifar_model", "cifar_optimizer", "forward_loss", "make_workload",
+    "random_cifar_batches", "require_transformers", "slice_batches", "synthetic_mlm",
+]

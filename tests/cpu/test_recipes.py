@@ -1,0 +1,349 @@
+"""The recipes and the benchmark's plumbing on the CPU: real-format CIFAR-10 loading, a few
+training steps of each recipe, checkpoint save/resume, and the benchmark's table/JSON/chart."""
+
+import json
+import math
+import os
+import pickle
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import nimble_train as nt
+from nimble_train.bench import MODES, add_ratios, busy_fraction, format_table, plot, write_json
+from nimble_train.bench import workloads
+
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+sys.path.insert(0, os.path.abspath(RECIPES))
+
+import bert  # noqa: E402
+import cifar10  # noqa: E402
+
+try:
+    import transformers  # noqa: F401
+    HAVE_TRANSFORMERS = True
+except ImportError:
+    HAVE_TRANSFORMERS = False
+needs_transformers = pytest.mark.skipif(
+    not HAVE_TRANSFORMERS, reason="transformers is not installed here (pip install transformers)")
+
+TINY_CIFAR = ["--device", "cpu", "--model", "branchy", "--width", "0.25", "--batch", "8",
+              "--synthetic-size", "40", "--eval-samples", "16", "--log-every", "2"]
+TINY_BERT = ["--size", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16",
+             "--samples", "8", "--eval-samples", "4", "--log-every", "2"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # These models are tiny; one thread avoids OpenMP oversubscription on busy CI machines.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------- CIFAR-10 files
+
+
+def write_cifar_batch(path, images, labels):
+    """One batch file as the python CIFAR-10 has it: a dict with bytes keys, (N, 3072) uint8."""
+    entry = {b"batch_label": b"testing batch", b"labels": [int(v) for v in labels],
+             b"data": images.reshape(len(images), 3072), b"filenames": [b"x.png"] * len(images)}
+    with open(path, "wb") as f:
+        pickle.dump(entry, f, protocol=2)
+
+
+@pytest.fixture
+def cifar_dir(tmp_path):
+    """A cifar-10-batches-py/ with 5 training batches of 8 images and a test batch of 6."""
+    folder = tmp_path / "cifar-10-batches-py"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    written = {}
+    for name in cifar10.TRAIN_FILES + [cifar10.TEST_FILE]:
+        n = 6 if name == cifar10.TEST_FILE else 8
+        images = rng.integers(0, 256, size=(n, 3072), dtype=np.uint8)
+        labels = rng.integers(0, 10, size=n)
+        write_cifar_batch(folder / name, images, labels)
+        written[name] = (images, labels)
+    return tmp_path, written
+
+
+def test_batch_file_layout_is_channel_planes_of_rows(cifar_dir):
+    root, written = cifar_dir
+    images, labels = cifar10.read_batch_file(root / "cifar-10-batches-py" / "data_batch_3")
+    data, expected = written["data_batch_3"]
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.uint8
+    assert labels.dtype == torch.int64 and labels.tolist() == list(expected)
+    # Row n holds 1024 red, 1024 green, 1024 blue values, each plane row-major.
+    for n, c, r, col in [(0, 0, 0, 0), (1, 1, 5, 7), (7, 2, 31, 31), (3, 2, 0, 31)]:
+        assert images[n, c, r, col].item() == data[n, c * 1024 + r * 32 + col]
+
+
+def test_loader_finds_the_folder_and_concatenates_the_training_batches(cifar_dir):
+    root, written = cifar_dir
+    folder = cifar10.find_cifar10(str(root))
+    assert folder == root / "cifar-10-batches-py"
+    assert cifar10.find_cifar10(str(folder)) == folder
+    assert cifar10.find_cifar10(str(root / "nowhere")) is None
+    data = cifar10.load_cifar10(folder)
+    x, y = data["train"]
+    assert x.shape == (40, 3, 32, 32) and y.shape == (40,)
+    second = torch.from_numpy(written["data_batch_2"][0]).view(8, 3, 32, 32)
+    assert torch.equal(x[8:16], second)
+    assert data["test"][0].shape == (6, 3, 32, 32)
+
+
+def test_malformed_batch_file_says_what_was_expected(tmp_path):
+    path = tmp_path / "data_batch_1"
+    with open(path, "wb") as f:
+        pickle.dump({b"pixels": np.zeros((2, 3072), np.uint8)}, f)
+    with pytest.raises(ValueError, match="b'data' and b'labels'"):
+        cifar10.read_batch_file(path)
+    write_cifar_batch(path, np.zeros((2, 3072), np.uint8), [1, 2])
+    with open(path, "rb") as f:
+        entry = pickle.load(f, encoding="bytes")
+    entry[b"data"] = np.zeros((2, 1000), np.uint8)
+    with open(path, "wb") as f:
+        pickle.dump(entry, f)
+    with pytest.raises(ValueError, match=r"\(N, 3072\) uint8"):
+        cifar10.read_batch_file(path)
+
+
+def test_epoch_augmentation_is_a_crop_and_flip_of_each_image():
+    x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
+    y = torch.arange(6)
+    data = {"train": (x, y), "test": (x[:2], y[:2])}
+    dataset = cifar10.GpuCifar.build(data, torch.device("cpu"))
+    images, labels = dataset.epoch(seed=3)
+    assert images.shape == (6, 3, 32, 32) and images.dtype == torch.float32
+    assert sorted(labels.tolist()) == list(range(6))  # a permutation of the epoch
+    mean = torch.tensor(cifar10.MEAN).view(3, 1, 1)
+    std = torch.tensor(cifar10.STD).view(3, 1, 1)
+    padded = torch.nn.functional.pad(x.float() / 255, (4, 4, 4, 4))
+    for i, label in enumerate(labels.tolist()):
+        pixels = images[i] * std + mean  # back to [0, 1]
+        # Some crop offset (dy, dx) in [0, 8]², flipped or not, reproduces the image.
+        found = any(
+            torch.allclose(pixels, crop.flip(2) if flip else crop, atol=1e-5)
+            for dy in range(9) for dx in range(9) for flip in (False, True)
+            for crop in [padded[label, :, dy:dy + 32, dx:dx + 32]])
+        assert found, f"image {i} is no crop/flip of training image {label}"
+
+
+# ---------------------------------------------------------------------- CIFAR-10 runs
+
+
+def summary_of(out: str) -> dict:
+    line = next(t for t in out.splitlines() if t.startswith("summary: "))
+    return dict(field.split("=", 1) for field in line.split()[2:])
+
+
+def test_cifar_recipe_trains_on_real_format_files(cifar_dir, capsys):
+    root, _ = cifar_dir
+    assert cifar10.main(TINY_CIFAR + ["--data", str(root), "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "CIFAR-10 from" in out and "SYNTHETIC" not in out
+    s = summary_of(out)
+    assert s["mode"] == "step" and s["model"] == "branchy" and s["data"] == "real"
+    assert s["steps"] == "3" and math.isfinite(float(s["train_loss"]))
+    assert 0 <= float(s["test_accuracy"]) <= 1
+
+
+@pytest.mark.parametrize("mode", ["eager", "step"])
+def test_cifar_recipe_says_when_data_is_synthetic(mode, capsys, tmp_path):
+    assert cifar10.main(TINY_CIFAR + ["--mode", mode, "--steps", "2",
+                                      "--data", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "no CIFAR-10 in" in out and "SYNTHETIC data" in out
+    assert summary_of(out)["data"] == "synthetic"
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.mark.parametrize("stop", [5, 3], ids=["at-epoch-end", "mid-epoch"])
+def test_cifar_resume_equals_an_uninterrupted_run(stop, tmp_path, capsys):
+    # 40 images, batch 8: 5 steps per epoch. Stopping after `stop` steps and resuming must give
+    # the two-epoch run bit for bit (CPU, same data order, same schedule).
+    common = TINY_CIFAR + ["--epochs", "2"]
+    straight, split = str(tmp_path / "straight.pt"), str(tmp_path / "split.pt")
+    assert cifar10.main(common + ["--save", straight]) == 0
+    assert cifar10.main(common + ["--steps", str(stop), "--save", split]) == 0
+    first = load(split)
+    assert (first["epoch"], first["step"]) == (stop // 5, stop)
+    assert cifar10.main(common + ["--resume", split, "--save", split]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed {split} at step {stop}" in out
+    a, b = load(straight), load(split)
+    assert (a["epoch"], a["step"]) == (b["epoch"], b["step"]) == (2, 10)
+    for key in a["model"]:
+        torch.testing.assert_close(a["model"][key], b["model"][key], rtol=0, atol=0, msg=key)
+    for p, state in a["optimizer"]["state"].items():
+        torch.testing.assert_close(state["momentum_buffer"],
+                                   b["optimizer"]["state"][p]["momentum_buffer"], rtol=0, atol=0)
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 10
+
+
+def test_resume_refuses_a_checkpoint_of_other_options(tmp_path, capsys):
+    path = str(tmp_path / "c.pt")
+    assert cifar10.main(TINY_CIFAR + ["--steps", "1", "--save", path]) == 0
+    with pytest.raises(SystemExit, match="batch=8 but this run asks for batch=4"):
+        cifar10.main([a if a != "8" else "4" for a in TINY_CIFAR] + ["--resume", path])
+
+
+def test_schedule_warms_up_then_decays_and_never_goes_negative():
+    from _train import warmup_then_decay
+    for decay in ("linear", "cosine"):
+        f = warmup_then_decay(1000, 100, decay)
+        assert f(0) == pytest.approx(0.01) and f(99) == pytest.approx(1.0)
+        assert f(550) == pytest.approx(0.5)
+        assert f(1000) == pytest.approx(0.0) and f(5000) == pytest.approx(0.0)
+        assert all(f(s) >= f(s + 1) for s in range(99, 1200))
+
+
+def test_torchrun_with_several_processes_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cifar10.main(TINY_CIFAR + ["--steps", "1"]) != 0
+    assert bert.main(TINY_BERT + ["--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert err.count("multi-GPU training arrives with nimble_train's communication layer") == 2
+
+
+# ---------------------------------------------------------------------- BERT
+
+
+@needs_transformers
+def test_bert_recipe_steps_checkpoint_and_resume(tmp_path, capsys):
+    path = str(tmp_path / "bert.pt")
+    assert bert.main(TINY_BERT + ["--steps", "2", "--save", path]) == 0
+    out = capsys.readouterr().out
+    assert "SYNTHETIC masked-LM data" in out
+    s = summary_of(out)
+    assert s["model"] == "bert-tiny" and s["steps"] == "2" and math.isfinite(float(s["train_loss"]))
+    assert bert.main(TINY_BERT + ["--epochs", "2", "--steps", "1", "--mode", "eager",
+                                  "--resume", path, "--save", path]) == 0
+    state = load(path)
+    assert state["step"] == 3 and state["recipe"] == "bert"
+    assert state["config"]["planned_steps"] == 4  # the first run's plan: 1 epoch of 4 steps
+
+
+@needs_transformers
+@pytest.mark.skipif(not bert.has_lamb(), reason="nimble_train.optim.LAMB is not in this build")
+def test_bert_recipe_with_lamb(capsys):
+    assert bert.main(TINY_BERT + ["--steps", "2", "--optimizer", "lamb"]) == 0
+    assert "LAMB peak lr" in capsys.readouterr().out
+
+
+def test_bert_without_transformers_says_how_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import now raises ImportError
+    assert bert.main(TINY_BERT + ["--steps", "1"]) == 2
+    assert "pip install transformers" in capsys.readouterr().err
+
+
+@needs_transformers
+def test_synthetic_mlm_masks_about_15_percent_with_static_shapes():
+    data = workloads.synthetic_mlm(64, 64, 1024, device="cpu", seed=1)
+    ids, labels = data["input_ids"], data["labels"]
+    assert ids.shape == labels.shape == (64, 64)
+    masked = labels != -100
+    assert 0.10 < masked[:, 1:-1].float().mean().item() < 0.20
+    assert not masked[:, 0].any() and not masked[:, -1].any()
+    assert (ids[:, 0] == workloads.CLS_ID).all() and (ids[:, -1] == workloads.SEP_ID).all()
+    assert ((ids == workloads.MASK_ID) == masked).float().mean() > 0.95
+    assert (labels[masked] >= workloads.FIRST_CONTENT_ID).all()
+
+
+# ---------------------------------------------------------------------- benchmark plumbing
+
+
+def fake_rows():
+    rows = [
+        {"model": "resnet18", "batch": 32, "mode": "eager", "label": "eager",
+         "ms_per_step": 6.8, "samples_per_s": 4706.0, "first_step_s": 1.5, "gpu_busy": 0.25,
+         "note": "", "error": None},
+        {"model": "resnet18", "batch": 32, "mode": "compile-ro",
+         "label": "torch.compile reduce-overhead", "ms_per_step": 2.96, "samples_per_s": 10811.0,
+         "first_step_s": 40.2, "gpu_busy": float("nan"), "note": "", "error": None},
+        {"model": "resnet18", "batch": 32, "mode": "compile", "label": "torch.compile",
+         "ms_per_step": None, "samples_per_s": None, "first_step_s": None, "gpu_busy": None,
+         "note": "", "error": "RuntimeError: no triton here"},
+        {"model": "resnet18", "batch": 32, "mode": "step", "label": "nt.Step, 1 stream",
+         "ms_per_step": 2.21, "samples_per_s": 14480.0, "first_step_s": 2.0, "gpu_busy": 0.93,
+         "note": "1 stream(s), 412 graph nodes", "error": None},
+    ]
+    meta = {"model": "resnet18", "description": "ResNet-18, CIFAR", "gpu": "FakeGPU",
+            "torch": "0.0", "steps": 50, "repeats": 5}
+    return add_ratios(rows), meta
+
+
+def test_ratios_and_table_of_fake_rows():
+    rows, meta = fake_rows()
+    step = rows[-1]
+    assert step["vs_eager"] == pytest.approx(6.8 / 2.21)
+    assert step["vs_reduce_overhead"] == pytest.approx(2.96 / 2.21)
+    assert rows[2]["vs_eager"] is None
+    table = format_table(rows, meta)
+    assert "FakeGPU" in table and "torch.compile reduce-overhead" in table
+    assert "failed: RuntimeError: no triton here" in table
+    assert "3.08x" in table and "1.34x" in table and "93%" in table
+    line = next(t for t in table.splitlines() if "reduce-overhead" in t)
+    assert line.rstrip().endswith("-")  # NaN GPU-busy shows as "-"
+
+
+def test_json_is_strict_and_round_trips(tmp_path):
+    rows, meta = fake_rows()
+    path = write_json(str(tmp_path / "r.json"), rows, meta)
+    with open(path) as f:
+        text = f.read()
+    assert "NaN" not in text
+    data = json.loads(text)
+    assert data["meta"]["gpu"] == "FakeGPU" and len(data["rows"]) == 4
+    assert data["rows"][1]["gpu_busy"] is None and data["rows"][2]["error"].startswith("Runtime")
+
+
+def test_chart_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install matplotlib)")
+    rows, meta = fake_rows()
+    rows += [dict(r, batch=128) for r in rows[:2]]
+    path = plot(str(tmp_path / "r.png"), add_ratios(rows), meta)
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_busy_fraction_is_the_union_of_intervals_over_the_span():
+    assert busy_fraction([(0, 10)]) == 1.0
+    assert busy_fraction([(0, 4), (6, 10)]) == pytest.approx(0.8)
+    assert busy_fraction([(0, 6), (2, 4), (5, 10)]) == 1.0  # nested and overlapping
+    assert busy_fraction([(8, 10), (0, 2), (1, 12)]) == 1.0  # unsorted; the last end wins
+    assert busy_fraction([(0, 2), (0, 1), (4, 5)]) == pytest.approx(0.6)
+    assert math.isnan(busy_fraction([]))
+
+
+def test_bench_refuses_to_time_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; tests/gpu runs the benchmark")
+    from nimble_train.bench import main
+    assert main(["--model", "resnet18", "--modes", "eager"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["eager", "eager-fused", "step"])
+def test_bench_modes_train_on_the_cpu(mode):
+    # The modes that need no GPU build and step on the CPU: same workload, falling loss.
+    w = workloads.make_workload("branchy", 4, "cpu", count=1)
+    w.make_model = lambda: workloads.cifar_model("branchy", "cpu", width=0.25)
+    step = MODES[mode].build(w)
+    losses = [float(step(w.batches[0])) for _ in range(6)]
+    assert losses[-1] < losses[0]
+
+
+def test_models_are_exported_with_the_advertised_sizes():
+    branchy = nt.models.branchy_cifar()
+    assert sum(p.numel() for p in branchy.parameters()) == 1_663_210
+    assert branchy(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+    cells = [m for m in branchy.modules() if type(m).__name__ == "BranchyCell"]
+    assert len(cells) == 8

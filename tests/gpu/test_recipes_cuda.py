@@ -1,0 +1,122 @@
+"""The recipes and the benchmark on the GPU: captured steps of each recipe (tiny configs) that
+learn a learnable synthetic task, checkpoint resume into a captured step, and every benchmark
+mode running (timings are printed by the benchmark, never asserted here)."""
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
+sys.path.insert(0, os.path.abspath(RECIPES))
+
+import bert  # noqa: E402
+import cifar10  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+try:
+    import transformers  # noqa: F401
+    HAVE_TRANSFORMERS = True
+except ImportError:
+    HAVE_TRANSFORMERS = False
+needs_transformers = pytest.mark.skipif(
+    not HAVE_TRANSFORMERS, reason="transformers is not installed here (pip install transformers)")
+
+# 3200 synthetic images, batch 64: 50 steps per epoch.
+CIFAR = ["--device", "cuda", "--batch", "64", "--synthetic-size", "3200", "--log-every", "10",
+         "--eval-samples", "640"]
+BERT = ["--size", "tiny", "--device", "cuda", "--batch", "16", "--seq", "64", "--samples", "2048",
+        "--eval-samples", "64", "--log-every", "8", "--lr", "2e-3"]
+
+
+def logged_losses(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"step \d+/\d+ .* loss ([0-9.]+) ", out)]
+
+
+def summary_of(out: str) -> dict:
+    line = next(t for t in out.splitlines() if t.startswith("summary: "))
+    return dict(field.split("=", 1) for field in line.split()[2:])
+
+
+@pytest.mark.parametrize("model, streams", [("resnet18", "1"), ("branchy", "auto")])
+def test_cifar_recipe_captures_and_learns(model, streams, capsys):
+    assert cifar10.main(CIFAR + ["--model", model, "--streams", streams, "--epochs", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "nt.Step: captured" in out, out
+    losses = logged_losses(out)
+    assert len(losses) == 10, out
+    assert losses[-1] < 0.6 * losses[0], f"the loss did not fall: {losses}"
+    s = summary_of(out)
+    assert s["mode"] == "step" and s["steps"] == "100" and float(s["test_accuracy"]) > 0.3
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_cifar_recipe_other_modes_run(mode, capsys):
+    # branchy at a quarter width keeps torch.compile's first step short.
+    assert cifar10.main(CIFAR + ["--model", "branchy", "--width", "0.25", "--mode", mode,
+                                 "--steps", "12"]) == 0
+    s = summary_of(capsys.readouterr().out)
+    assert s["mode"] == mode and s["steps"] == "12"
+
+
+def test_cifar_resume_continues_in_a_captured_step(tmp_path, capsys):
+    path = str(tmp_path / "c.pt")
+    common = CIFAR + ["--model", "branchy", "--width", "0.5", "--epochs", "2", "--save", path]
+    assert cifar10.main(common + ["--steps", "50"]) == 0
+    first = logged_losses(capsys.readouterr().out)
+    assert cifar10.main(common + ["--resume", path]) == 0
+    out = capsys.readouterr().out
+    assert "resumed" in out and "nt.Step: captured" in out
+    resumed = logged_losses(out)
+    assert resumed[0] < first[0], f"resuming lost the training: {first} then {resumed}"
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    assert (state["epoch"], state["step"]) == (2, 100)
+
+
+@needs_transformers
+def test_bert_recipe_captures_and_learns(capsys):
+    assert bert.main(BERT + ["--amp", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "nt.Step: captured" in out, out
+    losses = logged_losses(out)
+    assert len(losses) == 16, out
+    # From ln(1024) = 6.9 towards the tokens' Zipf entropy (5.1 nats) and below: on the CPU the
+    # mean of steps 1-8 is about 6.7 and that of steps 121-128 about 5.3.
+    assert losses[-1] < losses[0] - 0.7, f"the loss did not fall: {losses}"
+
+
+@needs_transformers
+def test_bert_recipe_eager_with_grad_clip(capsys):
+    assert bert.main(BERT + ["--mode", "eager", "--steps", "20", "--grad-clip", "1.0"]) == 0
+    assert summary_of(capsys.readouterr().out)["steps"] == "20"
+
+
+def run_bench(tmp_path, argv):
+    from nimble_train.bench import main
+    assert main(argv + ["--steps", "5", "--repeats", "2", "--out", str(tmp_path)]) == 0
+    (path,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+    with open(tmp_path / path) as f:
+        return json.load(f)["rows"]
+
+
+def test_bench_runs_every_graph_mode_on_branchy(tmp_path):
+    modes = ["eager", "eager-fused", "graph", "step", "step-auto"]
+    rows = run_bench(tmp_path, ["--model", "branchy", "--batch", "16", "--modes", *modes])
+    assert [r["mode"] for r in rows] == modes
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["ms_per_step"] > 0 and r["first_step_s"] > 0
+    assert rows[0]["vs_eager"] == pytest.approx(1.0)
+
+
+@needs_transformers
+def test_bench_runs_bert(tmp_path):
+    modes = ["eager", "graph", "step"]
+    rows = run_bench(tmp_path, ["--model", "bert", "--bert-size", "tiny", "--batch", "8",
+                                "--seq", "64", "--modes", *modes])
+    for r in rows:
+        assert r["error"] is None, r
