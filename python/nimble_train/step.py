@@ -123,7 +123,18 @@ class Step:
             )
 
         if self._counts["steps"] < self.warmup or not self._will_capture or self._capture_error:
+            if (self._counts["steps"] == self.warmup - 1 >= 1 and self._fused is None
+                    and self._fuse_reason is None and self._will_capture):
+                # The flat buffers give parameters and gradients new addresses: the last
+                # warm-up step lets cuDNN and cuBLAS meet them before capture (their caches
+                # are keyed by alignment, and nothing can be autotuned inside a capture). The
+                # steps before it showed which parameters get gradients.
+                self._fuse()
             loss = self._eager_or_padded(batch, leaves, samples, short)
+        elif self._fused is None and self._fuse_reason is None:
+            # warmup=1: no eager step was left to meet the flat buffers; this one is it.
+            self._fuse()
+            loss = self._eager_step(batch, samples, warm_up=True)
         elif short and not self._can_pad():
             loss = self._eager_step(batch, samples)
         else:
@@ -146,7 +157,9 @@ class Step:
             "single_stream_reason": self._single_stream_reason,
             "graph_nodes": self._graph_nodes,
             "pool_bytes": self._pool_bytes,
-            "warmup_left": max(0, self.warmup - self._counts["steps"]),
+            "warmup_left": max(0, self.warmup - self._counts["steps"])
+            + (self.warmup == 1 and self._will_capture and self._fused is None
+               and self._fuse_reason is None),
             "host_syncs_in_warmup": [str(r) for r in records],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
             "optimizer": ("fused" if self._fused else
@@ -164,8 +177,8 @@ class Step:
             return self._padded_eager_step(leaves, samples)
         return self._eager_step(batch, samples)
 
-    def _eager_step(self, batch, samples: int) -> torch.Tensor:
-        in_warmup = self._counts["steps"] < self.warmup
+    def _eager_step(self, batch, samples: int, warm_up: bool = False) -> torch.Tensor:
+        in_warmup = warm_up or self._counts["steps"] < self.warmup
         with self._warmup_context(in_warmup):
             self._zero_grad()
             loss = self._loss(batch, samples, None)
@@ -355,8 +368,6 @@ class Step:
 
     def _capture_graph(self, leaves, samples: int) -> None:
         static = self._static_batch(leaves, samples)
-        if self._fused is None and self._fuse_reason is None:
-            self._fuse()
         self._plan_streams()
         if self._scalars is None:
             # One slot per staged learning rate, and the number of valid samples last.

@@ -474,3 +474,27 @@ def test_boundary_errors_name_what_was_wrong():
         _C.optim_build_chunk_table(torch.tensor([0, 8]), torch.tensor([0]), 12)
     with pytest.raises(ValueError, match="must be float32, float16 or bfloat16; got Double"):
         _C.optim_grad_stats_(torch.zeros(4, dtype=torch.float64), None, torch.zeros(1, 2))
+
+
+def test_channels_last_weights_keep_their_layout_and_update_like_torch():
+    torch.manual_seed(11)
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    twin = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    twin.load_state_dict(conv.state_dict())
+    opt = torch.optim.SGD(conv.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    ref = torch.optim.SGD(twin.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    fused = FusedOptimizer(opt)
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    for _ in range(3):
+        x = torch.randn(4, 3, 10, 10).to(memory_format=torch.channels_last)
+        fused.zero_grad()
+        conv(x).square().mean().backward()
+        fused.step()
+        ref.zero_grad()
+        twin(x).square().mean().backward()
+        ref.step()
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    assert conv.weight.grad.stride() == conv.weight.stride()
+    torch.testing.assert_close(conv.weight, twin.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(opt.state[conv.weight]["momentum_buffer"],
+                               ref.state[twin.weight]["momentum_buffer"], rtol=1e-5, atol=1e-6)

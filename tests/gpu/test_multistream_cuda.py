@@ -95,11 +95,12 @@ def test_googlenet_from_torchvision():
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(8, 3, 64, 64, generator=g).cuda(),
                 torch.randint(0, 5, (8,), generator=g).cuda()) for _ in range(5)]
-    # 57 convolutions with BatchNorm over 8 samples amplify the rounding differences between
-    # the fused update and torch's SGD step after step; the two captured runs (several
-    # streams, one stream) must still agree tightly.
+    # 57 convolutions with BatchNorm over 8 samples amplify rounding differences (gradient
+    # sums in another order across streams; the fused update against torch's SGD) step after
+    # step; two multi-stream runs must still agree bit for bit.
+    loose = {"rtol": 3e-2, "atol": 3e-3}
     stats = three_ways(model, lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9), batches,
-                       eager_tol={"rtol": 3e-2, "atol": 3e-3})
+                       tol=loose)
     assert stats["streams"] >= 4
 
 

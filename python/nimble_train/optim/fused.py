@@ -37,6 +37,16 @@ def _algorithm(optimizer) -> str | None:
     return None
 
 
+def _dense(p: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the strides are a permutation of a contiguous layout's."""
+    expected = 1
+    for size, stride in sorted(zip(p.shape, p.stride()), key=lambda x: x[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _trainable(group, exclude: frozenset = frozenset()) -> list[torch.Tensor]:
     return [p for p in group["params"] if p.requires_grad and id(p) not in exclude]
 
@@ -61,8 +71,15 @@ class _Bucket:
     partials: torch.Tensor | None = None             # this bucket's rows of the stats partials
 
     def segment(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """Tensor i's view of `flat`, laid out as the parameter is: a channels_last weight keeps
+        its strides, so convolutions see the memory format (and cuDNN the algorithms) they had
+        before. Parameter, gradient and state share the layout, so the update stays
+        elementwise over the segment."""
         p = self.params[i]
-        return flat[self.offsets[i]: self.offsets[i] + p.numel()].view_as(p)
+        seg = flat[self.offsets[i]: self.offsets[i] + p.numel()]
+        if p.is_contiguous() or not _dense(p):
+            return seg.view(p.shape)
+        return seg.as_strided(p.shape, p.stride())
 
 
 class FusedOptimizer:
@@ -171,8 +188,11 @@ class FusedOptimizer:
             bucket.params.append(p)
             bucket.param_index.append(index)
             bucket.groups.append(g)
-            # Each segment starts 16 bytes after a 16-byte boundary: 16-byte loads everywhere.
-            align = 16 // p.element_size()
+            # Each segment starts on a 256-byte boundary: 16-byte loads everywhere, and cuDNN
+            # sees a weight as aligned as the caching allocator's blocks (its algorithm cache
+            # is keyed by pointer alignment; a less aligned weight misses it, and a miss inside
+            # a graph capture cannot be benchmarked).
+            align = 256 // p.element_size()
             bucket.offsets.append(bucket.offsets[-1] + -(-p.numel() // align) * align)
         self._buckets = list(by_dtype.values())
         keys = list(_STATE_KEYS[self._algorithm])
