@@ -61,6 +61,9 @@ int64_t graph_node_count(uintptr_t graph) {
 
 #else  // CPU-only build
 
+// No ring is ever made without CUDA; an empty definition completes the type for unique_ptr.
+class ScalarRing {};
+
 namespace {
 [[noreturn]] void no_cuda(const char* what) {
   NT_FAIL(what, " needs CUDA, but nimble_train was built without it (", NT_CUDA_REASON,
