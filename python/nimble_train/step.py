@@ -122,19 +122,16 @@ class Step:
                 '(drop_last=True) or use partial_batch="pad" or "eager"'
             )
 
-        if self._counts["steps"] < self.warmup or not self._will_capture or self._capture_error:
-            if (self._counts["steps"] == self.warmup - 1 >= 1 and self._fused is None
-                    and self._fuse_reason is None and self._will_capture):
-                # The flat buffers give parameters and gradients new addresses: the last
-                # warm-up step lets cuDNN and cuBLAS meet them before capture (their caches
-                # are keyed by alignment, and nothing can be autotuned inside a capture). The
-                # steps before it showed which parameters get gradients.
-                self._fuse()
-            loss = self._eager_or_padded(batch, leaves, samples, short)
-        elif self._fused is None and self._fuse_reason is None:
-            # warmup=1: no eager step was left to meet the flat buffers; this one is it.
+        in_warmup = self._counts["steps"] < self.warmup
+        if self._needs_fusing and self._counts["steps"] == max(self.warmup - 1, 1):
+            # The flat buffers give parameters and gradients new addresses and this step
+            # warms them up: cuDNN and cuBLAS meet them before capture (their caches are keyed
+            # by alignment, and nothing can be autotuned inside a capture). The steps before
+            # showed which parameters get gradients. With warmup=1 this is one extra step.
             self._fuse()
-            loss = self._eager_step(batch, samples, warm_up=True)
+            in_warmup = True
+        if in_warmup or not self._will_capture or self._capture_error:
+            loss = self._eager_or_padded(batch, leaves, samples, short, in_warmup)
         elif short and not self._can_pad():
             loss = self._eager_step(batch, samples)
         else:
@@ -158,8 +155,7 @@ class Step:
             "graph_nodes": self._graph_nodes,
             "pool_bytes": self._pool_bytes,
             "warmup_left": max(0, self.warmup - self._counts["steps"])
-            + (self.warmup == 1 and self._will_capture and self._fused is None
-               and self._fuse_reason is None),
+            + (self.warmup == 1 and self._needs_fusing),
             "host_syncs_in_warmup": [str(r) for r in records],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
             "optimizer": ("fused" if self._fused else
@@ -169,16 +165,15 @@ class Step:
 
     # ------------------------------------------------------------------ eager paths
 
-    def _eager_or_padded(self, batch, leaves, samples, short) -> torch.Tensor:
+    def _eager_or_padded(self, batch, leaves, samples, short, in_warmup) -> torch.Tensor:
         """Steps that are not replays: warm-up, capture=False, CPU, or after a failed capture."""
         if short and not self._will_capture and self._can_pad():
             # The padded, masked computation the graph would run, done eagerly: on CPU and
             # with capture=False a short batch sees the semantics of the captured step.
             return self._padded_eager_step(leaves, samples)
-        return self._eager_step(batch, samples)
+        return self._eager_step(batch, samples, in_warmup)
 
-    def _eager_step(self, batch, samples: int, warm_up: bool = False) -> torch.Tensor:
-        in_warmup = warm_up or self._counts["steps"] < self.warmup
+    def _eager_step(self, batch, samples: int, in_warmup: bool = False) -> torch.Tensor:
         with self._warmup_context(in_warmup):
             self._zero_grad()
             loss = self._loss(batch, samples, None)
@@ -319,6 +314,10 @@ class Step:
             f"fused update (one kernel per tensor group, hyper-parameters other than lr baked "
             f"into the graph): {reason}.", stacklevel=3)
         return reason, _capturable.make_capturable(optimizer)
+
+    @property
+    def _needs_fusing(self) -> bool:
+        return self._will_capture and self._fused is None and self._fuse_reason is None
 
     def _fuse(self) -> None:
         """Moves the update to FusedOptimizer before the first capture.
