@@ -103,6 +103,24 @@ def eager_loop(model, optimizer, loss_fn, batches, *, amp=None, grad_clip=None, 
     return losses
 
 
+def grad_scaler_loop(model, optimizer, loss_fn, batches, *, grad_clip):
+    """The eager fp16 loop Step must reproduce: autocast, GradScaler, unscale, clip, step."""
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device)
+    losses = []
+    for x, y in batches:
+        optimizer.zero_grad()
+        with torch.autocast(device, dtype=torch.float16):
+            loss = loss_fn(model(x), y).float().mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.detach())
+    return losses
+
+
 def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6):
     """Parameters, buffers (BatchNorm statistics) and optimizer state agree."""
     for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):

@@ -17,7 +17,6 @@ import warnings
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
 from . import _capturable
 from ._batch import BatchTemplate, StaticBatch
@@ -402,7 +401,6 @@ class Step:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             _abandon_capture(graph, self._device)
-            del graph
             failure = self._capture_failure(exc)
             if self._multistream is not None and not isinstance(failure, SyncError):
                 # The plan's streams are an optimisation: try once more on one stream.

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import nimble_train as nt
 from step_reference import (MLP, OwnLoss, SmallCNN, TwoInputs, assert_same_training,
-                            classification_batches, eager_loop, twin)
+                            classification_batches, eager_loop, grad_scaler_loop, twin)
 
 per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 
@@ -178,18 +178,7 @@ def test_fp16_on_an_eager_step_uses_torch_grad_scaler():
     (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     batches = classification_batches(4, 8)
     _, losses = run_step(m1, o1, per_sample, batches, amp="fp16", grad_clip=1.0)
-    scaler = torch.amp.GradScaler("cpu")
-    expected = []
-    for x, y in batches:
-        o2.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = per_sample(m2(x), y).float().mean()
-        scaler.scale(loss).backward()
-        scaler.unscale_(o2)
-        torch.nn.utils.clip_grad_norm_(m2.parameters(), 1.0)
-        scaler.step(o2)
-        scaler.update()
-        expected.append(loss.detach())
+    expected = grad_scaler_loop(m2, o2, per_sample, batches, grad_clip=1.0)
     torch.testing.assert_close(torch.stack(losses), torch.stack(expected))
     assert_same_training(m1, o1, m2, o2)
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import nimble_train as nt
 from nimble_train import _C
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
-                            eager_loop, twin)
+                            eager_loop, grad_scaler_loop, twin)
 
 pytestmark = pytest.mark.cuda
 
@@ -103,18 +103,7 @@ def test_fp16_with_device_loss_scaling_matches_grad_scaler():
     batches = classification_batches(8, 32, device="cuda")
     step = nt.Step(m1, o1, per_sample, warmup=2, amp="fp16", grad_clip=1.0)
     losses = torch.stack([step(b).clone() for b in batches])
-    scaler = torch.amp.GradScaler("cuda")
-    expected = []
-    for x, y in batches:
-        o2.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = per_sample(m2(x), y).float().mean()
-        scaler.scale(loss).backward()
-        scaler.unscale_(o2)
-        torch.nn.utils.clip_grad_norm_(m2.parameters(), 1.0)
-        scaler.step(o2)
-        scaler.update()
-        expected.append(loss.detach())
+    expected = grad_scaler_loop(m2, o2, per_sample, batches, grad_clip=1.0)
     assert step.stats()["optimizer"] == "fused" and step.stats()["replays"] == 6
     torch.testing.assert_close(losses, torch.stack(expected), rtol=1e-2, atol=1e-3)
     assert_same_training(m1, o1, m2, o2, rtol=1e-2, atol=1e-3)
