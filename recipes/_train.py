@@ -344,6 +344,19 @@ class Result:
     samples_per_s: float
 
 
+
+
+def resume(args, *, recipe: str, model, optimizer, scheduler, config: dict,
+           device: torch.device, steps_per_epoch: int) -> int:
+    """--resume: restores the checkpoint and says where training goes on; returns the steps
+    already done (0 without --resume)."""
+    if not args.resume:
+        return 0
+    step = load_checkpoint(args.resume, recipe=recipe, model=model, optimizer=optimizer,
+                           scheduler=scheduler, config=config, device=device)
+    print(f"resumed {args.resume} at step {step} (epoch {step / steps_per_epoch:.3g})")
+    return step
+
 def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
         epoch_batches: Callable[[int], Iterable], steps_per_epoch: int,
         evaluate: Callable[[], float], device: torch.device, start_step: int,

@@ -85,13 +85,9 @@ def main(argv=None) -> int:
     config = {"size": args.size, "seq": args.seq, "batch": args.batch,
               "optimizer": args.optimizer, "steps_per_epoch": batches_per_epoch,
               "planned_steps": planned}
-    start_step = 0
-    if args.resume:
-        start_step = _train.load_checkpoint(
-            args.resume, recipe=RECIPE, model=model, optimizer=optimizer, scheduler=scheduler,
-            config=config, device=device)
-        print(f"resumed {args.resume} at step {start_step} (epoch "
-              f"{start_step / batches_per_epoch:.3g})")
+    start_step = _train.resume(args, recipe=RECIPE, model=model, optimizer=optimizer,
+                               scheduler=scheduler, config=config, device=device,
+                               steps_per_epoch=batches_per_epoch)
 
     print(f"SYNTHETIC masked-LM data: {args.samples} sequences of {args.seq} tokens "
           "(repeated Zipf motifs, 15% masked)")

@@ -223,13 +223,9 @@ def main(argv=None) -> int:
     scheduler = _train.make_scheduler(optimizer, args, planned, decay="cosine")
     config = {"model": args.model, "batch": args.batch, "width": args.width,
               "steps_per_epoch": batches_per_epoch, "planned_steps": planned}
-    start_step = 0
-    if args.resume:
-        start_step = _train.load_checkpoint(
-            args.resume, recipe=RECIPE, model=model, optimizer=optimizer, scheduler=scheduler,
-            config=config, device=device)
-        print(f"resumed {args.resume} at step {start_step} (epoch "
-              f"{start_step / batches_per_epoch:.3g})")
+    start_step = _train.resume(args, recipe=RECIPE, model=model, optimizer=optimizer,
+                               scheduler=scheduler, config=config, device=device,
+                               steps_per_epoch=batches_per_epoch)
 
     print(source)
     print(_train.describe_run(device, args, amp))

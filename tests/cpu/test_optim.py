@@ -16,24 +16,8 @@ import torch
 
 from nimble_train import _C
 from nimble_train.optim import LAMB, DeviceLossScaler, FusedOptimizer
-
-SHAPES = [(37, 5), (113,), (3,), (1,), (8, 8), (64, 33)]
-
-
-def make_params(dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
-            for s in SHAPES]
-
-
-def clone_params(params, dtype=None):
-    return [p.detach().clone().to(dtype or p.dtype).requires_grad_() for p in params]
-
-
-def groups(params, second):
-    """Two parameter groups: the first three tensors with the defaults, the rest with `second`."""
-    return [{"params": params[:3]}, {"params": params[3:], **second}]
-
+from optim_reference import (clone_params, groups, make_params, max_error, random_grads,
+                             set_grads)
 
 # name -> factory(params); several groups with their own hyper-parameters in each.
 OPTIMIZERS = {
@@ -57,28 +41,10 @@ OPTIMIZERS = {
 }
 
 
-def random_grads(params, seed, dtype=None):
-    g = torch.Generator().manual_seed(1000 + seed)
-    return [torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype or p.dtype)
-            for p in params]
-
-
-def set_grads(params, grads):
-    for p, g in zip(params, grads):
-        if p.grad is None:
-            p.grad = g.clone()
-        else:
-            p.grad.copy_(g)
-
-
 def state_tensors(optimizer):
     return {(i, k): v for i, p in enumerate(p for g in optimizer.param_groups
                                               for p in g["params"])
             for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
-
-
-def max_error(tensors, reference):
-    return max((a.double() - b.double()).abs().max().item() for a, b in zip(tensors, reference))
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

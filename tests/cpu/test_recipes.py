@@ -3,7 +3,6 @@ training steps of each recipe, checkpoint save/resume, and the benchmark's table
 
 import json
 import math
-import os
 import pickle
 import sys
 
@@ -15,19 +14,7 @@ import nimble_train as nt
 from nimble_train.bench import MODES, add_ratios, busy_fraction, format_table, plot, write_json
 from nimble_train.bench import workloads
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
-sys.path.insert(0, os.path.abspath(RECIPES))
-
-import bert  # noqa: E402
-import cifar10  # noqa: E402
-
-try:
-    import transformers  # noqa: F401
-    HAVE_TRANSFORMERS = True
-except ImportError:
-    HAVE_TRANSFORMERS = False
-needs_transformers = pytest.mark.skipif(
-    not HAVE_TRANSFORMERS, reason="transformers is not installed here (pip install transformers)")
+from recipe_reference import bert, cifar10, needs_transformers
 
 TINY_CIFAR = ["--device", "cpu", "--model", "branchy", "--width", "0.25", "--batch", "8",
               "--synthetic-size", "40", "--eval-samples", "16", "--log-every", "2"]

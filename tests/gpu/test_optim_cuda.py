@@ -12,25 +12,16 @@ import torch
 
 from nimble_train import _C
 from nimble_train.optim import LAMB, DeviceLossScaler, FusedOptimizer
+import optim_reference
+from optim_reference import clone_params, groups, max_error, random_grads, set_grads
 
 pytestmark = pytest.mark.cuda
 
-SHAPES = [(37, 5), (113,), (3,), (1,), (8, 8), (64, 33), (278011,)]
+SHAPES = optim_reference.SHAPES + [(278011,)]  # one tensor spanning many chunks
 
 
-def make_params(dtype=torch.float32, device="cuda", seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_()
-            for s in SHAPES]
-
-
-def clone_params(params, dtype=None, device=None):
-    return [p.detach().to(device or p.device, dtype or p.dtype, copy=True).requires_grad_()
-            for p in params]
-
-
-def groups(params, second):
-    return [{"params": params[:3]}, {"params": params[3:], **second}]
+def make_params(dtype=torch.float32, seed=0):
+    return optim_reference.make_params(dtype, "cuda", seed, SHAPES)
 
 
 OPTIMIZERS = {
@@ -51,25 +42,6 @@ OPTIMIZERS = {
                            eps=1e-4),
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def random_grads(params, seed, dtype=None):
-    g = torch.Generator().manual_seed(1000 + seed)
-    return [torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.device, dtype or p.dtype)
-            for p in params]
-
-
-def set_grads(params, grads):
-    for p, g in zip(params, grads):
-        if p.grad is None:
-            p.grad = g.to(p.device, copy=True)
-        else:
-            p.grad.copy_(g)
-
-
-def max_error(tensors, reference):
-    return max((a.double().cpu() - b.double().cpu()).abs().max().item()
-               for a, b in zip(tensors, reference))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

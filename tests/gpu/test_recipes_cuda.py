@@ -5,26 +5,13 @@ mode running (timings are printed by the benchmark, never asserted here)."""
 import json
 import os
 import re
-import sys
 
 import pytest
 import torch
 
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
-sys.path.insert(0, os.path.abspath(RECIPES))
-
-import bert  # noqa: E402
-import cifar10  # noqa: E402
+from recipe_reference import bert, cifar10, needs_transformers
 
 pytestmark = pytest.mark.cuda
-
-try:
-    import transformers  # noqa: F401
-    HAVE_TRANSFORMERS = True
-except ImportError:
-    HAVE_TRANSFORMERS = False
-needs_transformers = pytest.mark.skipif(
-    not HAVE_TRANSFORMERS, reason="transformers is not installed here (pip install transformers)")
 
 # 3200 synthetic images, batch 64: 50 steps per epoch.
 CIFAR = ["--device", "cuda", "--batch", "64", "--synthetic-size", "3200", "--log-every", "10",
