@@ -124,7 +124,8 @@ def grad_scaler_loop(model, optimizer, loss_fn, batches, *, grad_clip):
 def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6):
     """Parameters, buffers (BatchNorm statistics) and optimizer state agree."""
     for (name, a), (_, b) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
-        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=name)
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
     state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
     assert state_a.keys() == state_b.keys()
     for key in state_a:
@@ -132,9 +133,41 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
             a, b = state_a[key][field], state_b[key][field]
             if isinstance(a, torch.Tensor):
                 torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=rtol, atol=atol,
-                                           msg=f"state {key} {field}")
+                                           msg=lambda m, key=key, field=field: f"state {key} {field}: {m}")
             else:
                 assert a == b
+
+
+def training_gap(model_a, opt_a, model_b, opt_b) -> float:
+    """||a - b|| / ||b|| over all floating tensors of the models and their optimizer state.
+
+    One norm over everything: a single tensor whose gradient nearly cancels (a BatchNorm bias
+    deep in a net) can change by a large fraction of its own small norm through one flipped
+    ReLU or max-pool choice, while the training as a whole moved by a rounding step.
+    """
+    pairs = list(zip(model_a.state_dict().values(), model_b.state_dict().values()))
+    state_a, state_b = opt_a.state_dict()["state"], opt_b.state_dict()["state"]
+    assert state_a.keys() == state_b.keys()
+    pairs += [(state_a[key][field], state_b[key][field])
+              for key in state_a for field in state_a[key]
+              if isinstance(state_a[key][field], torch.Tensor)]
+    diff = ref = 0.0
+    for a, b in pairs:
+        if a.is_floating_point():
+            a, b = a.double().cpu(), b.double().cpu()
+            diff += (a - b).square().sum().item()
+            ref += b.square().sum().item()
+    return (diff / max(ref, 1e-300)) ** 0.5
+
+
+def nudged(model):
+    """A copy whose floating parameters are scaled by 1 + 2^-22 (a float32 rounding step)."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            if p.is_floating_point():
+                p.mul_(1 + 2.0 ** -22)
+    return other
 
 
 class InceptionCell(torch.nn.Module):

@@ -380,11 +380,12 @@ class Step:
             if is_staged:
                 group["lr"] = values[next(staged)]
         graph = _new_graph()
+        pool = torch.cuda.graph_pool_handle()  # a fresh private pool for every capture
         try:
             if self._fused is None:
                 self.optimizer.zero_grad(set_to_none=True)  # gradients are made in the graph
-            # A fresh private pool for every capture: an earlier graph's pool dies with it.
-            with torch.cuda.graph(graph, stream=self._side_stream(),
+            # An earlier graph's pool dies with that graph.
+            with torch.cuda.graph(graph, pool=pool, stream=self._side_stream(),
                                   capture_error_mode="thread_local"):
                 self._scalars.fetch()
                 if self._fused is not None:
@@ -400,7 +401,7 @@ class Step:
         except Exception as exc:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
-            _abandon_capture(graph, self._device)
+            _abandon_capture(pool, self._device)
             failure = self._capture_failure(exc)
             if self._multistream is not None and not isinstance(failure, SyncError):
                 # The plan's streams are an optimisation: try once more on one stream.
@@ -564,21 +565,24 @@ def _has_batch_statistics(model: torch.nn.Module) -> bool:
     return False
 
 
-def _abandon_capture(graph: torch.cuda.CUDAGraph, device: torch.device) -> None:
+def _abandon_capture(pool, device: torch.device) -> None:
     """Undoes what a failed capture left behind, so eager training can go on.
 
     A capture that fails inside cudaStreamEndCapture (a host sync invalidated it) stops
     torch's capture_end before its bookkeeping: the caching allocator still routes this
-    thread's allocations to the graph's pool (and asserts at exit), and the default CUDA
-    generator still believes it is being captured (every later dropout fails with "Offset
-    increment outside graph capture"). End the allocation to the pool, then run a trivial
+    thread's allocations to the graph's pool (destroying any MemPool later aborts the process
+    on an internal assert), the pool is never released, and the default CUDA generator still
+    believes it is being captured (every later dropout fails with "Offset increment outside
+    graph capture"). End the allocation to the pool and release it, then run a trivial
     capture, whose prologue and epilogue reset the generator.
     """
     index = device.index if device.index is not None else torch.cuda.current_device()
     try:
-        torch._C._cuda_endAllocateToPool(index, graph.pool())
-    except (RuntimeError, AttributeError):
-        pass  # capture_end got that far: nothing to end
+        torch._C._cuda_endAllocateToPool(index, pool)
+    except RuntimeError:
+        pass  # capture_end got that far, and the graph releases its pool itself
+    else:
+        torch._C._cuda_releasePool(index, pool)
     try:
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             torch.empty(1, device=device).zero_()
