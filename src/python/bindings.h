@@ -9,5 +9,6 @@ void bind_build(pybind11::module_& m);    // build_info, has_cuda, has_nccl, run
 void bind_optim(pybind11::module_& m);    // src/optim
 void bind_streams(pybind11::module_& m);  // src/streams
 void bind_capture(pybind11::module_& m);  // src/capture
+void bind_comm(pybind11::module_& m);     // src/comm (NCCL)
 
 }  // namespace nimble_train

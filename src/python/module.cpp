@@ -9,4 +9,5 @@ PYBIND11_MODULE(_C, m) {
   nimble_train::bind_optim(m);
   nimble_train::bind_streams(m);
   nimble_train::bind_capture(m);
+  nimble_train::bind_comm(m);
 }

@@ -1,0 +1,64 @@
+// An NCCL communicator of one process per GPU, and the all-reduce that data parallelism needs.
+//
+// No torch here: plain pointers, element counts and a cudaStream_t. The unique id comes from
+// rank 0 (new_unique_id) and reaches the other ranks through any channel the caller has (the
+// Python layer uses the torch.distributed store).
+//
+// The communicator is non-blocking (ncclConfig_t::blocking = 0) so that nothing waits without
+// a deadline: joining waits at most `timeout_s` for every rank, and wait() bounds how long the
+// host waits for a collective (the first one tells whether every rank takes part). A timeout
+// aborts the communicator and raises, naming what was waited for; errors carry
+// ncclGetErrorString and ncclGetLastError.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <string>
+
+namespace nimble_train::comm {
+
+// The bytes of a fresh ncclUniqueId (NCCL_UNIQUE_ID_BYTES of them).
+std::string new_unique_id();
+
+class Communicator {
+ public:
+  // Joins the communicator of `world` ranks named by `unique_id` as `rank`, on CUDA `device`.
+  Communicator(const std::string& unique_id, int rank, int world, int device, double timeout_s);
+  ~Communicator();  // finalizes and destroys; after abort(), only frees
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  // In-place all-reduce of `count` elements at `data`, enqueued on `stream` (capturable).
+  void all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
+                  cudaStream_t stream);
+
+  // Host waits until the work enqueued so far on `stream` is done, at most `timeout_s`;
+  // on timeout or an asynchronous NCCL error, aborts the communicator and raises.
+  void wait(cudaStream_t stream, double timeout_s, const std::string& what);
+
+  // Tears the communicator down without waiting for other ranks (after an error).
+  void abort();
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+  int device() const { return device_; }
+  bool aborted() const { return comm_ == nullptr; }
+
+ private:
+  // Polls ncclCommGetAsyncError while the last call is in progress, at most `timeout_s`.
+  void settle(const std::string& what, double timeout_s);
+  [[noreturn]] void fail(const std::string& what, const std::string& detail);
+
+  ncclComm_t comm_ = nullptr;
+  int rank_ = 0;
+  int world_ = 0;
+  int device_ = 0;
+};
+
+// ncclDataType_t of a float32 / float16 / bfloat16 / float64 element, by its size and kind:
+// 'f' float32 (4) or float64 (8), 'h' float16, 'b' bfloat16.
+ncclDataType_t nccl_float_type(char kind, size_t element_size);
+
+}  // namespace nimble_train::comm
