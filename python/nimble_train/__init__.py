@@ -7,7 +7,8 @@ face. ``build_info()`` says what the installed build compiled in.
 import torch  # noqa: F401  (loads libtorch and the CUDA libraries that _C links against)
 
 from ._extension import _C, build_info, describe_build, has_cuda, has_nccl
-from .errors import CaptureError, NimbleError, ShapeError, SyncError
+from .distributed import DistInfo, init_distributed
+from .errors import CaptureError, DistributedError, NimbleError, ShapeError, SyncError
 from . import optim
 from . import models
 from .step import Step
@@ -16,6 +17,8 @@ __version__ = build_info()["version"]
 
 __all__ = [
     "CaptureError",
+    "DistInfo",
+    "DistributedError",
     "NimbleError",
     "ShapeError",
     "Step",
@@ -24,4 +27,5 @@ __all__ = [
     "describe_build",
     "has_cuda",
     "has_nccl",
+    "init_distributed",
 ]

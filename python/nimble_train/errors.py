@@ -15,3 +15,7 @@ class ShapeError(NimbleError):
 
 class CaptureError(NimbleError):
     """Capturing the step as a CUDA graph failed; model and optimizer are left as they were."""
+
+
+class DistributedError(NimbleError):
+    """Ranks of a data-parallel job that disagree, or a rank that does not take part."""

@@ -23,6 +23,7 @@ from ._batch import BatchTemplate, StaticBatch
 from ._extension import _C
 from ._multistream import build_multistream, warn_single_stream
 from ._sync import SyncRecorder
+from .distributed import DEFAULT_BUCKET_MB, GradientSync, current_world, fingerprint
 from .errors import CaptureError, NimbleError, ShapeError, SyncError
 
 _AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,6 +49,9 @@ class Step:
         partial_batch: a batch with fewer samples than the first: "pad" (pad and mask, in the
             graph), "eager" (run it eagerly) or "error" (raise ShapeError).
         capture: False runs every step eagerly with the same semantics (debugging, CPU).
+        bucket_mb: in a data-parallel job (torch.distributed initialised with several ranks,
+            e.g. by ``nt.init_distributed()`` under torchrun), the size of the gradient buckets
+            that are all-reduced while the backward goes on.
     """
 
     def __init__(
@@ -62,9 +66,12 @@ class Step:
         grad_clip: float | None = None,
         partial_batch: str = "pad",
         capture: bool = True,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
     ):
         _validate_arguments(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                             partial_batch, capture)
+        if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < float("inf")):
+            raise ValueError(f"bucket_mb must be a positive number of megabytes; got {bucket_mb!r}")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -105,13 +112,19 @@ class Step:
         self._counts = {"steps": 0, "eager_steps": 0, "replays": 0, "captures": 0}
         self._graph_nodes: int | None = None
         self._pool_bytes: int | None = None
+        world = current_world()
+        self._gradsync = GradientSync(world, self._device, bucket_mb) if world else None
+        self._ready_hooks = None  # records the order gradients arrive in, in the first step
 
     # ------------------------------------------------------------------ public API
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Runs one training step on `batch`; returns the loss (valid until the next call)."""
         if self._template is None:
-            self._template = _checked_first_template(batch, self._device)
+            template = _checked_first_template(batch, self._device)
+            if self._gradsync is not None:
+                self._join_ranks(template)
+            self._template = template
         leaves, samples = self._template.check(batch)
         short = samples < self._template.batch_size
         if short and self.partial_batch == "error":
@@ -157,6 +170,8 @@ class Step:
             + (self.warmup == 1 and self._needs_fusing),
             "host_syncs_in_warmup": [str(r) for r in records],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
+            "world_size": self._gradsync.world.size if self._gradsync else 1,
+            "buckets": self._gradsync.num_buckets if self._gradsync else 0,
             "optimizer": ("fused" if self._fused else
                           "captured as-is" if self._fuse_reason else "eager"),
             **self._counts,
@@ -188,6 +203,32 @@ class Step:
         self._backward_and_update(loss)
         self._counts["eager_steps"] += 1
         return loss.detach()
+
+    def _join_ranks(self, template: BatchTemplate) -> None:
+        """Data parallel: checks that every rank runs the same step, then connects them."""
+        params = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in self._params]
+        self._gradsync.world.agree("model, optimizer and Step options", {
+            "parameters": f"{len(params)} tensors, {sum(p.numel() for p in self._params)} "
+                          f"elements, digest {fingerprint(params)}",
+            "optimizer": f"{type(self.optimizer).__qualname__} with "
+                         f"{len(self.optimizer.param_groups)} param group(s)",
+            "batch": [(leaf.path, leaf.shape, str(leaf.dtype)) for leaf in template.leaves],
+            "options": {"streams": self.streams, "warmup": self.warmup, "amp": self.amp,
+                        "grad_clip": self.grad_clip, "partial_batch": self.partial_batch,
+                        "capture": self.capture, "bucket_mb": self._gradsync.bucket_mb,
+                        "device": self._device.type},
+        })
+        self._gradsync.connect()
+
+    def close(self) -> None:
+        """Releases the graph and, in a data-parallel job, the NCCL communicator (every rank
+        should call it, or let the Step go, before the process group is destroyed)."""
+        if self._graph is not None and self._cuda:
+            torch.cuda.synchronize(self._device)
+        self._graph = None
+        self._static_loss = None
+        if self._gradsync is not None:
+            self._gradsync.close()
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:
@@ -260,18 +301,35 @@ class Step:
             self.optimizer.zero_grad(set_to_none=self._graph is None)
 
     def _backward_and_update(self, loss: torch.Tensor) -> None:
+        sync = self._gradsync
         if self._fused is not None:
+            if sync is not None:
+                sync.begin()  # buckets are all-reduced as their gradients arrive
             if self._scaler is None:
                 loss.backward()
-                self._fused.step(max_grad_norm=self.grad_clip)  # clipping fused in
             else:
                 self._scaler.scale_loss(loss).backward()
+            if sync is not None:
+                sync.finish()  # the update waits for every bucket
+            if self._scaler is None:
+                self._fused.step(max_grad_norm=self.grad_clip)  # clipping fused in
+            else:
                 # Unscale, clip and the overflow skip inside the update; the scale moves on the
                 # device: no host sync anywhere.
                 self._scaler.step(self._fused, max_grad_norm=self.grad_clip)
             return
         scaler = self._grad_scaler
+        # The first backward of a data-parallel step notes the order gradients arrive in:
+        # the buckets are planned from it.
+        recording = sync is not None and self._ready_hooks is None and self._needs_fusing
+        if recording:
+            self._ready_hooks = sync.record_ready_order(self._params)
         (scaler.scale(loss) if scaler else loss).backward()
+        if recording:
+            for handle in self._ready_hooks:
+                handle.remove()
+        if sync is not None:
+            sync.all_reduce_grads(self._params)  # (scaled) gradients, before clip and update
         # The update is ours, not the user's code: its syncs (GradScaler's) are not recorded.
         with self._sync.paused() if self._sync else contextlib.nullcontext():
             if self.grad_clip is not None:
@@ -329,6 +387,8 @@ class Step:
 
         unused = frozenset(id(p) for p in self._params if p.grad is None)
         self._fused = FusedOptimizer(self.optimizer, exclude=unused)
+        if self._gradsync is not None:
+            self._gradsync.use_buckets(self._fused)
         if self._grad_scaler is not None:
             self._scaler = DeviceLossScaler(self._device)
             self._scaler.load_state_dict(self._grad_scaler.state_dict())

@@ -1,0 +1,178 @@
+"""Data parallelism on the CPU: bucket planning, rank agreement, and a 2-rank gloo job."""
+
+import copy
+import os
+import tempfile
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import nimble_train as nt
+from nimble_train.distributed import World, plan_buckets
+from step_reference import MLP, assert_same_training, classification_batches, eager_loop
+
+
+# ---------------------------------------------------------------------- buckets
+
+
+def _offsets(sizes):
+    out = [0]
+    for n in sizes:
+        out.append(out[-1] + n)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_buckets_are_whole_contiguous_segments_within_the_size(seed):
+    g = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 40, (1,), generator=g))
+    sizes = torch.randint(1, 3000, (count,), generator=g).tolist()
+    offsets = _offsets(sizes)
+    ready = torch.randperm(count, generator=g).tolist()
+    limit = int(torch.randint(4, 20000, (1,), generator=g))
+    buckets = plan_buckets(offsets, ready, 4, limit)
+    covered = sorted(i for b in buckets for i in b.members)
+    assert covered == list(range(count))  # every segment once
+    for b in buckets:
+        assert b.members == list(range(b.members[0], b.members[-1] + 1))  # contiguous
+        assert (b.start, b.stop) == (offsets[b.members[0]], offsets[b.members[-1] + 1])
+        assert (b.stop - b.start) * 4 <= limit or len(b.members) == 1
+        assert b.ready_at == max(ready[i] for i in b.members)
+    assert [b.ready_at for b in buckets] == sorted(b.ready_at for b in buckets)
+
+
+def test_buckets_grow_from_the_end_whose_gradients_arrive_first():
+    # The backward reaches the last layers first: the first bucket holds the last segments.
+    sizes = [100] * 10
+    ready = list(range(9, -1, -1))
+    buckets = plan_buckets(_offsets(sizes), ready, 4, 4 * 250)
+    assert [b.members for b in buckets] == [[8, 9], [6, 7], [4, 5], [2, 3], [0, 1]]
+    buckets = plan_buckets(_offsets(sizes), list(range(10)), 4, 4 * 250)
+    assert [b.members for b in buckets] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_bucket_planning_rejects_bad_input():
+    with pytest.raises(ValueError, match="3 segments but 2 ready ranks"):
+        plan_buckets([0, 1, 2, 3], [0, 1], 4, 100)
+    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+        plan_buckets([0, 1], [0], 4, 0)
+
+
+# ---------------------------------------------------------------------- agreement
+
+
+def _run_ranks(facts_of_rank, size=2):
+    """World.agree on `size` threads sharing one store; returns each rank's error or None."""
+    store = dist.HashStore()
+    errors = [None] * size
+
+    def run(rank):
+        try:
+            World(rank, size, store, timeout_s=10, prefix="t").agree("test facts",
+                                                                    facts_of_rank(rank))
+        except nt.DistributedError as exc:
+            errors[rank] = str(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_agreeing_ranks_pass():
+    assert _run_ranks(lambda rank: {"parameters": 10, "batch": [[32, 3]]}, size=3) == [None] * 3
+
+
+def test_disagreeing_ranks_all_fail_naming_the_difference():
+    errors = _run_ranks(lambda rank: {"parameters": 10, "batch": [[32 + rank, 3]]})
+    assert errors[0] == errors[1] and errors[0] is not None
+    assert "batch is [[33, 3]] on rank 1 and [[32, 3]] on rank 0" in errors[0]
+
+
+def test_a_missing_rank_times_out_with_a_message():
+    store = dist.HashStore()
+    with pytest.raises(nt.DistributedError, match="waited 1 s for every rank"):
+        World(0, 2, store, timeout_s=1, prefix="t").agree("test facts", {"a": 1})
+
+
+def test_init_distributed_outside_torchrun_says_how_to_start(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(nt.DistributedError, match="torchrun --nproc_per_node=N"):
+        nt.init_distributed()
+
+
+def test_bucket_mb_must_be_positive():
+    model = MLP()
+    with pytest.raises(ValueError, match="bucket_mb must be a positive number"):
+        nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), bucket_mb=0)
+
+
+# ---------------------------------------------------------------------- a 2-rank job
+
+
+PER_RANK = 8
+
+
+def _worker(rank, world, init_file, result_file, mismatch):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = MLP(hidden=32 + (rank if mismatch else 0))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = nt.Step(model, opt, torch.nn.CrossEntropyLoss(reduction="none"), warmup=2)
+        batches = classification_batches(4, PER_RANK * world, seed=5)
+        try:
+            losses = [step(((x[rank * PER_RANK:(rank + 1) * PER_RANK]),
+                            y[rank * PER_RANK:(rank + 1) * PER_RANK])) for x, y in batches]
+        except nt.DistributedError as exc:
+            torch.save({"error": str(exc)}, f"{result_file}.{rank}")
+            return
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "losses": torch.stack(losses), "stats": step.stats()},
+                   f"{result_file}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(world, mismatch=False):
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file, result = os.path.join(tmp, "init"), os.path.join(tmp, "result")
+        mp.start_processes(_worker, args=(world, init_file, result, mismatch), nprocs=world,
+                           start_method="spawn")
+        return [torch.load(f"{result}.{r}", weights_only=False) for r in range(world)]
+
+
+def test_two_ranks_train_as_one_process_with_the_whole_batch():
+    results = _launch(2)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = classification_batches(4, PER_RANK * 2, seed=5)
+    losses = eager_loop(model, opt, torch.nn.CrossEntropyLoss(reduction="none"), batches)
+    reference = copy.deepcopy(model)
+    for result in results:
+        assert result["stats"]["world_size"] == 2
+        trained = MLP()
+        trained.load_state_dict(result["model"])
+        trained_opt = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+        trained_opt.load_state_dict(result["optimizer"])
+        assert_same_training(trained, trained_opt, reference, opt, rtol=1e-5, atol=1e-6)
+    # Each rank's loss is its half's mean; together they average to the whole batch's loss.
+    mean = (results[0]["losses"] + results[1]["losses"]) / 2
+    torch.testing.assert_close(mean, torch.stack(losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0]["model"].values(), results[1]["model"].values()):
+        assert torch.equal(a, b)  # identical replicas
+
+
+def test_ranks_with_different_models_fail_clearly_on_every_rank():
+    results = _launch(2, mismatch=True)
+    for result in results:
+        assert "the ranks disagree on the model, optimizer and Step options" in result["error"]
+        assert "parameters is" in result["error"]

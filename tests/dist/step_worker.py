@@ -1,0 +1,114 @@
+"""One rank of tests/dist/test_step_dist.py: nt.Step data-parallel under torchrun.
+
+    torchrun --nproc_per_node=N step_worker.py {equivalence,overlap,mismatch}
+
+Prints "rank R/N ok <wall time>" (or "rank R/N error: ...") as its last line before it leaves
+the process group; the test checks the lines and how soon the job exits after them.
+"""
+
+import copy
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import nimble_train as nt
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from step_reference import MLP, classification_batches, eager_loop  # noqa: E402
+
+per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+
+
+def checksum(model) -> torch.Tensor:
+    return torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
+
+
+def equivalence(info):
+    """N ranks of batch b train as one GPU with batch N*b; replicas stay identical."""
+    rank, world, device = info.rank, info.world_size, info.device
+    per_rank = 8
+    torch.manual_seed(0)
+    model = MLP(features=32, hidden=256, classes=7).to(device)
+    start = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    # Tiny buckets: several all-reduces per step, launched as their gradients arrive.
+    step = nt.Step(model, opt, per_sample, warmup=2, bucket_mb=0.05)
+    batches = classification_batches(8, per_rank * world, features=32, classes=7, seed=3,
+                                     device=device)
+    mine = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
+            for x, y in batches]
+    for b in mine:
+        step(b)
+    torch.cuda.synchronize()
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 6 and stats["world_size"] == world, stats
+    assert stats["buckets"] >= 3, stats
+
+    sums = [torch.zeros(len(list(model.parameters())), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(sums, checksum(model))  # gloo: CPU tensors
+    for other in sums[1:]:
+        assert torch.equal(other, sums[0]), "replicas differ after training"
+
+    # One process, the whole batch, the plain eager loop.
+    ref_opt = torch.optim.SGD(start.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    eager_loop(start, ref_opt, per_sample, batches)
+    for (name, a), b in zip(model.named_parameters(), start.parameters()):
+        torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    step.close()
+
+
+def overlap(info):
+    """The first bucket's all-reduce starts while the backward is still running."""
+    torch.manual_seed(1)
+    model = nt.models.resnet18_cifar().to(info.device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nt.Step(model, opt, per_sample, warmup=2, bucket_mb=4)
+    x = torch.randn(32, 3, 32, 32, device=info.device)
+    y = torch.randint(0, 10, (32,), device=info.device)
+    for _ in range(4):
+        step((x, y))
+    torch.cuda.synchronize()
+    assert step.stats()["captured"] and step.stats()["buckets"] >= 3, step.stats()
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step((x, y))
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.time_range.elapsed_us() >= 0), key=lambda e: e.time_range.start)
+    nccl = [e for e in kernels if "nccl" in e.name.lower()]
+    assert nccl, [e.name for e in kernels][:20]
+    first = nccl[0].time_range.start
+    during = [e.name for e in kernels if "nccl" not in e.name.lower()
+              and "nimble_train" not in e.name and e.time_range.start > first]
+    assert during, "no backward kernel ran after the first all-reduce started: no overlap"
+    print(f"rank {info.rank}: {len(nccl)} all-reduce kernels; {len(during)} backward kernels "
+          "started after the first one", flush=True)
+    step.close()
+
+
+def mismatch(info):
+    """Rank 1 builds a wider model: every rank fails at its first step with the reason."""
+    model = MLP(hidden=32 + info.rank).to(info.device)
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample)
+    x = torch.randn(8, 12, device=info.device)
+    step((x, torch.zeros(8, dtype=torch.long, device=info.device)))
+
+
+def main():
+    case = sys.argv[1]
+    info = nt.init_distributed(timeout_s=60)
+    prefix = f"rank {info.rank}/{info.world_size}"
+    try:
+        {"equivalence": equivalence, "overlap": overlap, "mismatch": mismatch}[case](info)
+        print(f"{prefix} ok {time.time():.3f}", flush=True)
+    except nt.DistributedError as exc:
+        print(f"{prefix} error: {exc} {time.time():.3f}", flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
