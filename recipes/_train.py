@@ -87,16 +87,53 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--grad-clip must be positive; got {args.grad_clip}")
 
 
-def refuse_multi_gpu(recipe: str) -> bool:
-    """True (after saying why) when launched by torchrun on several processes."""
+@dataclass
+class Job:
+    """Where this process sits in a torchrun job (one process: rank 0 of 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def join_job(recipe: str, args) -> Job | None:
+    """Under torchrun with several processes, joins the job: one GPU per process, data-parallel
+    through nt.Step (which all-reduces gradients inside its graph), rank 0 alone printing and
+    saving checkpoints. Returns None, after saying why, when the run cannot take part."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if world > 1:
-        print(f"{recipe}: launched with WORLD_SIZE={world}, but multi-GPU training arrives with "
-              "nimble_train's communication layer (bucketed NCCL all-reduce inside the step). "
-              "Run it on one GPU for now: python recipes/" + recipe + ".py ...",
+    if world == 1:
+        return Job()
+    if args.mode != "step":
+        print(f"{recipe}: under torchrun (WORLD_SIZE={world}) the recipes train data-parallel "
+              f"with nt.Step (--mode step); --mode {args.mode} would train {world} unrelated "
+              "models. Use --mode step, or run one process.", file=sys.stderr)
+        return None
+    if args.device not in (None, "cuda", "cpu"):
+        print(f"{recipe}: under torchrun each process takes the GPU torchrun gives it "
+              f"(LOCAL_RANK), or --device cpu; --device {args.device} does not apply",
               file=sys.stderr)
-        return True
-    return False
+        return None
+    if args.device == "cpu":  # a small data-parallel run on the CPU (gloo)
+        torch.distributed.init_process_group("gloo")
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    else:
+        info = nt.init_distributed()
+        args.device, rank, world = str(info.device), info.rank, info.world_size
+    if rank != 0:
+        sys.stdout = open(os.devnull, "w")  # rank 0 reports; every rank's errors reach stderr
+    return Job(rank, world)
+
+
+def leave_job(job: Job, train_step) -> None:
+    """Releases the step's communicator and leaves the process group, so the job exits."""
+    if job.world_size == 1:
+        return
+    if isinstance(train_step, nt.Step):
+        train_step.close()
+    torch.distributed.destroy_process_group()
 
 
 def pick_device(name: str | None) -> torch.device:
@@ -360,7 +397,7 @@ def resume(args, *, recipe: str, model, optimizer, scheduler, config: dict,
 def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
         epoch_batches: Callable[[int], Iterable], steps_per_epoch: int,
         evaluate: Callable[[], float], device: torch.device, start_step: int,
-        config: dict) -> Result:
+        config: dict, job: Job | None = None) -> Result:
     """Trains from step `start_step` to the end of args.epochs (or for args.steps steps),
     evaluating and checkpointing after every epoch and where --steps stops the run.
 
@@ -368,7 +405,8 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
     count alone says where training stands: a run resumed in the middle of an epoch skips the
     batches already seen and continues exactly.
     """
-    progress = Progress(device=device, batch=args.batch, every=args.log_every,
+    job = job or Job()
+    progress = Progress(device=device, batch=args.batch * job.world_size, every=args.log_every,
                         skip=max(5, args.warmup + 2))
     step_count, accuracy = start_step, float("nan")
     cap = args.steps if args.steps is not None else math.inf
@@ -394,7 +432,7 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
             where += f" (stopped by --steps after {done}/{steps_per_epoch} steps)"
         print(f"{where}: train loss {train_loss:.4f} (mean of the last {progress.last_count} "
               f"steps)  test accuracy {accuracy:.4f}", flush=True)
-        if args.save:
+        if args.save and job.main:
             save_checkpoint(args.save, recipe=recipe, model=model, optimizer=optimizer,
                             scheduler=scheduler, step=step_count,
                             steps_per_epoch=steps_per_epoch, config=config)

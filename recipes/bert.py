@@ -61,7 +61,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if _train.refuse_multi_gpu(RECIPE):
+    job = _train.join_job(RECIPE, args)
+    if job is None:
         return 2
     try:
         workloads.require_transformers()
@@ -77,7 +78,8 @@ def main(argv=None) -> int:
     train = workloads.synthetic_mlm(args.samples, args.seq, vocab, device=device, seed=args.seed)
     held_out = workloads.synthetic_mlm(args.eval_samples, args.seq, vocab, device=device,
                                        seed=args.seed + 10_000)
-    batches_per_epoch = args.samples // args.batch
+    # Under torchrun every rank takes its own share of each epoch's shuffled samples.
+    batches_per_epoch = args.samples // (args.batch * job.world_size)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.size]
     optimizer = workloads.bert_optimizer(model, lr, kind=args.optimizer)
     planned = _train.planned_steps(args, batches_per_epoch)
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
     def epoch_batches(epoch: int):
         g = torch.Generator(device=device).manual_seed(args.seed * 1000 + epoch)
         order = torch.randperm(args.samples, device=device, generator=g)
-        shuffled = {k: v[order] for k, v in train.items()}
+        mine = order[job.rank::job.world_size]  # the same order on every rank, disjoint shares
+        shuffled = {k: v[mine] for k, v in train.items()}
         return workloads.slice_batches(shuffled, args.batch)
 
     def evaluate() -> float:
@@ -116,11 +119,12 @@ def main(argv=None) -> int:
     result = _train.fit(args, recipe=RECIPE, model=model, optimizer=optimizer,
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
                         steps_per_epoch=batches_per_epoch, evaluate=evaluate, device=device,
-                        start_step=start_step, config=config)
+                        start_step=start_step, config=config, job=job)
     if line := _train.describe_step(train_step):
         print(line)
     print(_train.summary(RECIPE, args, f"bert-{args.size}", result,
-                         extra=f"seq={args.seq} data=synthetic"))
+                         extra=f"seq={args.seq} data=synthetic gpus={job.world_size}"))
+    _train.leave_job(job, train_step)
     return 0
 
 

@@ -188,7 +188,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if _train.refuse_multi_gpu(RECIPE):
+    job = _train.join_job(RECIPE, args)
+    if job is None:
         return 2
     device = _train.pick_device(args.device)
     amp = _train.amp_of(args, device, default_on_cuda=None)
@@ -209,15 +210,17 @@ def main(argv=None) -> int:
                   "class patterns): accuracies are not CIFAR-10 accuracies")
     dataset = GpuCifar.build(data, device)
     del data
-    batches_per_epoch = (dataset.size // args.batch if not args.keep_last_batch
-                         else -(-dataset.size // args.batch))
+    # Under torchrun every rank takes its own slice of each global batch of world x --batch.
+    span = args.batch * job.world_size
+    batches_per_epoch = (dataset.size // span if not args.keep_last_batch or job.world_size > 1
+                         else -(-dataset.size // span))
     if batches_per_epoch == 0:
         print(f"--batch {args.batch} is larger than the {dataset.size} training images",
               file=sys.stderr)
         return 2
 
     model = workloads.cifar_model(args.model, device, width=args.width)
-    lr = args.lr if args.lr is not None else 0.1 * args.batch / 128  # linear scaling from 0.1
+    lr = args.lr if args.lr is not None else 0.1 * span / 128  # linear scaling from 0.1
     optimizer = workloads.cifar_optimizer(model, lr)
     planned = _train.planned_steps(args, batches_per_epoch)
     scheduler = _train.make_scheduler(optimizer, args, planned, decay="cosine")
@@ -230,7 +233,9 @@ def main(argv=None) -> int:
     print(source)
     print(_train.describe_run(device, args, amp))
     print(f"{args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters, "
-          f"batch {args.batch}, {batches_per_epoch} steps per epoch, peak lr {lr:.3g}")
+          f"batch {args.batch}" + (f" per GPU x {job.world_size} GPUs" if job.world_size > 1
+                                    else "") +
+          f", {batches_per_epoch} steps per epoch, peak lr {lr:.3g}")
     try:
         train_step = _train.make_train_step(
             args.mode, model, optimizer, workloads.cifar_loss, device=device, amp=amp,
@@ -241,9 +246,10 @@ def main(argv=None) -> int:
         return 2
 
     def epoch_batches(epoch: int):
-        x, y = dataset.epoch(seed=args.seed * 1000 + epoch)
+        x, y = dataset.epoch(seed=args.seed * 1000 + epoch)  # the same order on every rank
         for i in range(batches_per_epoch):
-            yield x[i * args.batch:(i + 1) * args.batch], y[i * args.batch:(i + 1) * args.batch]
+            start = i * span + job.rank * args.batch
+            yield x[start:start + args.batch], y[start:start + args.batch]
 
     def evaluate() -> float:
         return evaluate_accuracy(model, dataset, device, amp, args.eval_samples)
@@ -251,11 +257,13 @@ def main(argv=None) -> int:
     result = _train.fit(args, recipe=RECIPE, model=model, optimizer=optimizer,
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
                         steps_per_epoch=batches_per_epoch, evaluate=evaluate, device=device,
-                        start_step=start_step, config=config)
+                        start_step=start_step, config=config, job=job)
     if line := _train.describe_step(train_step):
         print(line)
     data_kind = "real" if folder is not None else "synthetic"
-    print(_train.summary(RECIPE, args, args.model, result, extra=f"data={data_kind}"))
+    print(_train.summary(RECIPE, args, args.model, result,
+                         extra=f"data={data_kind} gpus={job.world_size}"))
+    _train.leave_job(job, train_step)
     return 0
 
 
