@@ -176,3 +176,32 @@ def test_ranks_with_different_models_fail_clearly_on_every_rank():
     for result in results:
         assert "the ranks disagree on the model, optimizer and Step options" in result["error"]
         assert "parameters is" in result["error"]
+
+
+def test_buckets_go_out_in_the_planned_order_whatever_order_they_fill():
+    # NCCL matches collectives by their order on each rank: a bucket that fills early waits
+    # until every bucket planned before it has gone out.
+    from nimble_train.distributed import Bucket, GradientSync
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(6)]
+    sync = GradientSync(World(0, 2, dist.HashStore(), prefix="t"), torch.device("cpu"), 1.0)
+    sync._buckets = [Bucket(torch.float32, 0, 4, params[0:2]),
+                     Bucket(torch.float32, 4, 8, params[2:4]),
+                     Bucket(torch.float32, 8, 12, params[4:6])]
+    sync._bucket_of = {id(p): i // 2 for i, p in enumerate(params)}
+    launched = []
+    sync._launch = lambda bucket: launched.append(sync._buckets.index(bucket))
+    for order in ([5, 4, 3, 2, 1, 0], [0, 1, 2, 3, 4, 5], [2, 4, 0, 3, 5, 1]):
+        launched.clear()
+        sync.begin()
+        trace = []
+        for i in order:
+            sync._on_ready(params[i])
+            trace.append(list(launched))
+        assert launched == [0, 1, 2], order
+        # Nothing goes out before bucket 0 is complete.
+        first_full = max(order.index(0), order.index(1))
+        assert all(t == [] for t in trace[:first_full]), (order, trace)
+    sync._active = False
+    sync._on_ready(params[0])  # outside a step: ignored
+    assert launched == [0, 1, 2]
