@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 
 import nimble_train as nt
 from nimble_train.bench.cli import _note, _one_line
-from nimble_train.bench.modes import _autocast, _eager_loop, _fresh
+from nimble_train.bench.modes import _autocast, _eager_loop, _fresh, graph_step
 from nimble_train.bench.report import _fmt, _number, read_json, title, write_json
 from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import Workload, forward_loss, make_workload
@@ -79,16 +79,7 @@ def ddp_graph(w: Workload, local_rank: int):
             static_loss = forward_loss(ddp, w.loss_fn, static)
         static_loss.backward()
         optimizer.step()
-    static_leaves = [t for t in pytree.tree_leaves(static) if isinstance(t, torch.Tensor)]
-
-    def step(batch):
-        leaves = [t for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-        for dst, src in zip(static_leaves, leaves):
-            dst.copy_(src, non_blocking=True)
-        graph.replay()
-        return static_loss
-    step.model = ddp
-    return step
+    return graph_step(graph, static, static_loss, ddp)
 
 
 def nt_step(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0) -> nt.Step:

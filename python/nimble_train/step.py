@@ -115,11 +115,15 @@ class Step:
         world = current_world()
         self._gradsync = GradientSync(world, self._device, bucket_mb) if world else None
         self._ready_hooks = None  # records the order gradients arrive in, in the first step
+        self._closed = False
 
     # ------------------------------------------------------------------ public API
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Runs one training step on `batch`; returns the loss (valid until the next call)."""
+        if self._closed:
+            raise NimbleError("this Step was closed (Step.close() released its graph and "
+                              "communicator); make a new nt.Step to train further")
         if self._template is None:
             template = _checked_first_template(batch, self._device)
             if self._gradsync is not None:
@@ -229,6 +233,7 @@ class Step:
         self._static_loss = None
         if self._gradsync is not None:
             self._gradsync.close()
+        self._closed = True
 
     def _side_stream(self) -> torch.cuda.Stream:
         if self._stream is None:

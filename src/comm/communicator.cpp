@@ -74,7 +74,7 @@ Communicator::~Communicator() {
   // that as in progress, so poll (with a bound: a vanished peer must not hang the exit), and
   // abort instead when it does not finish cleanly.
   ncclResult_t state = ncclCommFinalize(comm_);
-  const auto deadline = deadline_after(30.0);
+  const auto deadline = deadline_after(10.0);
   while (state == ncclInProgress && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::microseconds(100));
     if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) break;

@@ -202,3 +202,14 @@ def test_stats_report_the_lifecycle():
     assert stats["captured"] is False  # a CPU model runs eagerly
     for key in ("streams", "syncs", "graph_nodes", "pool_bytes"):
         assert key in stats
+
+
+def test_a_closed_step_refuses_to_run():
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   torch.nn.CrossEntropyLoss())
+    batch = classification_batches(1, 4)[0]
+    step(batch)
+    step.close()
+    with pytest.raises(nt.NimbleError, match="this Step was closed"):
+        step(batch)

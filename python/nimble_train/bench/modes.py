@@ -99,6 +99,12 @@ def hand_graph(w: Workload) -> StepFn:
             static_loss = forward_loss(model, w.loss_fn, static)
         static_loss.backward()
         optimizer.step()
+    return graph_step(graph, static, static_loss, model)
+
+
+def graph_step(graph: torch.cuda.CUDAGraph, static, static_loss: torch.Tensor, model) -> StepFn:
+    """The replay of a hand-captured whole-step graph: each call copies the batch into the
+    static inputs the graph was captured with and launches it."""
     static_leaves = [t for t in pytree.tree_leaves(static) if isinstance(t, torch.Tensor)]
 
     def step(batch):
