@@ -116,24 +116,24 @@ def join_job(recipe: str, args) -> Job | None:
               f"(LOCAL_RANK), or --device cpu; --device {args.device} does not apply",
               file=sys.stderr)
         return None
-    if args.device == "cpu":  # a small data-parallel run on the CPU (gloo)
-        torch.distributed.init_process_group("gloo")
-        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    else:
-        info = nt.init_distributed()
-        args.device, rank, world = str(info.device), info.rank, info.world_size
-    if rank != 0:
+    info = nt.init_distributed(device=args.device)  # --device cpu: a small run over gloo
+    args.device = str(info.device)
+    if info.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; every rank's errors reach stderr
-    return Job(rank, world)
+    return Job(info.rank, info.world_size)
 
 
-def leave_job(job: Job, train_step) -> None:
-    """Releases the step's communicator and leaves the process group, so the job exits."""
-    if job.world_size == 1:
-        return
-    if isinstance(train_step, nt.Step):
-        train_step.close()
-    torch.distributed.destroy_process_group()
+def finish(recipe: str, args, model_name: str, result: Result, train_step, job: Job,
+           extra: str) -> None:
+    """Prints what Step did and the summary line; under torchrun, releases the step's
+    communicator and leaves the process group, so that the job exits by itself."""
+    if line := describe_step(train_step):
+        print(line)
+    print(summary(recipe, args, model_name, result, extra=f"{extra} gpus={job.world_size}"))
+    if job.world_size > 1:
+        if isinstance(train_step, nt.Step):
+            train_step.close()
+        torch.distributed.destroy_process_group()
 
 
 def pick_device(name: str | None) -> torch.device:

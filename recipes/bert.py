@@ -120,11 +120,8 @@ def main(argv=None) -> int:
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
                         steps_per_epoch=batches_per_epoch, evaluate=evaluate, device=device,
                         start_step=start_step, config=config, job=job)
-    if line := _train.describe_step(train_step):
-        print(line)
-    print(_train.summary(RECIPE, args, f"bert-{args.size}", result,
-                         extra=f"seq={args.seq} data=synthetic gpus={job.world_size}"))
-    _train.leave_job(job, train_step)
+    _train.finish(RECIPE, args, f"bert-{args.size}", result, train_step, job,
+                  extra=f"seq={args.seq} data=synthetic")
     return 0
 
 

@@ -215,8 +215,8 @@ def main(argv=None) -> int:
     batches_per_epoch = (dataset.size // span if not args.keep_last_batch or job.world_size > 1
                          else -(-dataset.size // span))
     if batches_per_epoch == 0:
-        print(f"--batch {args.batch} is larger than the {dataset.size} training images",
-              file=sys.stderr)
+        print(f"--batch {args.batch} x {job.world_size} process(es) is larger than the "
+              f"{dataset.size} training images", file=sys.stderr)
         return 2
 
     model = workloads.cifar_model(args.model, device, width=args.width)
@@ -258,12 +258,8 @@ def main(argv=None) -> int:
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
                         steps_per_epoch=batches_per_epoch, evaluate=evaluate, device=device,
                         start_step=start_step, config=config, job=job)
-    if line := _train.describe_step(train_step):
-        print(line)
     data_kind = "real" if folder is not None else "synthetic"
-    print(_train.summary(RECIPE, args, args.model, result,
-                         extra=f"data={data_kind} gpus={job.world_size}"))
-    _train.leave_job(job, train_step)
+    _train.finish(RECIPE, args, args.model, result, train_step, job, extra=f"data={data_kind}")
     return 0
 
 

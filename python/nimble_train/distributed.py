@@ -27,12 +27,13 @@ collective that never matches. Joining the communicator and the first all-reduce
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import itertools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -57,13 +58,17 @@ class DistInfo:
     device: torch.device
 
 
-def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = None
+                     ) -> DistInfo:
     """Joins the job torchrun started: sets this process's GPU to ``LOCAL_RANK`` and initialises
     torch.distributed (gloo for CPU tensors, NCCL for CUDA ones) from torchrun's environment.
+    ``device="cpu"`` (or no CUDA) makes a CPU job over gloo alone.
 
     Safe to call when torch.distributed is already initialised (returns where this process
     sits). Multi-node jobs work the same way: torchrun's rendezvous sets the environment.
     """
+    if device not in (None, "cuda", "cpu"):
+        raise ValueError(f'init_distributed: device must be None, "cuda" or "cpu"; got {device!r}')
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     if not dist.is_initialized() and missing:
         raise DistributedError(
@@ -72,7 +77,10 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
             "`torchrun --nproc_per_node=N script.py` (add --nnodes/--rdzv-endpoint for several "
             "machines), or call torch.distributed.init_process_group yourself.")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cuda = torch.cuda.is_available()
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise DistributedError('init_distributed(device="cuda"), but torch.cuda.is_available() '
+                               "is False here")
     if cuda:
         count = torch.cuda.device_count()
         if local_rank >= count:
@@ -159,6 +167,7 @@ class Bucket:
     stop: int
     members: list[int]   # indices of its parameters in the flat buffer's order
     ready_at: int = 0    # position, in the warm-up's gradient order, of its last gradient
+    params: list = field(default_factory=list)  # the parameters themselves (GradientSync)
 
 
 def plan_buckets(offsets: Sequence[int], ready_rank: Sequence[int], element_size: int,
@@ -220,8 +229,7 @@ class GradientSync:
         self._hooks = []
         self._active = False
         self._checked_first = False
-        self._order: dict[int, int] = {}  # id(param) -> position in the gradient-ready order
-        self._recording = False
+        self._order: dict[int, int] | None = None  # id(param) -> place in the arrival order
 
     # ---------------------------------------------------------------- set-up
 
@@ -239,17 +247,29 @@ class GradientSync:
                                         self.device, self.world.timeout_s)
         self._stream = torch.cuda.Stream(self.device)
 
-    def record_ready_order(self, params: Sequence[torch.Tensor]):
-        """Hooks that note the order in which gradients arrive in the next backward."""
-        self._order = {}
+    @contextlib.contextmanager
+    def noting_arrival_order(self, params: Sequence[torch.Tensor]):
+        """Around the first backward: notes the order in which gradients arrive (the buckets
+        are planned from it); later, does nothing."""
+        if self._order is not None:
+            yield
+            return
+        order: dict[int, int] = {}
 
         def hook(p):
-            self._order.setdefault(id(p), len(self._order))
-        return [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+            order.setdefault(id(p), len(order))
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._order = order
 
     def use_buckets(self, fused) -> None:
         """Plans buckets over the fused optimizer's flat gradient buffers and hooks them."""
         bucket_bytes = max(1, int(self.bucket_mb * 2 ** 20))
+        self._order = self._order or {}
         unseen = len(self._order)
         self._buckets = []
         for dtype, flat in fused.flat_grads.items():
@@ -264,13 +284,13 @@ class GradientSync:
             self._flat[dtype] = flat
             planned = plan_buckets(offsets, ready, flat.element_size(), bucket_bytes, dtype)
             for bucket in planned:
-                bucket.members = [segments[i][0] for i in bucket.members]
+                bucket.params = [segments[i][0] for i in bucket.members]
             self._buckets += planned
         self._buckets.sort(key=lambda b: b.ready_at)
         self.world.agree("gradient buckets", {
             "buckets": fingerprint([(str(b.dtype), b.start, b.stop) for b in self._buckets])})
         for index, bucket in enumerate(self._buckets):
-            for p in bucket.members:
+            for p in bucket.params:
                 self._bucket_of[id(p)] = index
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_ready))
 
@@ -282,7 +302,7 @@ class GradientSync:
 
     def begin(self) -> None:
         """Before a backward that uses the buckets."""
-        self._remaining = [len(b.members) for b in self._buckets]
+        self._remaining = [len(b.params) for b in self._buckets]
         self._launched = 0
         self._active = True
 

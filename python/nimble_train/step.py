@@ -114,7 +114,6 @@ class Step:
         self._pool_bytes: int | None = None
         world = current_world()
         self._gradsync = GradientSync(world, self._device, bucket_mb) if world else None
-        self._ready_hooks = None  # records the order gradients arrive in, in the first step
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -324,15 +323,9 @@ class Step:
                 self._scaler.step(self._fused, max_grad_norm=self.grad_clip)
             return
         scaler = self._grad_scaler
-        # The first backward of a data-parallel step notes the order gradients arrive in:
-        # the buckets are planned from it.
-        recording = sync is not None and self._ready_hooks is None and self._needs_fusing
-        if recording:
-            self._ready_hooks = sync.record_ready_order(self._params)
-        (scaler.scale(loss) if scaler else loss).backward()
-        if recording:
-            for handle in self._ready_hooks:
-                handle.remove()
+        with (sync.noting_arrival_order(self._params) if sync is not None and self._needs_fusing
+              else contextlib.nullcontext()):
+            (scaler.scale(loss) if scaler else loss).backward()
         if sync is not None:
             sync.all_reduce_grads(self._params)  # (scaled) gradients, before clip and update
         # The update is ours, not the user's code: its syncs (GradScaler's) are not recorded.

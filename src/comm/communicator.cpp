@@ -168,13 +168,4 @@ void Communicator::wait(cudaStream_t stream, double timeout_s, const std::string
   cudaEventDestroy(done);
 }
 
-ncclDataType_t nccl_float_type(char kind, size_t element_size) {
-  if (kind == 'f' && element_size == 4) return ncclFloat32;
-  if (kind == 'f' && element_size == 8) return ncclFloat64;
-  if (kind == 'h' && element_size == 2) return ncclFloat16;
-  if (kind == 'b' && element_size == 2) return ncclBfloat16;
-  NT_FAIL("no NCCL float type for kind '", kind, "' of ", element_size, " bytes; gradients are "
-          "float32, float64, float16 or bfloat16");
-}
-
 }  // namespace nimble_train::comm

@@ -57,8 +57,4 @@ class Communicator {
   int device_ = 0;
 };
 
-// ncclDataType_t of a float32 / float16 / bfloat16 / float64 element, by its size and kind:
-// 'f' float32 (4) or float64 (8), 'h' float16, 'b' bfloat16.
-ncclDataType_t nccl_float_type(char kind, size_t element_size);
-
 }  // namespace nimble_train::comm

@@ -185,9 +185,8 @@ def test_buckets_go_out_in_the_planned_order_whatever_order_they_fill():
 
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(6)]
     sync = GradientSync(World(0, 2, dist.HashStore(), prefix="t"), torch.device("cpu"), 1.0)
-    sync._buckets = [Bucket(torch.float32, 0, 4, params[0:2]),
-                     Bucket(torch.float32, 4, 8, params[2:4]),
-                     Bucket(torch.float32, 8, 12, params[4:6])]
+    sync._buckets = [Bucket(torch.float32, 4 * i, 4 * i + 4, [2 * i, 2 * i + 1],
+                            params=params[2 * i:2 * i + 2]) for i in range(3)]
     sync._bucket_of = {id(p): i // 2 for i, p in enumerate(params)}
     launched = []
     sync._launch = lambda bucket: launched.append(sync._buckets.index(bucket))
@@ -205,3 +204,35 @@ def test_buckets_go_out_in_the_planned_order_whatever_order_they_fill():
     sync._active = False
     sync._on_ready(params[0])  # outside a step: ignored
     assert launched == [0, 1, 2]
+
+
+def test_buckets_over_the_fused_flat_buffers_follow_the_backward():
+    # The set-up the captured step uses, on the CPU with a one-rank store: the first backward
+    # notes the arrival order, buckets are cut from the fused optimizer's flat gradients, and
+    # in a later backward every bucket goes out, in the planned order, as soon as it fills.
+    from nimble_train.distributed import GradientSync
+    from nimble_train.optim import FusedOptimizer
+
+    torch.manual_seed(0)
+    model = MLP(features=64, hidden=256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = classification_batches(1, 8, features=64)[0]
+    loss_fn = torch.nn.CrossEntropyLoss()
+    sync = GradientSync(World(0, 1, dist.HashStore(), prefix="t"), torch.device("cpu"), 0.05)
+    with sync.noting_arrival_order(list(model.parameters())):
+        loss_fn(model(x), y).backward()
+    with sync.noting_arrival_order(list(model.parameters())):
+        pass  # only the first backward is noted
+    fused = FusedOptimizer(opt)
+    sync.use_buckets(fused)
+    assert sync.num_buckets >= 3
+    bucketed = [p for b in sync._buckets for p in b.params]
+    assert sorted(map(id, bucketed)) == sorted(id(p) for p in model.parameters())
+    launched = []
+    sync._launch = lambda bucket: launched.append(bucket)
+    sync.begin()
+    fused.zero_grad()
+    loss_fn(model(x), y).backward()
+    assert launched == sync._buckets  # all of them, in order, during the backward
+    # The head's gradients arrive first: the first bucket holds the last layer.
+    assert sync._buckets[0].params[-1] is list(model.parameters())[-1]
