@@ -50,8 +50,10 @@ class Step:
             graph), "eager" (run it eagerly) or "error" (raise ShapeError).
         capture: False runs every step eagerly with the same semantics (debugging, CPU).
         bucket_mb: in a data-parallel job (torch.distributed initialised with several ranks,
-            e.g. by ``nt.init_distributed()`` under torchrun), the size of the gradient buckets
-            that are all-reduced while the backward goes on.
+            e.g. by ``nt.init_distributed()`` under torchrun), the largest size of the gradient
+            buckets that are all-reduced while the backward goes on. The last buckets to fill
+            are smaller (1 MiB for the very last, doubling back toward ``bucket_mb``): what is
+            all-reduced after the backward ends is not hidden by it.
     """
 
     def __init__(

@@ -33,7 +33,8 @@ def test_buckets_are_whole_contiguous_segments_within_the_size(seed):
     offsets = _offsets(sizes)
     ready = torch.randperm(count, generator=g).tolist()
     limit = int(torch.randint(4, 20000, (1,), generator=g))
-    buckets = plan_buckets(offsets, ready, 4, limit)
+    last = int(torch.randint(4, 20000, (1,), generator=g))
+    buckets = plan_buckets(offsets, ready, 4, limit, last_bucket_bytes=last)
     covered = sorted(i for b in buckets for i in b.members)
     assert covered == list(range(count))  # every segment once
     for b in buckets:
@@ -42,23 +43,40 @@ def test_buckets_are_whole_contiguous_segments_within_the_size(seed):
         assert (b.stop - b.start) * 4 <= limit or len(b.members) == 1
         assert b.ready_at == max(ready[i] for i in b.members)
     assert [b.ready_at for b in buckets] == sorted(b.ready_at for b in buckets)
+    # Limits double going away from the end whose gradients arrive last.
+    by_start = sorted(buckets, key=lambda b: b.start)
+    half = count // 2
+    if not (half and sum(ready[half:]) < sum(ready[:half])):  # the high end arrives last
+        by_start.reverse()
+    cap = min(limit, last)
+    for b in by_start:
+        assert (b.stop - b.start) * 4 <= cap or len(b.members) == 1
+        cap = min(2 * cap, limit)
 
 
-def test_buckets_grow_from_the_end_whose_gradients_arrive_first():
-    # The backward reaches the last layers first: the first bucket holds the last segments.
+def test_buckets_shrink_toward_the_end_whose_gradients_arrive_last():
+    # The backward reaches the first layers last: the last bucket to fill holds at most
+    # last_bucket_bytes, and each bucket before it at most twice the one after.
     sizes = [100] * 10
-    ready = list(range(9, -1, -1))
-    buckets = plan_buckets(_offsets(sizes), ready, 4, 4 * 250)
+    ready = list(range(9, -1, -1))  # segment 9 arrives first, segment 0 last
+    buckets = plan_buckets(_offsets(sizes), ready, 4, 4 * 400, last_bucket_bytes=4 * 100)
+    assert [b.members for b in buckets] == [[7, 8, 9], [3, 4, 5, 6], [1, 2], [0]]
+    assert [b.ready_at for b in buckets] == [2, 6, 8, 9]
+    buckets = plan_buckets(_offsets(sizes), list(range(10)), 4, 4 * 400,
+                           last_bucket_bytes=4 * 100)
+    assert [b.members for b in buckets] == [[0, 1, 2], [3, 4, 5, 6], [7, 8], [9]]
+    # A limit under the last bucket's size caps every bucket.
+    buckets = plan_buckets(_offsets(sizes), ready, 4, 4 * 250, last_bucket_bytes=4 * 1000)
     assert [b.members for b in buckets] == [[8, 9], [6, 7], [4, 5], [2, 3], [0, 1]]
-    buckets = plan_buckets(_offsets(sizes), list(range(10)), 4, 4 * 250)
-    assert [b.members for b in buckets] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
 
 
 def test_bucket_planning_rejects_bad_input():
     with pytest.raises(ValueError, match="3 segments but 2 ready ranks"):
         plan_buckets([0, 1, 2, 3], [0, 1], 4, 100)
-    with pytest.raises(ValueError, match="bucket_bytes must be positive"):
+    with pytest.raises(ValueError, match="bucket_bytes and last_bucket_bytes must be positive"):
         plan_buckets([0, 1], [0], 4, 0)
+    with pytest.raises(ValueError, match="must be positive; got 4 and 0"):
+        plan_buckets([0, 1], [0], 4, 4, last_bucket_bytes=0)
 
 
 # ---------------------------------------------------------------------- agreement

@@ -1,6 +1,6 @@
 """One rank of tests/dist/test_step_dist.py: nt.Step data-parallel under torchrun.
 
-    torchrun --nproc_per_node=N step_worker.py {equivalence,overlap,mismatch}
+    torchrun --nproc_per_node=N step_worker.py {equivalence,syncbn,overlap,mismatch}
 
 Prints "rank R/N ok <wall time>" (or "rank R/N error: ...") as its last line before it leaves
 the process group; the test checks the lines and how soon the job exits after them.
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import nimble_train as nt
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from step_reference import MLP, classification_batches, eager_loop  # noqa: E402
+from step_reference import MLP, SmallCNN, classification_batches, eager_loop  # noqa: E402
 
 per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 
@@ -57,6 +57,43 @@ def equivalence(info):
     eager_loop(start, ref_opt, per_sample, batches)
     for (name, a), b in zip(model.named_parameters(), start.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    step.close()
+
+
+def syncbn(info):
+    """SyncBatchNorm inside the captured step: its statistics span every rank's samples, so N
+    ranks of batch b train as one process with plain BatchNorm and batch N*b, running
+    statistics included."""
+    rank, world, device = info.rank, info.world_size, info.device
+    torch.backends.cudnn.allow_tf32 = False  # the one-process reference sums in another order
+    per_rank = 8
+    torch.manual_seed(0)
+    start = SmallCNN(classes=7).to(device)
+    model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(copy.deepcopy(start))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nt.Step(model, opt, per_sample, warmup=2, bucket_mb=0.001)
+    batches = classification_batches(8, per_rank * world, classes=7, seed=5, device=device,
+                                     image=True)
+    # Ranks get different halves: with per-replica statistics the result would differ.
+    for x, y in batches:
+        step((x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]))
+    torch.cuda.synchronize()
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 6 and stats["world_size"] == world, stats
+
+    state = [t.detach().double().sum() for t in model.state_dict().values()]
+    sums = [torch.zeros(len(state), dtype=torch.float64) for _ in range(world)]
+    dist.all_gather(sums, torch.stack(state).cpu())
+    for other in sums[1:]:
+        assert torch.equal(other, sums[0]), "replicas differ after training"
+
+    ref_opt = torch.optim.SGD(start.parameters(), lr=0.05, momentum=0.9)
+    eager_loop(start, ref_opt, per_sample, batches)
+    ours, ref = model.state_dict(), start.state_dict()
+    assert list(ours) == list(ref), (list(ours), list(ref))
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{n}: {m}")
     step.close()
 
 
@@ -102,7 +139,8 @@ def main():
     info = nt.init_distributed(timeout_s=60)
     prefix = f"rank {info.rank}/{info.world_size}"
     try:
-        {"equivalence": equivalence, "overlap": overlap, "mismatch": mismatch}[case](info)
+        {"equivalence": equivalence, "syncbn": syncbn, "overlap": overlap,
+         "mismatch": mismatch}[case](info)
         print(f"{prefix} ok {time.time():.3f}", flush=True)
     except nt.DistributedError as exc:
         print(f"{prefix} error: {exc} {time.time():.3f}", flush=True)

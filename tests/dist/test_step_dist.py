@@ -39,6 +39,12 @@ def test_ranks_train_as_one_gpu_with_the_whole_batch_and_stay_identical():
     assert exit_after < 15, f"the job took {exit_after:.1f} s to exit after its last step"
 
 
+def test_sync_batchnorm_in_the_graph_trains_as_one_gpu_with_the_whole_batch():
+    code, output, status, exit_after = torchrun("syncbn")
+    assert code == 0 and all(s == "ok" for s in status), output
+    assert exit_after < 15, f"the job took {exit_after:.1f} s to exit after its last step"
+
+
 def test_all_reduce_overlaps_the_backward():
     code, output, status, _ = torchrun("overlap")
     assert code == 0 and all(s == "ok" for s in status), output
