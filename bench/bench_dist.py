@@ -5,13 +5,16 @@ nt.Step on one GPU (the baseline for the scaling efficiency), then starts one wo
 through torch.distributed.run and reads what rank 0 reports.
 
     python bench/bench_dist.py --gpus 2 [--model resnet18|bert] [--batch 32] [--steps 50]
-                               [--repeats 5] [--json out.json]
+                               [--repeats 5] [--bucket-mb 25 ...] [--sync-bn] [--json out.json]
 
 Each worker runs the same modes one after the other, each with a fresh model and optimizer
 from the same seed and its own synthetic data (seed + rank), --batch samples per GPU:
 ddp-eager (DistributedDataParallel, eager loop), ddp-graph (PyTorch's recipe for capturing
 a whole DDP step as one CUDA graph) and step (nt.Step, which all-reduces gradients inside its
 own graph). A row's time is the slowest rank's median of --repeats runs of --steps steps.
+With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
+(statistics over all GPUs' samples, two NCCL collectives per layer and step); the one-GPU
+baseline keeps BatchNorm.
 """
 
 from __future__ import annotations
@@ -137,6 +140,9 @@ def worker(args) -> int:
     info = nt.init_distributed()
     torch.backends.cudnn.benchmark = True
     w = make_workload(args.model, args.batch, info.device, seed=SEED + info.rank)
+    if args.sync_bn:
+        make_model = w.make_model
+        w.make_model = lambda: torch.nn.SyncBatchNorm.convert_sync_batchnorm(make_model())
     rows, step, last_step_wall = [], None, None
     # "step" last, so that its communicator is the last one to close; one row per bucket size.
     runs = [("ddp-eager", None), ("ddp-graph", None)] + [("step", mb) for mb in args.bucket_mb]
@@ -162,6 +168,7 @@ def worker(args) -> int:
                 "world_size": info.world_size, "steps": args.steps, "repeats": args.repeats,
                 "gpu": torch.cuda.get_device_name(info.device), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "nimble_train": nt.__version__,
+                "sync_bn": args.sync_bn,
                 "last_step_wall": last_step_wall}
         write_json(args.worker_out, rows, meta)
     if step is not None and callable(getattr(step, "close", None)):
@@ -201,6 +208,8 @@ def run_torchrun(args, out_path: str) -> tuple[int, str, float]:
                "--gpus", str(args.gpus), "--model", args.model, "--batch", str(args.batch),
                "--steps", str(args.steps), "--repeats", str(args.repeats),
                "--bucket-mb", *map(str, args.bucket_mb), "--worker-out", out_path]
+    if args.sync_bn:
+        command.append("--sync-bn")
     # stderr goes to a file rather than a pipe: workers that outlive torchrun would hold a
     # pipe open and block the read.
     with tempfile.TemporaryFile("w+") as err:
@@ -239,7 +248,8 @@ def add_ratios(rows: list[dict], baseline: dict) -> None:
 def format_table(rows: list[dict], meta: dict) -> str:
     head = (f"{'mode':<24}  {'GPUs':>4}  {'batch/GPU':>9}  {'ms/step':>8}  {'samples/s':>10}  "
             f"{'scaling':>7}  {'vs DDP eager':>12}  {'vs DDP graph':>12}  note")
-    lines = [f"{title(meta)}, {meta['model']}, batch {meta['batch']} per GPU",
+    sync_bn = ", SyncBatchNorm on N GPUs" if meta.get("sync_bn") else ""
+    lines = [f"{title(meta)}, {meta['model']}, batch {meta['batch']} per GPU{sync_bn}",
              f"median of {meta['repeats']} x {meta['steps']} steps, CUDA events, slowest rank; "
              "samples/s over all GPUs; scaling: per-GPU throughput vs nt.Step on one GPU",
              head, "-" * len(head)]
@@ -311,6 +321,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="repeats; the median is kept")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0],
                         help="nt.Step's gradient bucket size(s) in MB; one row each (25)")
+    parser.add_argument("--sync-bn", action="store_true",
+                        help="on N GPUs, convert BatchNorm to SyncBatchNorm (every mode)")
     parser.add_argument("--json", help="also write the rows and metadata to this file")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)

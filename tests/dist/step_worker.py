@@ -1,6 +1,6 @@
 """One rank of tests/dist/test_step_dist.py: nt.Step data-parallel under torchrun.
 
-    torchrun --nproc_per_node=N step_worker.py {equivalence,syncbn,overlap,mismatch}
+    torchrun --nproc_per_node=N step_worker.py {equivalence,clipped,unfused,syncbn,overlap,mismatch}
 
 Prints "rank R/N ok <wall time>" (or "rank R/N error: ...") as its last line before it leaves
 the process group; the test checks the lines and how soon the job exits after them.
@@ -10,6 +10,7 @@ import copy
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -26,16 +27,15 @@ def checksum(model) -> torch.Tensor:
     return torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
 
 
-def equivalence(info):
+def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05):
     """N ranks of batch b train as one GPU with batch N*b; replicas stay identical."""
     rank, world, device = info.rank, info.world_size, info.device
     per_rank = 8
     torch.manual_seed(0)
     model = MLP(features=32, hidden=256, classes=7).to(device)
     start = copy.deepcopy(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    # Tiny buckets: several all-reduces per step, launched as their gradients arrive.
-    step = nt.Step(model, opt, per_sample, warmup=2, bucket_mb=0.05)
+    step = nt.Step(model, make_optimizer(model.parameters()), per_sample, warmup=2,
+                   grad_clip=grad_clip, bucket_mb=bucket_mb)
     batches = classification_batches(8, per_rank * world, features=32, classes=7, seed=3,
                                      device=device)
     mine = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
@@ -45,7 +45,6 @@ def equivalence(info):
     torch.cuda.synchronize()
     stats = step.stats()
     assert stats["captured"] and stats["replays"] == 6 and stats["world_size"] == world, stats
-    assert stats["buckets"] >= 3, stats
 
     sums = [torch.zeros(len(list(model.parameters())), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(sums, checksum(model))  # gloo: CPU tensors
@@ -53,11 +52,40 @@ def equivalence(info):
         assert torch.equal(other, sums[0]), "replicas differ after training"
 
     # One process, the whole batch, the plain eager loop.
-    ref_opt = torch.optim.SGD(start.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
-    eager_loop(start, ref_opt, per_sample, batches)
+    eager_loop(start, make_optimizer(start.parameters()), per_sample, batches,
+               grad_clip=grad_clip)
     for (name, a), b in zip(model.named_parameters(), start.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
     step.close()
+    return stats
+
+
+def equivalence(info):
+    # Tiny buckets: several all-reduces per step, launched as their gradients arrive.
+    stats = _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9,
+                                                             weight_decay=1e-4))
+    assert stats["buckets"] >= 3, stats
+
+
+def clipped(info):
+    """The clip sees the global norm of the averaged gradients, not of a rank's own."""
+    torch.manual_seed(0)
+    probe = MLP(features=32, hidden=256, classes=7)
+    x, y = classification_batches(1, 8 * info.world_size, features=32, classes=7, seed=3)[0]
+    per_sample(probe(x), y).mean().backward()
+    norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf"))
+    assert norm > 0.2, f"the clip at 0.05 would not act (first gradient norm {norm:.3f})"
+    _as_one_gpu(info, lambda params: torch.optim.AdamW(params, lr=1e-3), grad_clip=0.05)
+
+
+def unfused(info):
+    """An optimizer Step cannot fuse: one all-reduce of the concatenated gradients."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "captures the optimizer's own step()"
+        # eps well above rounding: a gradient that differs from the reference's by rounding
+        # near zero must not move its update by more than the tolerance.
+        stats = _as_one_gpu(info, lambda params: torch.optim.RMSprop(params, lr=1e-3, eps=1e-4))
+    assert stats["buckets"] == 0, stats
 
 
 def syncbn(info):
@@ -139,8 +167,9 @@ def main():
     info = nt.init_distributed(timeout_s=60)
     prefix = f"rank {info.rank}/{info.world_size}"
     try:
-        {"equivalence": equivalence, "syncbn": syncbn, "overlap": overlap,
-         "mismatch": mismatch}[case](info)
+        cases = {"equivalence": equivalence, "clipped": clipped, "unfused": unfused,
+                 "syncbn": syncbn, "overlap": overlap, "mismatch": mismatch}
+        cases[case](info)
         print(f"{prefix} ok {time.time():.3f}", flush=True)
     except nt.DistributedError as exc:
         print(f"{prefix} error: {exc} {time.time():.3f}", flush=True)

@@ -39,6 +39,12 @@ def test_ranks_train_as_one_gpu_with_the_whole_batch_and_stay_identical():
     assert exit_after < 15, f"the job took {exit_after:.1f} s to exit after its last step"
 
 
+@pytest.mark.parametrize("case", ["clipped", "unfused"])
+def test_clipping_and_unfused_optimizers_see_the_averaged_gradients(case):
+    code, output, status, _ = torchrun(case)
+    assert code == 0 and all(s == "ok" for s in status), output
+
+
 def test_sync_batchnorm_in_the_graph_trains_as_one_gpu_with_the_whole_batch():
     code, output, status, exit_after = torchrun("syncbn")
     assert code == 0 and all(s == "ok" for s in status), output
