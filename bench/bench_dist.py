@@ -13,7 +13,8 @@ ddp-eager (DistributedDataParallel, eager loop), ddp-graph (PyTorch's recipe for
 a whole DDP step as one CUDA graph) and step (nt.Step, which all-reduces gradients inside its
 own graph). A row's time is the slowest rank's median of --repeats runs of --steps steps.
 With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
-(statistics over all GPUs' samples, two NCCL collectives per layer and step); the one-GPU
+(statistics over all GPUs' samples: one all-gather in the forward and one all-reduce in the
+backward per layer); the one-GPU
 baseline keeps BatchNorm.
 """
 
