@@ -24,6 +24,9 @@ class _Leaf:
     device: torch.device | None
     batched: bool  # leading dimension is the batch dimension
     value: Any = None  # a non-tensor leaf's value, which the graph bakes in
+    # The first batch's memory layout (channels_last stays channels_last), or contiguous when
+    # it was not dense: the static buffer keeps it, so capture sees the tensors warm-up saw.
+    stride: tuple[int, ...] | None = None
 
 
 def _describe(leaf: Any) -> str:
@@ -50,7 +53,9 @@ class BatchTemplate:
             path = "batch" + pytree.keystr(key_path)
             if isinstance(leaf, torch.Tensor):
                 batched = leaf.dim() >= 1 and leaf.shape[0] == self.batch_size
-                self.leaves.append(_Leaf(path, tuple(leaf.shape), leaf.dtype, leaf.device, batched))
+                stride = torch.empty_like(leaf, device="meta").stride()  # dense layout kept
+                self.leaves.append(_Leaf(path, tuple(leaf.shape), leaf.dtype, leaf.device, batched,
+                                         stride=tuple(stride)))
             else:
                 self.leaves.append(_Leaf(path, None, None, None, False, leaf))
 
@@ -123,12 +128,13 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 class StaticBatch:
-    """Static buffers shaped like the template, which a captured graph reads its inputs from."""
+    """Static buffers shaped and laid out like the template's tensors, which a captured graph
+    reads its inputs from."""
 
     def __init__(self, template: BatchTemplate, leaves: list[Any], samples: int):
         self.template = template
         self.leaves = [
-            torch.empty(spec.shape, dtype=spec.dtype, device=spec.device)
+            torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
             if spec.shape is not None else leaf
             for spec, leaf in zip(template.leaves, leaves)
         ]

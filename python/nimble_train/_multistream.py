@@ -136,6 +136,10 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device):
     """
     if streams == 1:
         return None, "streams=1"
+    if _compiled(model):
+        # fx would trace the original modules and run them uncompiled; inductor's own kernels
+        # run on one stream.
+        return None, "the model contains torch.compile'd modules, whose kernels inductor plans"
     try:
         graph = trace_operators(model)
     except Exception as exc:  # fx raises many kinds of errors on untraceable code
@@ -146,6 +150,11 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device):
     if forward.num_streams == 1:
         return None, "the traced forward is a chain: no two operators can run side by side"
     return forward, None
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    from torch._dynamo.eval_frame import OptimizedModule
+    return any(isinstance(m, OptimizedModule) for m in model.modules())
 
 
 def warn_single_stream(reason: str) -> None:

@@ -1,16 +1,21 @@
-"""Finds host synchronisations in eager warm-up steps, naming the op and the user's line."""
+"""Finds host synchronisations in eager warm-up steps, naming the expression and the user's line.
+
+Nothing here changes what torch.compile sees: no torch-function or dispatch mode is pushed
+(dynamo guards on the mode stack, so code compiled in a warm-up step under a mode would be
+compiled again, inside the capture, and fail there).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import linecache
 import os
-import traceback
+import sys
+import types
 import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _PACKAGE_DIR = os.path.dirname(__file__)
@@ -20,7 +25,7 @@ _SYNC_MESSAGE = "synchronizing CUDA operation"
 
 @dataclass(frozen=True)
 class SyncRecord:
-    op: str  # the torch function that synchronised, e.g. "Tensor.item"
+    op: str  # the expression that synchronised, e.g. "x.abs().max().item()"
     filename: str
     lineno: int
     line: str  # the source line
@@ -29,25 +34,31 @@ class SyncRecord:
         return f"{self.op} at {self.filename}:{self.lineno}: {self.line}"
 
 
-def _user_frame(stack: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
-    """The innermost frame outside torch, nimble_train and the standard library."""
-    for frame in reversed(stack):
-        path = os.path.abspath(frame.filename)
+def _user_frame(frame: types.FrameType | None) -> types.FrameType | None:
+    """The innermost frame, from `frame` outwards, outside torch, nimble_train and the standard
+    library (the outermost frame when all are inside)."""
+    last = None
+    while frame is not None:
+        path = os.path.abspath(frame.f_code.co_filename)
         if not path.startswith((_TORCH_DIR, _PACKAGE_DIR, _STDLIB_DIR)) and "<frozen" not in path:
             return frame
-    return stack[-1] if stack else None
+        last, frame = frame, frame.f_back
+    return last
 
 
-class _CurrentOp(TorchFunctionMode):
-    """Remembers the outermost torch function being run, to name the op that synchronised."""
-
-    def __init__(self):
-        super().__init__()
-        self.op = "an operation"
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.op = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-        return func(*args, **(kwargs or {}))
+def expression(frame: types.FrameType) -> str:
+    """The source of the expression `frame` is running, e.g. "x.abs().max().item()" in
+    "scale = x.abs().max().item()", from the columns of its current instruction; "an
+    operation" when they are unknown or span several lines."""
+    try:
+        line, end_line, start, end = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+    except (AttributeError, IndexError):
+        return "an operation"
+    if None in (line, end_line, start, end) or line != end_line:
+        return "an operation"
+    text = linecache.getline(frame.f_code.co_filename, line)
+    span = text.encode("utf-8")[start:end].decode("utf-8", "replace").strip()  # byte columns
+    return span or "an operation"
 
 
 class SyncRecorder:
@@ -69,8 +80,6 @@ class SyncRecorder:
         warnings.filterwarnings("ignore", message=".*debug mode is a prototype feature.*")
         self._show = warnings.showwarning
         warnings.showwarning = self._on_warning
-        self._op = _CurrentOp()
-        self._op.__enter__()
         torch.cuda.set_sync_debug_mode("warn")
         self._active = True
         return self
@@ -78,7 +87,6 @@ class SyncRecorder:
     def __exit__(self, *exc) -> None:
         self._active = False
         torch.cuda.set_sync_debug_mode(self._previous_mode)
-        self._op.__exit__(*exc)
         self._warnings.__exit__(*exc)
 
     @contextlib.contextmanager
@@ -97,10 +105,11 @@ class SyncRecorder:
         if _SYNC_MESSAGE not in str(message):
             self._show(message, category, filename, lineno, file, line)
             return
-        frame = _user_frame(traceback.extract_stack()[:-1])
+        frame = _user_frame(sys._getframe(1))
         if frame is None:
             return
-        text = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-        record = SyncRecord(self._op.op, frame.filename, frame.lineno, text)
+        filename, lineno = frame.f_code.co_filename, frame.f_lineno
+        text = linecache.getline(filename, lineno).strip()
+        record = SyncRecord(expression(frame), filename, lineno, text)
         if record not in self.records:
             self.records.append(record)

@@ -43,3 +43,11 @@ def test_untraceable_model_falls_back_with_the_reason():
 def test_one_stream_asked_for():
     forward, reason = build_multistream(InceptionNet(), 1, torch.device("cpu"))
     assert forward is None and reason == "streams=1"
+
+
+def test_compiled_modules_keep_one_stream_with_the_reason():
+    # fx would trace through torch.compile's wrapper and run the original modules uncompiled.
+    model = InceptionNet(cells=1)
+    for compiled in (torch.compile(model), torch.nn.Sequential(torch.compile(model))):
+        forward, reason = build_multistream(compiled, "auto", torch.device("cpu"))
+        assert forward is None and "torch.compile'd modules" in reason

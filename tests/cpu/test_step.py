@@ -213,3 +213,40 @@ def test_a_closed_step_refuses_to_run():
     step.close()
     with pytest.raises(nt.NimbleError, match="this Step was closed"):
         step(batch)
+
+
+def _running_expression():
+    """What the caller is running while it waits for this call (as a host sync's caller is)."""
+    import sys
+    from nimble_train._sync import expression
+    return expression(sys._getframe(1))
+
+
+def test_host_syncs_are_named_by_the_expression_that_ran():
+    # Step names a host sync by the running expression of the user's frame (no torch-function
+    # mode, which would make torch.compile compile the warm-up's code again inside the capture).
+    found = [_running_expression(), None][0]
+    assert found == "_running_expression()"
+    found = (_running_expression
+             ())
+    assert found == "an operation"  # the call spans two lines
+
+
+def test_static_batch_keeps_the_first_batch_layout():
+    # A captured graph reads the static buffers: channels_last inputs stay channels_last (as
+    # warm-up saw them), a non-dense first batch gets contiguous buffers, short batches fill
+    # the leading rows.
+    from nimble_train._batch import BatchTemplate, StaticBatch
+
+    x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
+    y = torch.arange(4)
+    static = StaticBatch(BatchTemplate((x, y)), [x, y], 4)
+    assert static.leaves[0].stride() == x.stride() != torch.randn(4, 3, 8, 8).stride()
+    assert torch.equal(static.leaves[0], x) and torch.equal(static.leaves[1], y)
+    short = torch.randn(3, 3, 8, 8)  # contiguous: copied into the channels_last buffer
+    static.copy_in([short, y[:3]], 3)
+    assert torch.equal(static.leaves[0][:3], short) and torch.equal(static.leaves[0][3], x[3])
+
+    gaps = torch.randn(4, 3, 8, 16)[..., ::2]
+    static = StaticBatch(BatchTemplate((gaps, y)), [gaps, y], 4)
+    assert static.leaves[0].is_contiguous() and torch.equal(static.leaves[0], gaps)
