@@ -60,6 +60,9 @@ def base_parser(doc: str, *, batch: int, epochs: int, amp_help: str,
     g = p.add_argument_group("nt.Step options (--mode step)")
     g.add_argument("--streams", type=_streams, default="auto", help='"auto" or at most N')
     g.add_argument("--warmup", type=int, default=3, help="eager steps before capture (3)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model inside nt.Step: the graph captures inductor's "
+                        "kernels, on one stream (a longer first step, often faster steps)")
     g.add_argument("--no-capture", action="store_true",
                    help="never capture: same semantics, eager (debugging)")
     p.add_argument("--amp", choices=list(_AMP), default=None, help=amp_help)
@@ -83,6 +86,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--lr must be positive; got {args.lr}")
     if not 0 <= args.lr_warmup < 1:
         parser.error(f"--lr-warmup must be in [0, 1); got {args.lr_warmup}")
+    if args.compile and args.mode != "step":
+        parser.error(f"--compile compiles the model inside nt.Step (--mode step); with --mode "
+                     f"{args.mode} leave it out (--mode compile is the plain loop, compiled)")
     if args.grad_clip is not None and not args.grad_clip > 0:
         parser.error(f"--grad-clip must be positive; got {args.grad_clip}")
 
@@ -197,15 +203,18 @@ def autocast(device: torch.device, amp: str | None):
 
 def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.device,
                     amp: str | None, streams, warmup: int, grad_clip: float | None,
-                    capture: bool) -> Callable[[Any], torch.Tensor]:
+                    capture: bool, compile_model: bool = False
+                    ) -> Callable[[Any], torch.Tensor]:
     """One training step in `mode`; returns the mean loss of the batch as a device tensor.
 
     eager and compile run the plain loop (zero_grad, forward, backward, clip, step) with the
-    model itself or torch.compile(model); fp16 there uses torch's GradScaler. step is nt.Step.
+    model itself or torch.compile(model); fp16 there uses torch's GradScaler. step is nt.Step,
+    over torch.compile(model) with compile_model.
     """
     if mode == "step":
-        return nt.Step(model, optimizer, loss_fn, streams=streams, warmup=warmup, amp=amp,
-                       grad_clip=grad_clip, capture=capture)
+        forward = torch.compile(model) if compile_model else model
+        return nt.Step(forward, optimizer, loss_fn, streams=1 if compile_model else streams,
+                       warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture)
     forward = torch.compile(model) if mode == "compile" else model
     scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -471,7 +480,9 @@ def describe_run(device: torch.device, args, amp) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     step = ""
     if args.mode == "step":
-        step = (f", streams={args.streams}, warmup={args.warmup}"
+        streams = 1 if args.compile else args.streams
+        step = (f", streams={streams}, warmup={args.warmup}"
+                + (", model compiled" if args.compile else "")
                 + (", capture off" if args.no_capture or device.type != "cuda" else ""))
     return (f"device {device} ({where}), torch {torch.__version__}, nimble_train "
             f"{nt.__version__}; mode {args.mode}{step}, amp {amp or 'off'}, "

@@ -101,7 +101,8 @@ def main(argv=None) -> int:
     try:
         train_step = _train.make_train_step(
             args.mode, model, optimizer, None, device=device, amp=amp, streams=args.streams,
-            warmup=args.warmup, grad_clip=args.grad_clip, capture=not args.no_capture)
+            warmup=args.warmup, grad_clip=args.grad_clip, capture=not args.no_capture,
+            compile_model=args.compile)
     except NotImplementedError as exc:
         print(f"--mode {args.mode} --amp {args.amp}: {exc}", file=sys.stderr)
         return 2

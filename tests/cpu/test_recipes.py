@@ -195,6 +195,12 @@ def test_schedule_warms_up_then_decays_and_never_goes_negative():
         assert all(f(s) >= f(s + 1) for s in range(99, 1200))
 
 
+def test_compile_inside_step_needs_step_mode(capsys):
+    with pytest.raises(SystemExit):
+        cifar10.main(TINY_CIFAR + ["--steps", "1", "--mode", "eager", "--compile"])
+    assert "--compile compiles the model inside nt.Step (--mode step)" in capsys.readouterr().err
+
+
 def test_torchrun_needs_step_mode(monkeypatch, capsys):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cifar10.main(TINY_CIFAR + ["--steps", "1", "--mode", "eager"]) != 0

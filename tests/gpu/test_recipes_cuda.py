@@ -50,6 +50,14 @@ def test_cifar_recipe_other_modes_run(mode, capsys):
     assert s["mode"] == mode and s["steps"] == "12"
 
 
+@needs_transformers
+def test_bert_recipe_compiled_inside_step_is_captured(capsys):
+    assert bert.main(BERT + ["--amp", "bf16", "--compile", "--steps", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "model compiled" in out and "nt.Step: captured" in out, out
+    assert summary_of(out)["steps"] == "24"
+
+
 def test_cifar_resume_continues_in_a_captured_step(tmp_path, capsys):
     path = str(tmp_path / "c.pt")
     common = CIFAR + ["--model", "branchy", "--width", "0.5", "--epochs", "2", "--save", path]

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
               "is False here", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
-    if not args.compile_cache and any(m.startswith("compile") for m in args.modes):
+    if not args.compile_cache and any("compile" in m for m in args.modes):
         try:
             import torch._inductor.config as inductor_config
             inductor_config.force_disable_caches = True

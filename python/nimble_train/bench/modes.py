@@ -117,10 +117,13 @@ def graph_step(graph: torch.cuda.CUDAGraph, static, static_loss: torch.Tensor, m
     return step
 
 
-def _nt_step(streams) -> Callable[[Workload], StepFn]:
+def _nt_step(streams, compiled: bool = False) -> Callable[[Workload], StepFn]:
     def build(w: Workload) -> StepFn:
+        if compiled:
+            torch._dynamo.reset()  # no reuse of an earlier mode's compiled code
         model, optimizer = _fresh(w)
-        return Step(model, optimizer, w.loss_fn, streams=streams, amp=w.amp)
+        forward = torch.compile(model) if compiled else model
+        return Step(forward, optimizer, w.loss_fn, streams=streams, amp=w.amp)
     return build
 
 
@@ -134,4 +137,6 @@ MODES: dict[str, Mode] = {m.key: m for m in [
     Mode("graph", "hand-written whole-step graph", hand_graph, lambda s: 1),
     Mode("step", "nt.Step, 1 stream", _nt_step(1), lambda s: s.warmup + 1),
     Mode("step-auto", 'nt.Step, streams="auto"', _nt_step("auto"), lambda s: s.warmup + 1),
+    Mode("step-compile", "nt.Step over torch.compile(model)", _nt_step(1, compiled=True),
+         lambda s: s.warmup + 1),
 ]}
