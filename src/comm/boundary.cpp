@@ -16,10 +16,27 @@ ncclDataType_t nccl_type(const at::Tensor& t) {
     case at::kHalf: return ncclFloat16;
     case at::kBFloat16: return ncclBfloat16;
     default:
-      NT_CHECK(false, "all_reduce_: gradients must be float32, float64, float16 or bfloat16; "
-               "got ", t.scalar_type());
+      NT_CHECK(false, "NCCL collectives here take float32, float64, float16 or bfloat16 "
+               "tensors; got ", t.scalar_type());
   }
   return ncclFloat32;  // unreachable
+}
+
+// The byte address of flat[offset] after checking flat[offset, offset + count) and the device.
+char* checked_range(const at::Tensor& flat, int64_t offset, int64_t count, at::Device device,
+                    const char* op) {
+  NT_CHECK(flat.device() == device, op, ": the tensor is on ", flat.device().str(),
+           ", the communicator on ", device.str());
+  NT_CHECK(flat.is_contiguous(), op, ": the tensor must be contiguous (a flat buffer)");
+  const int64_t n = flat.numel();
+  NT_CHECK(offset >= 0 && count >= 0 && offset + count <= n, op, ": range [", offset, ", ",
+           offset + count, ") is outside the tensor's ", n, " elements");
+  return static_cast<char*>(flat.data_ptr()) + offset * flat.element_size();
+}
+
+ncclRedOp_t reduction(const std::string& op, const char* name) {
+  NT_CHECK(op == "avg" || op == "sum", name, ": op must be 'avg' or 'sum'; got '", op, "'");
+  return op == "avg" ? ncclAvg : ncclSum;
 }
 
 }  // namespace
@@ -37,18 +54,37 @@ TensorCommunicator::~TensorCommunicator() = default;
 
 void TensorCommunicator::all_reduce_(const at::Tensor& flat, int64_t offset, int64_t count,
                                      const std::string& op) {
-  NT_CHECK(flat.device() == device_, "all_reduce_: the tensor is on ", flat.device().str(),
-           ", the communicator on ", device_.str());
-  NT_CHECK(flat.is_contiguous(), "all_reduce_: the tensor must be contiguous (a flat buffer)");
-  const int64_t n = flat.numel();
-  if (count < 0) count = n - offset;
-  NT_CHECK(offset >= 0 && count >= 0 && offset + count <= n, "all_reduce_: range [", offset, ", ",
-           offset + count, ") is outside the tensor's ", n, " elements");
-  NT_CHECK(op == "avg" || op == "sum", "all_reduce_: op must be 'avg' or 'sum'; got '", op, "'");
+  if (count < 0) count = flat.numel() - offset;
+  char* base = checked_range(flat, offset, count, device_, "all_reduce_");
+  const ncclRedOp_t red = reduction(op, "all_reduce_");
   if (count == 0) return;
-  char* base = static_cast<char*>(flat.data_ptr()) + offset * flat.element_size();
-  comm_->all_reduce(base, static_cast<size_t>(count), nccl_type(flat),
-                    op == "avg" ? ncclAvg : ncclSum,
+  comm_->all_reduce(base, static_cast<size_t>(count), nccl_type(flat), red,
+                    c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+}
+
+void TensorCommunicator::reduce_scatter_(const at::Tensor& flat, int64_t offset, int64_t count,
+                                         const std::string& op) {
+  char* base = checked_range(flat, offset, count, device_, "reduce_scatter_");
+  const ncclRedOp_t red = reduction(op, "reduce_scatter_");
+  const int64_t world = comm_->world();
+  NT_CHECK(count % world == 0, "reduce_scatter_: ", count, " elements do not split into ", world,
+           " equal parts");
+  if (count == 0) return;
+  const int64_t part = count / world;
+  comm_->reduce_scatter(base, base + comm_->rank() * part * flat.element_size(),
+                        static_cast<size_t>(part), nccl_type(flat), red,
+                        c10::cuda::getCurrentCUDAStream(device_.index()).stream());
+}
+
+void TensorCommunicator::all_gather_(const at::Tensor& flat, int64_t offset, int64_t count) {
+  char* base = checked_range(flat, offset, count, device_, "all_gather_");
+  const int64_t world = comm_->world();
+  NT_CHECK(count % world == 0, "all_gather_: ", count, " elements do not split into ", world,
+           " equal parts");
+  if (count == 0) return;
+  const int64_t part = count / world;
+  comm_->all_gather(base + comm_->rank() * part * flat.element_size(), base,
+                    static_cast<size_t>(part), nccl_type(flat),
                     c10::cuda::getCurrentCUDAStream(device_.index()).stream());
 }
 

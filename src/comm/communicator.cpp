@@ -127,13 +127,32 @@ void Communicator::all_reduce(void* data, size_t count, ncclDataType_t type, ncc
   NT_CHECK(comm_ != nullptr, "Communicator::all_reduce: the communicator was aborted after an "
            "earlier error; make a new one");
   DeviceGuard guard(device_);
-  const ncclResult_t status = ncclAllReduce(data, data, count, type, op, comm_, stream);
+  enqueued("ncclAllReduce", ncclAllReduce(data, data, count, type, op, comm_, stream));
+}
+
+void Communicator::reduce_scatter(const void* send, void* recv, size_t count,
+                                  ncclDataType_t type, ncclRedOp_t op, cudaStream_t stream) {
+  NT_CHECK(comm_ != nullptr, "Communicator::reduce_scatter: the communicator was aborted after "
+           "an earlier error; make a new one");
+  DeviceGuard guard(device_);
+  enqueued("ncclReduceScatter", ncclReduceScatter(send, recv, count, type, op, comm_, stream));
+}
+
+void Communicator::all_gather(const void* send, void* recv, size_t count, ncclDataType_t type,
+                              cudaStream_t stream) {
+  NT_CHECK(comm_ != nullptr, "Communicator::all_gather: the communicator was aborted after an "
+           "earlier error; make a new one");
+  DeviceGuard guard(device_);
+  enqueued("ncclAllGather", ncclAllGather(send, recv, count, type, comm_, stream));
+}
+
+void Communicator::enqueued(const char* call, ncclResult_t status) {
   if (status != ncclSuccess && status != ncclInProgress) {
-    fail("ncclAllReduce", detail::concat(ncclGetErrorString(status), " (last error: ",
-                                         ncclGetLastError(comm_), ")"));
+    fail(call, detail::concat(ncclGetErrorString(status), " (last error: ",
+                              ncclGetLastError(comm_), ")"));
   }
   // Enqueueing takes no time that depends on other ranks; the bound is generous.
-  settle("enqueueing ncclAllReduce", 60.0);
+  settle(detail::concat("enqueueing ", call), 60.0);
 }
 
 void Communicator::wait(cudaStream_t stream, double timeout_s, const std::string& what) {

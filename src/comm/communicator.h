@@ -1,4 +1,5 @@
-// An NCCL communicator of one process per GPU, and the all-reduce that data parallelism needs.
+// An NCCL communicator of one process per GPU, and the collectives data parallelism needs: the
+// all-reduce of gradients, and the reduce-scatter and all-gather of a sharded optimizer.
 //
 // No torch here: plain pointers, element counts and a cudaStream_t. The unique id comes from
 // rank 0 (new_unique_id) and reaches the other ranks through any channel the caller has (the
@@ -34,6 +35,16 @@ class Communicator {
   void all_reduce(void* data, size_t count, ncclDataType_t type, ncclRedOp_t op,
                   cudaStream_t stream);
 
+  // Rank r receives the reduction of every rank's send[r * count, (r + 1) * count) in recv
+  // (count elements); in place when recv == send + r * count elements.
+  void reduce_scatter(const void* send, void* recv, size_t count, ncclDataType_t type,
+                      ncclRedOp_t op, cudaStream_t stream);
+
+  // recv[r * count, (r + 1) * count) receives rank r's `count` elements at send; in place when
+  // send == recv + rank * count elements.
+  void all_gather(const void* send, void* recv, size_t count, ncclDataType_t type,
+                  cudaStream_t stream);
+
   // Host waits until the work enqueued so far on `stream` is done, at most `timeout_s`;
   // on timeout or an asynchronous NCCL error, aborts the communicator and raises.
   void wait(cudaStream_t stream, double timeout_s, const std::string& what);
@@ -50,6 +61,8 @@ class Communicator {
   // Polls ncclCommGetAsyncError while the last call is in progress, at most `timeout_s`.
   void settle(const std::string& what, double timeout_s);
   [[noreturn]] void fail(const std::string& what, const std::string& detail);
+  // After enqueueing `call` (an NCCL collective): raises on an error, else settles.
+  void enqueued(const char* call, ncclResult_t status);
 
   ncclComm_t comm_ = nullptr;
   int rank_ = 0;

@@ -34,6 +34,15 @@ void bind_comm([[maybe_unused]] py::module_& m) {
            py::arg("offset") = 0, py::arg("count") = -1, py::arg("op") = "avg",
            py::call_guard<py::gil_scoped_release>(),
            "In place over flat[offset:offset+count] on the current stream (capturable).")
+      .def("reduce_scatter_", &TensorCommunicator::reduce_scatter_, py::arg("flat"),
+           py::arg("offset"), py::arg("count"), py::arg("op") = "avg",
+           py::call_guard<py::gil_scoped_release>(),
+           "flat[offset:offset+count] cut in world equal parts: part `rank` becomes the "
+           "reduction of every rank's part `rank`; in place, on the current stream.")
+      .def("all_gather_", &TensorCommunicator::all_gather_, py::arg("flat"), py::arg("offset"),
+           py::arg("count"), py::call_guard<py::gil_scoped_release>(),
+           "flat[offset:offset+count] cut in world equal parts: part r becomes rank r's; in "
+           "place, on the current stream.")
       .def("wait", &TensorCommunicator::wait, py::arg("timeout_s"), py::arg("what"),
            py::call_guard<py::gil_scoped_release>(),
            "Host waits for the current stream's work so far, at most timeout_s seconds.")
