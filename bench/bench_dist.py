@@ -5,14 +5,17 @@ nt.Step on one GPU (the baseline for the scaling efficiency), then starts one wo
 through torch.distributed.run and reads what rank 0 reports.
 
     python bench/bench_dist.py --gpus 2 [--model resnet18|bert] [--batch 32] [--steps 50]
-                               [--repeats 5] [--bucket-mb 25 ...] [--sync-bn] [--json out.json]
+                               [--repeats 5] [--bucket-mb 25 ...] [--shard-optimizer] [--sync-bn]
+                               [--json out.json]
 
 Each worker runs the same modes one after the other, each with a fresh model and optimizer
 from the same seed and its own synthetic data (seed + rank), --batch samples per GPU:
 ddp-eager (DistributedDataParallel, eager loop), ddp-graph (PyTorch's recipe for capturing
 a whole DDP step as one CUDA graph) and step (nt.Step, which all-reduces gradients inside its
 own graph). A row's time is the slowest rank's median of --repeats runs of --steps steps.
-With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
+With --shard-optimizer a last row times nt.Step(shard_optimizer=True) (ZeRO-1: reduce-scatter,
+each rank's update of its part, all-gather, in the graph; each GPU keeps 1/N of the optimizer
+state). With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
 (statistics over all GPUs' samples: one all-gather in the forward and one all-reduce in the
 backward per layer); the one-GPU
 baseline keeps BatchNorm.
@@ -39,7 +42,8 @@ from nimble_train.bench.report import _fmt, _number, read_json, title, write_jso
 from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import Workload, forward_loss, make_workload
 
-LABELS = {"ddp-eager": "DDP eager", "ddp-graph": "DDP whole-step graph", "step": "nt.Step"}
+LABELS = {"ddp-eager": "DDP eager", "ddp-graph": "DDP whole-step graph", "step": "nt.Step",
+          "step-shard": "nt.Step, sharded opt."}
 SEED = 0
 TORCHRUN_TIMEOUT_S = 500
 DDP_WARMUP = 11  # DDP needs this many eager iterations before capture (torch's docs)
@@ -86,14 +90,21 @@ def ddp_graph(w: Workload, local_rank: int):
     return graph_step(graph, static, static_loss, ddp)
 
 
-def nt_step(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0) -> nt.Step:
+def nt_step(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0,
+            shard: bool = False) -> nt.Step:
     # Step finds an initialised process group by itself: the same call on one GPU and on N
     # (local_rank is unused; it keeps the modes' signatures alike).
     model, optimizer = _fresh(w)
-    return nt.Step(model, optimizer, w.loss_fn, amp=w.amp, bucket_mb=bucket_mb)
+    return nt.Step(model, optimizer, w.loss_fn, amp=w.amp, bucket_mb=bucket_mb,
+                   shard_optimizer=shard)
 
 
-MODES = {"ddp-eager": ddp_eager, "ddp-graph": ddp_graph, "step": nt_step}
+def nt_step_sharded(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0):
+    return nt_step(w, local_rank, bucket_mb, shard=True)
+
+
+MODES = {"ddp-eager": ddp_eager, "ddp-graph": ddp_graph, "step": nt_step,
+         "step-shard": nt_step_sharded}
 
 
 def _release_memory() -> None:
@@ -147,12 +158,16 @@ def worker(args) -> int:
     rows, step, last_step_wall = [], None, None
     # "step" last, so that its communicator is the last one to close; one row per bucket size.
     runs = [("ddp-eager", None), ("ddp-graph", None)] + [("step", mb) for mb in args.bucket_mb]
+    if args.shard_optimizer:
+        runs.append(("step-shard", args.bucket_mb[0]))
     for i, (key, mb) in enumerate(runs):
         row, step, last_step_wall = measure(key, w, info, args, mb)
-        if key == "step" and step is not None and info.rank == 0:
+        if key.startswith("step") and step is not None and info.rank == 0:
             stats = step.stats()
+            state_mb = (stats.get("optimizer_state_bytes") or 0) / 2**20
             extra = [f"world {stats['world_size']}" if "world_size" in stats else "",
-                     f"{stats['buckets']} buckets" if "buckets" in stats else ""]
+                     f"{stats['buckets']} buckets" if "buckets" in stats else "",
+                     f"optimizer state {state_mb:.1f} MB/GPU" if state_mb else ""]
             row["note"] = ", ".join(x for x in [_note(step), *extra] if x)
             row.update({k: stats[k] for k in ("world_size", "buckets") if k in stats})
         if info.rank == 0:
@@ -192,6 +207,9 @@ def single_gpu_baseline(args) -> dict:
         row["ms_per_step"] = ms_per_step(step, w.batches, steps=args.steps,
                                          repeats=args.repeats)
         row["samples_per_s"] = args.batch / row["ms_per_step"] * 1e3
+        state = step.stats().get("optimizer_state_bytes")
+        if state:
+            row["note"] += f", optimizer state {state / 2**20:.1f} MB/GPU"
     except Exception as exc:
         row["error"] = _one_line(exc)
     if step is not None and callable(getattr(step, "close", None)):
@@ -211,6 +229,8 @@ def run_torchrun(args, out_path: str) -> tuple[int, str, float]:
                "--bucket-mb", *map(str, args.bucket_mb), "--worker-out", out_path]
     if args.sync_bn:
         command.append("--sync-bn")
+    if args.shard_optimizer:
+        command.append("--shard-optimizer")
     # stderr goes to a file rather than a pipe: workers that outlive torchrun would hold a
     # pipe open and block the read.
     with tempfile.TemporaryFile("w+") as err:
@@ -242,7 +262,7 @@ def add_ratios(rows: list[dict], baseline: dict) -> None:
             continue
         for column, ref in (("vs_ddp_eager", "ddp-eager"), ("vs_ddp_graph", "ddp-graph")):
             row[column] = timed[ref] / row["ms_per_step"] if ref in timed else None
-        if row["mode"] == "step" and _number(baseline.get("ms_per_step")):
+        if row["mode"].startswith("step") and _number(baseline.get("ms_per_step")):
             row["scaling"] = baseline["ms_per_step"] / row["ms_per_step"]
 
 
@@ -322,6 +342,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="repeats; the median is kept")
     parser.add_argument("--bucket-mb", type=float, nargs="+", default=[25.0],
                         help="nt.Step's gradient bucket size(s) in MB; one row each (25)")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="also time nt.Step(shard_optimizer=True): ZeRO-1 inside the graph")
     parser.add_argument("--sync-bn", action="store_true",
                         help="on N GPUs, convert BatchNorm to SyncBatchNorm (every mode)")
     parser.add_argument("--json", help="also write the rows and metadata to this file")

@@ -227,13 +227,16 @@ class GradientSync:
     """Averages gradients across the ranks of `world`, on CUDA through our NCCL communicator
     (inside a captured step too), on CPU through torch.distributed (gloo)."""
 
-    def __init__(self, world: World, device: torch.device, bucket_mb: float):
+    def __init__(self, world: World, device: torch.device, bucket_mb: float,
+                 shard: bool = False):
         self.world, self.device, self.bucket_mb = world, device, bucket_mb
+        self.sharded = shard  # ZeRO-1: reduce-scatter into optimizer shards, all-gather after
         self.comm = None
         self._stream = None          # the communication stream (CUDA)
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[int, int] = {}  # id(param) -> index into _buckets
         self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self._flat_params: dict[torch.dtype, torch.Tensor] = {}
         self._remaining: list[int] = []
         self._launched = 0
         self._hooks = []
@@ -277,7 +280,8 @@ class GradientSync:
         self._order = order
 
     def use_buckets(self, fused) -> None:
-        """Plans buckets over the fused optimizer's flat gradient buffers and hooks them."""
+        """Plans buckets over the fused optimizer's flat gradient buffers and hooks them; when
+        sharded, gives each rank its part of every bucket to update (fused.shard)."""
         bucket_bytes = max(1, int(self.bucket_mb * 2 ** 20))
         self._order = self._order or {}
         unseen = len(self._order)
@@ -303,6 +307,27 @@ class GradientSync:
             for p in bucket.params:
                 self._bucket_of[id(p)] = index
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._on_ready))
+        if self.sharded:
+            self._flat_params = dict(fused.flat_params)
+            fused.shard(self.pieces())
+            fused.reduce_partials = self._sum_
+
+    def pieces(self) -> list[tuple[torch.dtype, int, int, int, int]]:
+        """This rank's part of every bucket, in the buckets' order: (dtype, start, stop,
+        bucket start, bucket size). Bucket r-th parts go to rank r, as NCCL's reduce-scatter
+        and all-gather cut them."""
+        n, r = self.world.size, self.world.rank
+        out = []
+        for b in self._buckets:
+            size = b.stop - b.start
+            if size % n:
+                raise DistributedError(
+                    f"a gradient bucket of {size} elements does not split into {n} equal "
+                    "parts; the fused optimizer must be built with shard_world equal to the "
+                    "number of ranks")
+            part = size // n
+            out.append((b.dtype, b.start + r * part, b.start + (r + 1) * part, b.start, size))
+        return out
 
     @property
     def num_buckets(self) -> int:
@@ -334,8 +359,12 @@ class GradientSync:
         ready.record(torch.cuda.current_stream(self.device))  # where the gradient was made
         self._stream.wait_event(ready)
         with torch.cuda.stream(self._stream):
-            self.comm.all_reduce_(self._flat[bucket.dtype], bucket.start,
-                                  bucket.stop - bucket.start, "avg")
+            if self.sharded:  # this rank's part gets the average; the optimizer updates it
+                self.comm.reduce_scatter_(self._flat[bucket.dtype], bucket.start,
+                                          bucket.stop - bucket.start, "avg")
+            else:
+                self.comm.all_reduce_(self._flat[bucket.dtype], bucket.start,
+                                      bucket.stop - bucket.start, "avg")
 
     def finish(self) -> None:
         """After the backward: launches what is left (parameters without a gradient this step)
@@ -346,6 +375,23 @@ class GradientSync:
         self._active = False
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self._check_first()
+
+    def after_update(self) -> None:
+        """Sharded: after the update of this rank's parts, every rank gets every part of the
+        parameters (an all-gather per bucket, in place, on the current stream)."""
+        if not self.sharded:
+            return
+        for bucket in self._buckets:
+            self.comm.all_gather_(self._flat_params[bucket.dtype], bucket.start,
+                                  bucket.stop - bucket.start)
+
+    def gather(self, flat: torch.Tensor, start: int, count: int) -> None:
+        """All-gathers flat[start: start + count], cut in equal parts, in place (a collective:
+        every rank calls it, in the same order); for consolidating sharded state."""
+        self.comm.all_gather_(flat, start, count)
+
+    def _sum_(self, t: torch.Tensor) -> None:
+        self.comm.all_reduce_(t, 0, t.numel(), "sum")
 
     def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Averages the gradients of `params` (one concatenation per dtype); capturable."""

@@ -54,6 +54,14 @@ class Step:
             buckets that are all-reduced while the backward goes on. The last buckets to fill
             are smaller (1 MiB for the very last, doubling back toward ``bucket_mb``): what is
             all-reduced after the backward ends is not hidden by it.
+        shard_optimizer: in a data-parallel job on GPUs, shard the optimizer's state across
+            the ranks (ZeRO stage 1): each bucket's gradients are reduce-scattered instead of
+            all-reduced, each rank updates its part with the fused kernels and keeps only that
+            part's state (1/N of it), and the parameters are all-gathered after the update, all
+            inside the graph. Needs a fused optimizer (SGD, Adam, AdamW) and capture.
+            ``p.grad`` then holds the averaged gradient only in this rank's parts, and
+            ``optimizer.state_dict()`` needs :meth:`consolidate_optimizer_state` on every rank
+            first. With one process it changes nothing.
     """
 
     def __init__(
@@ -69,11 +77,14 @@ class Step:
         partial_batch: str = "pad",
         capture: bool = True,
         bucket_mb: float = DEFAULT_BUCKET_MB,
+        shard_optimizer: bool = False,
     ):
         _validate_arguments(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                             partial_batch, capture)
         if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < float("inf")):
             raise ValueError(f"bucket_mb must be a positive number of megabytes; got {bucket_mb!r}")
+        if not isinstance(shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer must be True or False; got {shard_optimizer!r}")
         self.model = model
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -115,7 +126,12 @@ class Step:
         self._graph_nodes: int | None = None
         self._pool_bytes: int | None = None
         world = current_world()
-        self._gradsync = GradientSync(world, self._device, bucket_mb) if world else None
+        self._gradsync = None
+        if world:
+            if shard_optimizer:
+                self._check_shardable()
+            self._gradsync = GradientSync(world, self._device, bucket_mb, shard=shard_optimizer)
+        self.shard_optimizer = shard_optimizer
         self._closed = False
 
     # ------------------------------------------------------------------ public API
@@ -177,6 +193,9 @@ class Step:
             "capture_error": None if self._capture_error is None else str(self._capture_error),
             "world_size": self._gradsync.world.size if self._gradsync else 1,
             "buckets": self._gradsync.num_buckets if self._gradsync else 0,
+            "optimizer_shards": (self._gradsync.world.size
+                                 if self._gradsync and self._gradsync.sharded else 1),
+            "optimizer_state_bytes": self._fused.state_bytes if self._fused else None,
             "optimizer": ("fused" if self._fused else
                           "captured as-is" if self._fuse_reason else "eager"),
             **self._counts,
@@ -221,9 +240,33 @@ class Step:
             "options": {"streams": self.streams, "warmup": self.warmup, "amp": self.amp,
                         "grad_clip": self.grad_clip, "partial_batch": self.partial_batch,
                         "capture": self.capture, "bucket_mb": self._gradsync.bucket_mb,
-                        "device": self._device.type},
+                        "shard_optimizer": self._gradsync.sharded, "device": self._device.type},
         })
         self._gradsync.connect()
+
+    def consolidate_optimizer_state(self) -> None:
+        """With ``shard_optimizer=True``, gathers the whole optimizer state into
+        ``optimizer.state`` on every rank, so that ``optimizer.state_dict()`` (a checkpoint)
+        holds all of it, until the next step. A collective: call it on every rank, then save
+        on one. Does nothing when the state is not sharded."""
+        if self._fused is not None and self._gradsync is not None and self._gradsync.sharded:
+            self._fused.consolidate(self._gradsync.gather)
+
+    def _check_shardable(self) -> None:
+        from .optim import LAMB
+
+        why = None
+        if not self._cuda:
+            why = f"the model is on {self._device}; the shards are reduced and gathered by NCCL"
+        elif not self.capture:
+            why = "capture=False: the sharded update is the fused one, which capture sets up"
+        elif self._fuse_reason is not None:
+            why = f"the optimizer cannot be fused ({self._fuse_reason})"
+        elif isinstance(self.optimizer, LAMB):
+            why = "LAMB's trust ratio needs each whole parameter's norms, which a shard lacks"
+        if why:
+            raise ValueError(f"shard_optimizer=True needs CUDA GPUs, capture and a fused SGD, "
+                             f"Adam or AdamW; here {why}. Pass shard_optimizer=False.")
 
     def close(self) -> None:
         """Releases the graph and, in a data-parallel job, the NCCL communicator (every rank
@@ -323,6 +366,8 @@ class Step:
                 # Unscale, clip and the overflow skip inside the update; the scale moves on the
                 # device: no host sync anywhere.
                 self._scaler.step(self._fused, max_grad_norm=self.grad_clip)
+            if sync is not None:
+                sync.after_update()  # sharded: every rank gets every updated part
             return
         scaler = self._grad_scaler
         with (sync.noting_arrival_order(self._params) if sync is not None and self._needs_fusing
@@ -386,7 +431,8 @@ class Step:
         from .optim import DeviceLossScaler, FusedOptimizer
 
         unused = frozenset(id(p) for p in self._params if p.grad is None)
-        self._fused = FusedOptimizer(self.optimizer, exclude=unused)
+        shards = self._gradsync.world.size if self._gradsync and self._gradsync.sharded else 1
+        self._fused = FusedOptimizer(self.optimizer, exclude=unused, shard_world=shards)
         if self._gradsync is not None:
             self._gradsync.use_buckets(self._fused)
         if self._grad_scaler is not None:

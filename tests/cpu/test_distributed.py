@@ -254,3 +254,202 @@ def test_buckets_over_the_fused_flat_buffers_follow_the_backward():
     assert launched == sync._buckets  # all of them, in order, during the backward
     # The head's gradients arrive first: the first bucket holds the last layer.
     assert sync._buckets[0].params[-1] is list(model.parameters())[-1]
+
+
+# ---------------------------------------------------------------------- sharded optimizer
+
+
+class ThreadComm:
+    """NCCL's in-place collectives between threads that stand for the ranks (CPU tensors)."""
+
+    def __init__(self, size):
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots = [None] * size
+
+    def rank(self, r):
+        comm = self
+
+        class Rank:
+            def all_reduce_(self, flat, offset, count, op):
+                comm._exchange(r, flat[offset: offset + count])
+                total = sum(comm.slots)
+                comm.barrier.wait()
+                flat[offset: offset + count] = total / comm.size if op == "avg" else total
+
+            def reduce_scatter_(self, flat, offset, count, op):
+                part = count // comm.size
+                comm._exchange(r, flat[offset: offset + count])
+                mine = sum(s[r * part: (r + 1) * part] for s in comm.slots)
+                comm.barrier.wait()
+                flat[offset + r * part: offset + (r + 1) * part] = (
+                    mine / comm.size if op == "avg" else mine)
+
+            def all_gather_(self, flat, offset, count):
+                part = count // comm.size
+                comm._exchange(r, flat[offset: offset + count])
+                gathered = torch.cat([s[q * part: (q + 1) * part]
+                                      for q, s in enumerate(comm.slots)])
+                comm.barrier.wait()
+                flat[offset: offset + count] = gathered
+        return Rank()
+
+    def _exchange(self, r, t):
+        self.slots[r] = t.clone()
+        self.barrier.wait()
+
+
+def _on_threads(size, fn):
+    """Runs fn(rank) on `size` threads; returns their results, re-raising the first error."""
+    results, errors = [None] * size, []
+
+    def run(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+SHARD_OPTIMIZERS = {
+    "sgd-nesterov": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True,
+                                                   weight_decay=1e-3),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=2e-3, weight_decay=0.05),
+    "adam-amsgrad": lambda groups: torch.optim.Adam(groups, lr=2e-3, amsgrad=True),
+}
+
+
+def _groups(model):
+    # Two groups with different learning rates: pieces cut across parameters of both.
+    params = list(model.parameters())
+    return [{"params": params[::2]}, {"params": params[1::2], "lr": 1e-3}]
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("name", list(SHARD_OPTIMIZERS))
+def test_sharded_optimizer_trains_as_one_process_and_saves_whole_state(name, clip, ranks):
+    # Each rank: its share of the batch, buckets reduce-scattered into its parts, the fused
+    # update of its parts alone (clip norms summed over the ranks), the parameters
+    # all-gathered. Reference: torch.optim on one model with the whole batch.
+    from nimble_train.distributed import GradientSync
+    from nimble_train.optim import FusedOptimizer
+
+    make = SHARD_OPTIMIZERS[name]
+    torch.manual_seed(0)
+    start = MLP(features=20, hidden=48, classes=5)
+    batches = classification_batches(5, 6 * ranks, features=20, seed=2)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    store, comm = dist.HashStore(), ThreadComm(ranks)
+
+    def rank_run(r):
+        model = copy.deepcopy(start)
+        opt = make(_groups(model))
+        sync = GradientSync(World(r, ranks, store, prefix="s"), torch.device("cpu"), 0.002,
+                            shard=True)
+        sync.comm = comm.rank(r)
+        mine = [(x[6 * r: 6 * (r + 1)], y[6 * r: 6 * (r + 1)]) for x, y in batches]
+        with sync.noting_arrival_order(list(model.parameters())):
+            loss_fn(model(mine[0][0]), mine[0][1]).backward()
+        fused = FusedOptimizer(opt, shard_world=ranks)
+        whole_bytes = fused.state_bytes
+        sync.use_buckets(fused)
+        assert sync.num_buckets >= 3
+        assert fused.state_bytes * ranks == whole_bytes  # 1/N of the state on each rank
+        with pytest.raises(RuntimeError, match="consolidate_optimizer_state"):
+            opt.state_dict()
+        for i, (x, y) in enumerate(mine):
+            if i:
+                fused.zero_grad()
+                loss_fn(model(x), y).backward()
+            for b in sync._buckets:  # what the backward hooks launch, in the same order
+                sync.comm.reduce_scatter_(sync._flat[b.dtype], b.start, b.stop - b.start, "avg")
+            fused.step(max_grad_norm=clip)
+            sync.after_update()
+        fused.consolidate(sync.gather)
+        saved = copy.deepcopy(opt.state_dict())
+        params = [p.detach().clone() for p in model.parameters()]
+        return params, saved
+
+    results = _on_threads(ranks, rank_run)
+
+    reference = copy.deepcopy(start)
+    ref_opt = make(_groups(reference))
+    # The first step's gradient is noted eagerly above; every step is an update on both sides.
+    eager_loop(reference, ref_opt, loss_fn, batches, grad_clip=clip)
+    for params, saved in results:
+        assert all(torch.equal(a, b) for a, b in zip(params, results[0][0]))  # identical replicas
+        for a, b in zip(params, reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        expected = ref_opt.state_dict()
+        assert saved["param_groups"] == expected["param_groups"]
+        for key, state in expected["state"].items():
+            for field, value in state.items():
+                torch.testing.assert_close(saved["state"][key][field].float(), value.float(),
+                                           rtol=1e-5, atol=1e-6,
+                                           msg=lambda m, k=key, f=field: f"state {k} {f}: {m}")
+
+
+def test_loaded_state_reaches_the_shards():
+    # load_state_dict puts whole tensors back; each rank keeps its parts and trains on from them.
+    from nimble_train.distributed import GradientSync
+    from nimble_train.optim import FusedOptimizer
+
+    torch.manual_seed(1)
+    start = MLP(features=20, hidden=48, classes=5)
+    batches = classification_batches(3, 8, features=20, seed=4)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    reference = copy.deepcopy(start)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=2e-3)
+    eager_loop(reference, ref_opt, loss_fn, batches[:2])
+    checkpoint = (copy.deepcopy(reference.state_dict()), copy.deepcopy(ref_opt.state_dict()))
+    eager_loop(reference, ref_opt, loss_fn, batches[2:])
+    store, comm = dist.HashStore(), ThreadComm(2)
+
+    def rank_run(r):
+        model = copy.deepcopy(start)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+        sync = GradientSync(World(r, 2, store, prefix="l"), torch.device("cpu"), 0.002,
+                            shard=True)
+        sync.comm = comm.rank(r)
+        fused = FusedOptimizer(opt, shard_world=2)
+        sync.use_buckets(fused)
+        model.load_state_dict(checkpoint[0])
+        opt.load_state_dict(checkpoint[1])
+        # The whole tensors went to the shards and were let go.
+        assert all(set(opt.state[p]) == {"step"} for p in model.parameters())
+        x, y = batches[2]
+        fused.zero_grad()
+        loss_fn(model(x[4 * r: 4 * (r + 1)]), y[4 * r: 4 * (r + 1)]).backward()
+        for b in sync._buckets:
+            sync.comm.reduce_scatter_(sync._flat[b.dtype], b.start, b.stop - b.start, "avg")
+        fused.step()
+        sync.after_update()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for params in _on_threads(2, rank_run):
+        for a, b in zip(params, reference.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_shard_optimizer_is_refused_where_it_cannot_work(monkeypatch):
+    from nimble_train import distributed
+
+    monkeypatch.setattr(distributed, "current_world",
+                        lambda timeout_s=0: World(0, 2, dist.HashStore(), prefix="r"))
+    monkeypatch.setattr(nt.step, "current_world", distributed.current_world)
+    model = MLP()
+    with pytest.raises(ValueError, match="shard_optimizer=True needs CUDA GPUs.*on cpu"):
+        nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=True)
+    with pytest.raises(ValueError, match="shard_optimizer must be True or False"):
+        nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=1)
+    with pytest.raises(ValueError, match="LAMB's trust ratio"):
+        from nimble_train.optim import FusedOptimizer, LAMB
+        FusedOptimizer(LAMB(model.parameters()), shard_world=2).shard([])

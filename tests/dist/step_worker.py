@@ -1,6 +1,8 @@
 """One rank of tests/dist/test_step_dist.py: nt.Step data-parallel under torchrun.
 
-    torchrun --nproc_per_node=N step_worker.py {equivalence,clipped,unfused,syncbn,overlap,mismatch}
+    torchrun --nproc_per_node=N step_worker.py CASE
+
+CASE: equivalence, clipped, unfused, sharded, syncbn, overlap or mismatch.
 
 Prints "rank R/N ok <wall time>" (or "rank R/N error: ...") as its last line before it leaves
 the process group; the test checks the lines and how soon the job exits after them.
@@ -27,15 +29,18 @@ def checksum(model) -> torch.Tensor:
     return torch.stack([p.detach().double().sum() for p in model.parameters()]).cpu()
 
 
-def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05):
-    """N ranks of batch b train as one GPU with batch N*b; replicas stay identical."""
+def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05, shard=False,
+                after=None):
+    """N ranks of batch b train as one GPU with batch N*b; replicas stay identical.
+    after(step, optimizer, reference optimizer) runs last, before the step is closed."""
     rank, world, device = info.rank, info.world_size, info.device
     per_rank = 8
     torch.manual_seed(0)
     model = MLP(features=32, hidden=256, classes=7).to(device)
     start = copy.deepcopy(model)
-    step = nt.Step(model, make_optimizer(model.parameters()), per_sample, warmup=2,
-                   grad_clip=grad_clip, bucket_mb=bucket_mb)
+    opt = make_optimizer(model.parameters())
+    step = nt.Step(model, opt, per_sample, warmup=2, grad_clip=grad_clip, bucket_mb=bucket_mb,
+                   shard_optimizer=shard)
     batches = classification_batches(8, per_rank * world, features=32, classes=7, seed=3,
                                      device=device)
     mine = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
@@ -52,10 +57,12 @@ def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05):
         assert torch.equal(other, sums[0]), "replicas differ after training"
 
     # One process, the whole batch, the plain eager loop.
-    eager_loop(start, make_optimizer(start.parameters()), per_sample, batches,
-               grad_clip=grad_clip)
+    ref_opt = make_optimizer(start.parameters())
+    eager_loop(start, ref_opt, per_sample, batches, grad_clip=grad_clip)
     for (name, a), b in zip(model.named_parameters(), start.parameters()):
         torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5, msg=lambda m, n=name: f"{n}: {m}")
+    if after is not None:
+        after(step, opt, ref_opt)
     step.close()
     return stats
 
@@ -76,6 +83,33 @@ def clipped(info):
     norm = torch.nn.utils.clip_grad_norm_(probe.parameters(), float("inf"))
     assert norm > 0.2, f"the clip at 0.05 would not act (first gradient norm {norm:.3f})"
     _as_one_gpu(info, lambda params: torch.optim.AdamW(params, lr=1e-3), grad_clip=0.05)
+
+
+def sharded(info):
+    """ZeRO-1: reduce-scatter, each rank updates its parts, all-gather, all in the graph; each
+    rank holds 1/N of the state, and a consolidated state_dict is torch's whole one."""
+    def check(step, opt, ref_opt):
+        stats = step.stats()
+        assert stats["optimizer_shards"] == info.world_size, stats
+        whole = 2 * 4 * sum(p.numel() for p in step.model.parameters())  # AdamW: 2 fp32 moments
+        assert stats["optimizer_state_bytes"] <= 1.05 * whole / info.world_size, (stats, whole)
+        try:
+            opt.state_dict()
+            raise AssertionError("state_dict() of a sharded optimizer did not refuse")
+        except RuntimeError as exc:
+            assert "consolidate_optimizer_state" in str(exc), exc
+        step.consolidate_optimizer_state()
+        ours, ref = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        assert ours.keys() == ref.keys()
+        for key in ref:
+            for field in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(ours[key][field], ref[key][field], rtol=1e-3,
+                                           atol=1e-6, msg=lambda m, f=field: f"{key} {f}: {m}")
+            assert float(ours[key]["step"]) == float(ref[key]["step"])
+
+    _as_one_gpu(info, lambda params: torch.optim.AdamW(params, lr=1e-3), grad_clip=0.05,
+                shard=True, after=check)
+    _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), shard=True)
 
 
 def unfused(info):
@@ -168,6 +202,7 @@ def main():
     prefix = f"rank {info.rank}/{info.world_size}"
     try:
         cases = {"equivalence": equivalence, "clipped": clipped, "unfused": unfused,
+                 "sharded": sharded,
                  "syncbn": syncbn, "overlap": overlap, "mismatch": mismatch}
         cases[case](info)
         print(f"{prefix} ok {time.time():.3f}", flush=True)

@@ -45,6 +45,11 @@ def test_clipping_and_unfused_optimizers_see_the_averaged_gradients(case):
     assert code == 0 and all(s == "ok" for s in status), output
 
 
+def test_a_sharded_optimizer_trains_as_one_gpu_with_1_nth_of_the_state_per_rank():
+    code, output, status, _ = torchrun("sharded")
+    assert code == 0 and all(s == "ok" for s in status), output
+
+
 def test_sync_batchnorm_in_the_graph_trains_as_one_gpu_with_the_whole_batch():
     code, output, status, exit_after = torchrun("syncbn")
     assert code == 0 and all(s == "ok" for s in status), output

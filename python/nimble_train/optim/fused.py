@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -82,6 +83,28 @@ class _Bucket:
         return seg.as_strided(p.shape, p.stride())
 
 
+@dataclass
+class _Piece:
+    """A sharded optimizer's slice [start, stop) of one dtype's flat buffers: this rank updates
+    it, with state buffers of its own (the rest of the state lives on the other ranks)."""
+
+    bucket: _Bucket
+    start: int
+    stop: int
+    gathered_from: tuple[int, int]  # the range whose all-gather brings the other ranks' parts
+    state: dict = field(default_factory=dict)  # state key -> buffer of stop - start elements
+    chunks: torch.Tensor | None = None
+    partials: torch.Tensor | None = None
+
+    @property
+    def param(self) -> torch.Tensor:
+        return self.bucket.param[self.start: self.stop]
+
+    @property
+    def grad(self) -> torch.Tensor:
+        return self.bucket.grad[self.start: self.stop]
+
+
 class FusedOptimizer:
     """Runs ``optimizer``'s update (``torch.optim.SGD``, ``Adam``, ``AdamW`` or
     ``nimble_train.optim.LAMB``) as fused kernels over flat buffers, capturable in a CUDA graph.
@@ -114,7 +137,7 @@ class FusedOptimizer:
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, ring_slots: int = 16,
                  chunk_elems: int = _LAYOUT["default_chunk_elems"],
-                 exclude: frozenset[int] = frozenset()):
+                 exclude: frozenset[int] = frozenset(), shard_world: int = 1):
         reason = self.why_unsupported(optimizer)
         if reason is not None:
             raise ValueError(f"FusedOptimizer cannot fuse this optimizer: {reason}. Use the "
@@ -128,6 +151,12 @@ class FusedOptimizer:
         self._momentum_on = [self._algorithm == "sgd" and group["momentum"] != 0
                              for group in groups]
         self._group_sizes = [len(group["params"]) for group in groups]
+        self._shard_world = shard_world
+        self._chunk_elems = chunk_elems
+        self._pieces: list[_Piece] | None = None  # this rank's shards (see shard())
+        self._state_released = False  # sharded: optimizer.state holds no state tensors
+        self._consolidated = False    # sharded: whole-state copies until the next step
+        self.reduce_partials: Callable[[torch.Tensor], None] | None = None
         # Parameters in `exclude` (by id) are left out, as torch.optim skips parameters that
         # never get a gradient: no update, no state (a captured step knows them from warm-up).
         params = [(g, p) for g, group in enumerate(groups) for p in _trainable(group, exclude)]
@@ -142,7 +171,8 @@ class FusedOptimizer:
         self._unrecorded = None  # slot whose consuming step is enqueued but has no event yet
         self._captured = False
         self.refresh_state()
-        optimizer.register_load_state_dict_post_hook(lambda _opt: self.refresh_state())
+        optimizer.register_load_state_dict_post_hook(lambda _opt: self._on_load())
+        optimizer.register_state_dict_pre_hook(lambda _opt: self._check_state_is_whole())
 
     # ------------------------------------------------------------------ support
 
@@ -192,7 +222,9 @@ class FusedOptimizer:
             # sees a weight as aligned as the caching allocator's blocks (its algorithm cache
             # is keyed by pointer alignment; a less aligned weight misses it, and a miss inside
             # a graph capture cannot be benchmarked).
-            align = 256 // p.element_size()
+            # Sharded (shard_world > 1): every segment also splits into shard_world parts of
+            # whole 16-byte vectors, so any run of whole segments does.
+            align = math.lcm(256 // p.element_size(), self._shard_world * (16 // p.element_size()))
             bucket.offsets.append(bucket.offsets[-1] + -(-p.numel() // align) * align)
         self._buckets = list(by_dtype.values())
         keys = list(_STATE_KEYS[self._algorithm])
@@ -200,6 +232,7 @@ class FusedOptimizer:
             keys.append("max_exp_avg_sq")
         if self._algorithm == "sgd" and not any(self._momentum_on):
             keys = []
+        self._state_keys = keys
         rows = 0
         for bucket in self._buckets:
             total = bucket.offsets[-1]
@@ -260,6 +293,12 @@ class FusedOptimizer:
         Runs at construction and after ``optimizer.load_state_dict`` (through a hook); call it
         after replacing state tensors by hand. Host-side work: call it outside a captured graph.
         """
+        if self._pieces is not None:
+            if self._state_released:
+                return  # the shards hold the state; optimizer.state keeps the step counts
+            # Whole buffers for the copy, then only this rank's slices are kept.
+            for bucket in self._buckets:
+                bucket.state = {key: torch.zeros_like(bucket.param) for key in self._state_keys}
         num_groups = len(self.optimizer.param_groups)
         group_steps: list[set] = [set() for _ in range(num_groups)]
         steps = self._tables.param_steps
@@ -297,6 +336,117 @@ class FusedOptimizer:
         hyper = self._tables.hyper
         hyper[:, _HYPER["step"]].copy_(torch.tensor(values, dtype=torch.float32))
         steps.copy_(torch.tensor(values, dtype=torch.float32)[self._tables.param_group.cpu()])
+        if self._pieces is not None:
+            for piece in self._pieces:
+                for key, flat in piece.bucket.state.items():
+                    piece.state[key].copy_(flat[piece.start: piece.stop])
+            self._release_whole_state()
+
+    def _on_load(self) -> None:
+        self._state_released = False  # load_state_dict put whole state tensors back
+        self.refresh_state()
+
+    # ------------------------------------------------------------------ sharding (ZeRO-1)
+
+    def shard(self, pieces: list[tuple[torch.dtype, int, int, int, int]]) -> None:
+        """Keeps only these slices of the state: this rank's shards in a data-parallel job
+        whose ranks each update one part of every all-reduce bucket (ZeRO stage 1).
+
+        pieces: (dtype, start, stop, range_start, range_count) in the same order on every rank;
+        [start, stop) is this rank's part of the flat buffers of `dtype`, and the all-gather of
+        flat[range_start: range_start + range_count] brings the other ranks' parts. The state
+        of the slices moves into buffers of their own and optimizer.state keeps only the step
+        counts (see consolidate()). step() then updates the slices alone; the caller reduces
+        the gradients into them before and all-gathers the parameters after, and sets
+        `reduce_partials` (an in-place sum over the ranks) when step() computes gradient norms.
+        Built with shard_world=N, every run of whole segments splits into N such slices.
+        """
+        if self._algorithm == "lamb":
+            raise ValueError("FusedOptimizer.shard: LAMB's trust ratio needs each whole "
+                             "parameter's norms, which a shard does not hold; shard SGD, Adam or "
+                             "AdamW, or keep LAMB's state whole")
+        if self._pieces is not None:
+            raise RuntimeError("FusedOptimizer.shard: the state is sharded already")
+        by_dtype = {b.dtype: b for b in self._buckets}
+        shards = []
+        for dtype, start, stop, range_start, range_count in pieces:
+            bucket = by_dtype[dtype]
+            vec = 16 // bucket.param.element_size()
+            if not 0 <= start <= stop <= bucket.offsets[-1] or start % vec or stop % vec:
+                raise ValueError(f"FusedOptimizer.shard: slice [{start}, {stop}) of the "
+                                 f"{bucket.offsets[-1]} {dtype} elements is out of range or "
+                                 "not cut at 16-byte vectors")
+            offs = bucket.offsets
+            members = [i for i in range(len(bucket.params))
+                       if offs[i] < stop and offs[i + 1] > start]
+            local = [max(offs[i], start) - start for i in members] + [stop - start]
+            chunks, _ = _C.optim_build_chunk_table(
+                torch.tensor(local, dtype=torch.int64),
+                torch.tensor([bucket.groups[i] for i in members], dtype=torch.int64),
+                self._chunk_elems)
+            piece = _Piece(bucket, start, stop, (range_start, range_count),
+                           chunks=chunks.to(self.device))
+            piece.state = {key: flat[start:stop].clone() for key, flat in bucket.state.items()}
+            shards.append(piece)
+        rows = [_C.optim_grad_stats_rows(p.stop - p.start) for p in shards]
+        self._partials = torch.zeros(sum(rows), 2, device=self.device)
+        first = 0
+        for piece, n in zip(shards, rows):
+            piece.partials = self._partials[first: first + n]
+            first += n
+        self._pieces = shards
+        self._release_whole_state()
+
+    def consolidate(self, gather: Callable[[torch.Tensor, int, int], None]) -> None:
+        """Sharded: puts the whole state back into ``optimizer.state`` (in torch's format, so
+        ``optimizer.state_dict()`` works) until the next step. Every rank calls it:
+        ``gather(flat, start, count)`` all-gathers flat[start: start + count] in place across the
+        ranks. The tensors are copies: to change the state, use ``load_state_dict``."""
+        if self._pieces is None:
+            return
+        for bucket in self._buckets:
+            bucket.state = {key: torch.zeros_like(bucket.param) for key in self._state_keys}
+        for piece in self._pieces:
+            for key, buf in piece.state.items():
+                piece.bucket.state[key][piece.start: piece.stop].copy_(buf)
+                gather(piece.bucket.state[key], *piece.gathered_from)
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                if self._algorithm == "sgd" and not self._momentum_on[bucket.groups[i]]:
+                    continue
+                state = self.optimizer.state[p]
+                for key, flat in bucket.state.items():
+                    state[key] = bucket.segment(flat, i)
+        self._state_released = False
+        self._consolidated = True
+
+    def _release_whole_state(self) -> None:
+        """Sharded: drops the whole-state buffers and their views in optimizer.state."""
+        for bucket in self._buckets:
+            bucket.state = {}
+            for p in bucket.params:
+                state = self.optimizer.state.get(p)
+                for key in self._state_keys:
+                    if state:
+                        state.pop(key, None)
+        self._state_released = True
+        self._consolidated = False
+
+    def _check_state_is_whole(self) -> None:
+        if self._pieces is not None and self._state_released:
+            raise RuntimeError(
+                "the optimizer's state is sharded across the ranks (nt.Step(..., "
+                "shard_optimizer=True)): this rank holds 1/N of it, so optimizer.state_dict() "
+                "would lose the rest. Call step.consolidate_optimizer_state() on every rank "
+                "first; until the next step, optimizer.state_dict() then returns the whole state.")
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this process holds (sharded: its slices, plus whole-state
+        copies while consolidated)."""
+        tensors = [t for b in self._buckets for t in b.state.values()]
+        tensors += [t for piece in self._pieces or [] for t in piece.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # ------------------------------------------------------------------ host staging
 
@@ -358,6 +508,8 @@ class FusedOptimizer:
         replay without staging, desynchronises the counters; the device sees the stale slot's
         sequence number and counts it (see :meth:`staging_errors`).
         """
+        if self._consolidated:
+            self._release_whole_state()  # a replay moves the shards on: copies would go stale
         if self._is_cuda and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "FusedOptimizer.stage_host_values() runs on the host before each replay; call it "
@@ -444,6 +596,8 @@ class FusedOptimizer:
         if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
             raise ValueError(f"FusedOptimizer.step: max_grad_norm must be a positive finite "
                              f"float or None; got {max_grad_norm}")
+        if self._consolidated:
+            self._release_whole_state()  # the step moves the shards on: copies would go stale
         capturing = self._is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             self._captured = True
@@ -454,14 +608,17 @@ class FusedOptimizer:
             if self._pending is None:
                 self.stage_host_values()
         stats = inv_scale is not None or found_inf is not None or max_grad_norm is not None
+        targets = self._buckets if self._pieces is None else self._pieces
         if stats:
-            for bucket in self._buckets:
-                _C.optim_grad_stats_(bucket.grad, inv_scale, bucket.partials)
+            for t in targets:
+                _C.optim_grad_stats_(t.grad, inv_scale, t.partials)
+            if self._pieces is not None and self.reduce_partials is not None:
+                self.reduce_partials(self._partials)  # norms and overflow over every shard
         _C.optim_prepare_step_(self._tables, self._partials if stats else None, inv_scale,
                                found_inf, float(max_grad_norm or 0.0),
                                inv_scale is not None or found_inf is not None)
         hyper, control = self._tables.hyper, self._control
-        for bucket in self._buckets:
+        for bucket in targets:  # a _Bucket, or a _Piece of one when sharded
             s = bucket.state
             if self._algorithm == "sgd":
                 _C.optim_sgd_update_(bucket.param, bucket.grad, s.get("momentum_buffer"),
