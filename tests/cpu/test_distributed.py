@@ -453,3 +453,47 @@ def test_shard_optimizer_is_refused_where_it_cannot_work(monkeypatch):
     with pytest.raises(ValueError, match="LAMB's trust ratio"):
         from nimble_train.optim import FusedOptimizer, LAMB
         FusedOptimizer(LAMB(model.parameters()), shard_world=2).shard([])
+
+
+def test_an_overflow_in_one_shard_skips_the_update_on_every_rank():
+    # fp16 loss scaling: a non-finite gradient in rank 1's part must skip the update on rank 0
+    # too (the overflow flags are summed over the ranks), or the replicas would part.
+    from nimble_train.distributed import GradientSync
+    from nimble_train.optim import DeviceLossScaler, FusedOptimizer
+
+    torch.manual_seed(2)
+    start = MLP(features=20, hidden=48, classes=5)
+    x, y = classification_batches(1, 8, features=20, seed=6)[0]
+    store, comm = dist.HashStore(), ThreadComm(2)
+
+    def rank_run(r):
+        model = copy.deepcopy(start)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        sync = GradientSync(World(r, 2, store, prefix="o"), torch.device("cpu"), 0.002,
+                            shard=True)
+        sync.comm = comm.rank(r)
+        fused = FusedOptimizer(opt, shard_world=2)
+        sync.use_buckets(fused)
+        scaler = DeviceLossScaler("cpu", init_scale=1024.0)
+        before = [p.detach().clone() for p in model.parameters()]
+        steps = []
+        for overflow in (True, False):
+            fused.zero_grad()
+            scaler.scale_loss(torch.nn.functional.cross_entropy(
+                model(x[4 * r: 4 * (r + 1)]), y[4 * r: 4 * (r + 1)])).backward()
+            for b in sync._buckets:
+                sync.comm.reduce_scatter_(sync._flat[b.dtype], b.start, b.stop - b.start, "avg")
+            if overflow and r == 1:
+                _, start_1, _, _, _ = sync.pieces()[-1]
+                sync._flat[torch.float32][start_1] = float("inf")  # in rank 1's part only
+            scaler.step(fused)
+            sync.after_update()
+            steps.append([p.detach().clone() for p in model.parameters()])
+        return before, steps, float(scaler.scale)
+
+    (before0, steps0, scale0), (before1, steps1, scale1) = _on_threads(2, rank_run)
+    assert all(torch.equal(a, b) for a, b in zip(steps0[0], before0))  # skipped on rank 0 too
+    assert all(torch.equal(a, b) for a, b in zip(steps1[0], before1))
+    assert scale0 == scale1 == 512.0  # both backed off
+    assert all(torch.equal(a, b) for a, b in zip(steps0[1], steps1[1]))  # then both update
+    assert not all(torch.equal(a, b) for a, b in zip(steps0[1], before0))
