@@ -612,7 +612,12 @@ class FusedOptimizer:
         if stats:
             for t in targets:
                 _C.optim_grad_stats_(t.grad, inv_scale, t.partials)
-            if self._pieces is not None and self.reduce_partials is not None:
+            if self._pieces is not None:
+                if self.reduce_partials is None:
+                    raise RuntimeError(
+                        "FusedOptimizer.step: the state is sharded and this step needs the "
+                        "global gradient norm or overflow flag; set reduce_partials (an "
+                        "in-place sum over the ranks) after shard()")
                 self.reduce_partials(self._partials)  # norms and overflow over every shard
         _C.optim_prepare_step_(self._tables, self._partials if stats else None, inv_scale,
                                found_inf, float(max_grad_norm or 0.0),
