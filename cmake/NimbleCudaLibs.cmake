@@ -1,6 +1,6 @@
-# Finds the CUDA libraries nimble_train links beside the CUDA runtime: NCCL, cuDNN, cuBLASLt.
+# Finds the CUDA library nimble_train links beside the CUDA runtime: NCCL.
 #
-# Each is looked for first where the user points (NCCL_ROOT, CUDNN_ROOT), then in the
+# Each is looked for first where the user points (NCCL_ROOT), then in the
 # nvidia-* wheels next to torch (the copies torch itself loads), then on the system. A
 # library that is missing only turns its feature off; nt_cuda_library() records why.
 
@@ -53,10 +53,4 @@ endfunction()
 macro(nt_find_cuda_libraries)
   nt_cuda_library(nccl HEADER nccl.h LIBS nccl libnccl.so.2 ROOT_VAR NCCL_ROOT
     VERSION_HEADER nccl.h VERSION_FIELDS NCCL_MAJOR NCCL_MINOR NCCL_PATCH)
-  nt_cuda_library(cudnn HEADER cudnn_version.h LIBS cudnn libcudnn.so.9 ROOT_VAR CUDNN_ROOT
-    VERSION_HEADER cudnn_version.h VERSION_FIELDS CUDNN_MAJOR CUDNN_MINOR CUDNN_PATCHLEVEL)
-  nt_cuda_library(cublaslt HEADER cublasLt.h
-    LIBS cublasLt libcublasLt.so.${CUDAToolkit_VERSION_MAJOR}
-    VERSION_HEADER cublas_api.h
-    VERSION_FIELDS CUBLAS_VER_MAJOR CUBLAS_VER_MINOR CUBLAS_VER_PATCH)
 endmacro()

@@ -1,42 +1,40 @@
-"""The batch template: structure, shapes, dtypes and devices fixed by the first batch.
+"""The batch template: structure, shapes, dtypes and devices, fixed by the first batch.
 
-A captured graph reads its inputs from static buffers of fixed shape. Every later batch is
-checked against the template and copied into those buffers; a batch with fewer samples than
-the template fills only the leading rows (the rest are masked out of the loss).
+A captured graph reads its inputs from static buffers of fixed shape (``_C.StaticInputs``, or
+an entry of ``_C.StepGraph``): every later batch is flattened into its tensor leaves, which C++
+checks against the template and copies in. Here: the structure (tuple, list, dict nesting and
+non-tensor entries, which a graph bakes in), and a fast flatten for batches built of plain
+tuples, lists and dicts, the common case, where torch's pytree would cost more than the rest of
+the replay path.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
+from ._torch_private import pytree
 from .errors import ShapeError
 
 
 @dataclass(frozen=True)
-class _Leaf:
+class Leaf:
     path: str  # "batch[0]", "batch['input_ids']"
-    shape: tuple[int, ...] | None  # None for a non-tensor leaf
-    dtype: torch.dtype | None
-    device: torch.device | None
-    batched: bool  # leading dimension is the batch dimension
+    tensor: torch.Tensor | None  # the first batch's tensor; None for a non-tensor leaf
+    batched: bool = False  # dimension 0 is the batch dimension
     value: Any = None  # a non-tensor leaf's value, which the graph bakes in
-    # The first batch's memory layout (channels_last stays channels_last), or contiguous when
-    # it was not dense: the static buffer keeps it, so capture sees the tensors warm-up saw.
-    stride: tuple[int, ...] | None = None
 
 
-def _describe(leaf: Any) -> str:
+def describe(leaf: Any) -> str:
     if isinstance(leaf, torch.Tensor):
         return f"a tensor of shape {tuple(leaf.shape)}, {leaf.dtype}, on {leaf.device}"
     return f"{type(leaf).__name__} {leaf!r}"
 
 
 class BatchTemplate:
-    """Shapes, dtypes and devices of the first batch; checks later batches against them."""
+    """The first batch's structure; flattens later batches and checks their structure."""
 
     def __init__(self, batch: Any):
         flat, self.treedef = pytree.tree_flatten_with_path(batch)
@@ -45,79 +43,125 @@ class BatchTemplate:
             raise TypeError(
                 "a batch must contain tensors whose leading dimension is the batch size, as "
                 f"(inputs, target) or a dict of tensors; got {type(batch).__name__} whose first "
-                f"tensor is {_describe(tensors[0]) if tensors else 'missing'}"
-            )
+                f"tensor is {describe(tensors[0]) if tensors else 'missing'}")
         self.batch_size = tensors[0].shape[0]
         self.leaves = []
         for key_path, leaf in flat:
             path = "batch" + pytree.keystr(key_path)
             if isinstance(leaf, torch.Tensor):
                 batched = leaf.dim() >= 1 and leaf.shape[0] == self.batch_size
-                stride = torch.empty_like(leaf, device="meta").stride()  # dense layout kept
-                self.leaves.append(_Leaf(path, tuple(leaf.shape), leaf.dtype, leaf.device, batched,
-                                         stride=tuple(stride)))
+                self.leaves.append(Leaf(path, leaf, batched))
             else:
-                self.leaves.append(_Leaf(path, None, None, None, False, leaf))
+                self.leaves.append(Leaf(path, None, value=leaf))
+        self.tensor_index = [i for i, leaf in enumerate(self.leaves) if leaf.tensor is not None]
+        self.constants = [(i, leaf) for i, leaf in enumerate(self.leaves) if leaf.tensor is None]
+        self._fast = _flattener(batch)
 
     @property
-    def tensor_leaves(self) -> list[_Leaf]:
-        return [leaf for leaf in self.leaves if leaf.shape is not None]
+    def tensor_leaves(self) -> list[Leaf]:
+        return [self.leaves[i] for i in self.tensor_index]
 
-    def check(self, batch: Any) -> tuple[list[Any], int]:
-        """Returns the batch's leaves and its number of samples; raises ShapeError on mismatch."""
+    def specs(self) -> list[tuple[str, torch.Tensor, tuple[int, ...], bool]]:
+        """(path, example, strides, batched) per tensor leaf, for _C.StaticInputs: the static
+        buffer keeps the first batch's dense layout (channels_last stays channels_last, so
+        capture sees the tensors warm-up saw), or contiguous when it was not dense."""
+        out = []
+        for leaf in self.tensor_leaves:
+            strides = torch.empty_like(leaf.tensor, device="meta").stride()
+            out.append((leaf.path, leaf.tensor, tuple(strides), leaf.batched))
+        return out
+
+    def flatten(self, batch: Any) -> list[Any]:
+        """All leaves of `batch` in template order; ShapeError when its structure differs."""
+        if self._fast is not None:
+            try:
+                return self._fast(batch)
+            except _Mismatch:
+                pass  # pytree says what differs, or accepts what the fast path does not
         flat, treedef = pytree.tree_flatten(batch)
         if treedef != self.treedef:
             raise ShapeError(
                 f"the batch's structure differs from the first batch's: expected {self.treedef}, "
-                f"got {treedef}. Every batch must have the same form (same tuple or dict keys)."
-            )
-        samples = None
-        for spec, leaf in zip(self.leaves, flat):
-            if spec.shape is None:
-                if not _same_value(leaf, spec.value):
-                    raise ShapeError(
-                        f"{spec.path} was {spec.value!r} in the first batch and is {leaf!r} now; "
-                        "a captured step bakes non-tensor batch entries in. Keep them constant, "
-                        "or pass them as tensors."
-                    )
-                continue
-            if not isinstance(leaf, torch.Tensor):
-                raise ShapeError(f"{spec.path} must be {self._expected(spec)}; got {_describe(leaf)}")
-            n = self._check_tensor(spec, leaf)
-            if spec.batched:
-                if samples is not None and n != samples:
-                    raise ShapeError(
-                        f"{spec.path} has {n} samples but an earlier entry of the batch has "
-                        f"{samples}; all batched entries must agree."
-                    )
-                samples = n
-        return flat, samples
+                f"got {treedef}. Every batch must have the same form (same tuple or dict keys).")
+        return flat
 
-    def _expected(self, spec: _Leaf) -> str:
-        shape = ("N<=" + str(spec.shape[0]),) + spec.shape[1:] if spec.batched else spec.shape
-        shape_text = "(" + ", ".join(str(s) for s in shape) + ")"
-        return f"a tensor of shape {shape_text}, {spec.dtype}, on {spec.device}"
-
-    def _check_tensor(self, spec: _Leaf, t: torch.Tensor) -> int:
-        fix = (
-            "The first batch fixed the template; pad or bucket inputs to that shape (a shorter "
-            "last batch is handled), or build a Step per shape."
-        )
-        if t.dtype != spec.dtype or t.device != spec.device:
-            raise ShapeError(f"{spec.path} must be {self._expected(spec)}; got {_describe(t)}. {fix}")
-        if spec.batched:
-            ok = t.dim() == len(spec.shape) and t.shape[1:] == spec.shape[1:]
-            if ok and t.shape[0] > spec.shape[0]:
+    def tensors(self, batch: Any) -> list[Any]:
+        """The tensor leaves of `batch` (the C++ side checks them); non-tensor leaves must equal
+        the first batch's: ShapeError otherwise."""
+        flat = self.flatten(batch)
+        for i, leaf in self.constants:
+            if not _same_value(flat[i], leaf.value):
                 raise ShapeError(
-                    f"{spec.path} has {t.shape[0]} samples, more than the {spec.shape[0]} of the "
-                    f"first batch; got {_describe(t)}. Use the same batch size throughout (the "
-                    "first batch must be a full one), or build a Step for the larger size."
-                )
-            if ok and t.shape[0] >= 1:
-                return t.shape[0]
-        elif tuple(t.shape) == spec.shape:
-            return spec.shape[0] if t.dim() else 1
-        raise ShapeError(f"{spec.path} must be {self._expected(spec)}; got {_describe(t)}. {fix}")
+                    f"{leaf.path} was {leaf.value!r} in the first batch and is {flat[i]!r} now; "
+                    "a captured step bakes non-tensor batch entries in. Keep them constant, or "
+                    "pass them as tensors.")
+        return [flat[i] for i in self.tensor_index]
+
+    def explain_non_tensors(self, tensors: list[Any]) -> None:
+        """Raises ShapeError naming the first tensor leaf that is not a tensor, if any."""
+        for leaf, value in zip(self.tensor_leaves, tensors):
+            if not isinstance(value, torch.Tensor):
+                t = leaf.tensor
+                raise ShapeError(f"{leaf.path} must be a tensor like the first batch's "
+                                 f"({describe(t)}); got {describe(value)}")
+
+    def unflatten(self, tensors: list[torch.Tensor]) -> Any:
+        """The batch made of these tensor leaves and the template's constants."""
+        flat = [leaf.value for leaf in self.leaves]
+        for i, t in zip(self.tensor_index, tensors):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, self.treedef)
+
+
+class _Mismatch(Exception):
+    """The batch is not shaped like the template (the fast path hands over to pytree)."""
+
+
+def _flattener(template: Any) -> Callable[[Any], list[Any]] | None:
+    """A function that flattens batches built exactly like `template` from plain tuples, lists
+    and dicts (pytree's order: sequences in order, dicts in key order), raising _Mismatch on
+    any other batch; None when the template holds other containers (named tuples, mappings of
+    other types), which pytree flattens."""
+    if isinstance(template, (tuple, list)) and type(template) in (tuple, list):
+        kind, n = type(template), len(template)
+        children = [_flattener(item) for item in template]
+        if any(c is None for c in children):
+            return None
+
+        def flatten_sequence(batch):
+            if type(batch) is not kind or len(batch) != n:
+                raise _Mismatch
+            out = []
+            for child, item in zip(children, batch):
+                out += child(item)
+            return out
+        return flatten_sequence
+    if isinstance(template, dict):
+        if type(template) is not dict:
+            return None
+        keys = list(template)
+        children = [_flattener(template[k]) for k in keys]
+        if any(c is None for c in children):
+            return None
+
+        def flatten_dict(batch):
+            if type(batch) is not dict or list(batch) != keys:
+                raise _Mismatch
+            out = []
+            for child, key in zip(children, keys):
+                out += child(batch[key])
+            return out
+        return flatten_dict
+    leaves = pytree.tree_leaves(template)
+    if isinstance(template, (tuple, list)) or len(leaves) != 1 or leaves[0] is not template:
+        return None  # a named tuple, or a container type registered with pytree
+    return _leaf
+
+
+def _leaf(item: Any) -> list[Any]:
+    if isinstance(item, (tuple, list, dict)):
+        raise _Mismatch  # a container where the template has a leaf
+    return [item]
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -125,35 +169,3 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # objects whose == does not give a bool
         return a is b
-
-
-class StaticBatch:
-    """Static buffers shaped and laid out like the template's tensors, which a captured graph
-    reads its inputs from."""
-
-    def __init__(self, template: BatchTemplate, leaves: list[Any], samples: int):
-        self.template = template
-        self.leaves = [
-            torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device=spec.device)
-            if spec.shape is not None else leaf
-            for spec, leaf in zip(template.leaves, leaves)
-        ]
-        self.batch = pytree.tree_unflatten(self.leaves, template.treedef)
-        self.copy_in(leaves, samples, fill_padding=True)
-
-    def copy_in(self, leaves: list[Any], samples: int, fill_padding: bool = False) -> None:
-        """Copies a checked batch in; a short one fills the leading `samples` rows.
-
-        The other rows keep an earlier batch's samples: they are masked out of the loss, and
-        being real data they are finite (a NaN there would still poison 0 * NaN in backward).
-        `fill_padding` fills them with copies of the first sample, for the first batch.
-        """
-        for spec, static, leaf in zip(self.template.leaves, self.leaves, leaves):
-            if spec.shape is None:
-                continue
-            if spec.batched and samples < spec.shape[0]:
-                static[:samples].copy_(leaf, non_blocking=True)
-                if fill_padding:
-                    static[samples:].copy_(leaf[:1].expand_as(static[samples:]))
-            else:
-                static.copy_(leaf, non_blocking=True)

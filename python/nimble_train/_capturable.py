@@ -4,7 +4,7 @@ A captured graph bakes Python floats into its kernels. Learning rates that a sch
 between steps must instead be device tensors the graph reads: torch's fused SGD and its
 capturable Adam/AdamW accept a tensor `lr`, so Step puts a device scalar in `group["lr"]`
 while capturing and the user's float back afterwards; before each replay the float is staged
-for the graph to read (see nimble_train._C.DeviceScalars).
+for the graph to read (through the step's staging ring, nimble_train._C.StepGraph).
 
 Other hyper-parameters (momentum, betas, weight decay, ...) stay baked in: Step notices a
 change and captures again. Optimizers without a tensor-lr path keep lr baked in as well.
@@ -13,6 +13,8 @@ change and captures again. Optimizers without a tensor-lr path keep lr baked in 
 from __future__ import annotations
 
 import torch
+
+from . import _torch_private
 
 # Classes whose param groups take a device `lr` in a captured step, and how to enable it.
 _FUSED_LR = (torch.optim.SGD,)
@@ -36,8 +38,7 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> list[bool]:
         if tensor_lr_ok and isinstance(optimizer, _FUSED_LR):
             group["foreach"] = False
             group["fused"] = True
-            # torch.optim.SGD sets this only when built with fused=True; GradScaler reads it.
-            optimizer._step_supports_amp_scaling = True
+            _torch_private.declare_amp_scaling(optimizer)  # GradScaler reads it
         elif tensor_lr_ok and isinstance(optimizer, _CAPTURABLE_LR):
             if not group.get("fused"):
                 group["capturable"] = True

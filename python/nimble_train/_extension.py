@@ -1,5 +1,7 @@
 """Loads the extension nimble_train._C and checks it matches the torch it runs beside."""
 
+import os
+
 import torch
 
 _REBUILD = "Rebuild it against the installed torch: pip install --no-build-isolation -e ."
@@ -18,6 +20,10 @@ if _built_against != torch.__version__:
         f"nimble_train._C was built against torch {_built_against}, but torch "
         f"{torch.__version__} is installed. {_REBUILD}"
     )
+
+
+# The runtime library's CMake package, installed beside _C (for CMAKE_PREFIX_PATH).
+cmake_prefix_path = os.path.join(os.path.dirname(os.path.abspath(_C.__file__)), "share", "cmake")
 
 
 def build_info() -> dict:
@@ -39,7 +45,7 @@ def describe_build() -> str:
     """One line per feature: what is compiled in, at which version, or why it is left out."""
     info = build_info()
     lines = [f"nimble_train {info['version']} (built against torch {info['torch_version']})"]
-    for name in ("cuda", "nccl", "cudnn", "cublaslt"):
+    for name in ("cuda", "nccl"):
         feature = info[name]
         if feature["available"]:
             extra = f", archs {info['cuda_archs']}" if name == "cuda" else ""

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
+from . import _torch_private
 from ._extension import _C
+from ._torch_private import pytree
 
 _OPS = ("call_module", "call_function", "call_method")
 
@@ -153,8 +154,7 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device):
 
 
 def _compiled(model: torch.nn.Module) -> bool:
-    from torch._dynamo.eval_frame import OptimizedModule
-    return any(isinstance(m, OptimizedModule) for m in model.modules())
+    return any(_torch_private.is_compiled_module(m) for m in model.modules())
 
 
 def warn_single_stream(reason: str) -> None:

@@ -90,6 +90,18 @@ class SyncRecorder:
         self._warnings.__exit__(*exc)
 
     @contextlib.contextmanager
+    def recording_on(self, stream: torch.cuda.Stream):
+        """Warm-up: runs the block on `stream` (the capture's side stream: lazily made
+        per-stream state, cuBLAS and cuDNN workspaces, then exists before capture, outside its
+        pool), ordered after the current stream's work and before its later work, with host
+        syncs recorded."""
+        current = torch.cuda.current_stream(stream.device)
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream), self:
+            yield
+        current.wait_stream(stream)
+
+    @contextlib.contextmanager
     def paused(self):
         """Within it, syncs are neither flagged nor recorded (nimble_train's own code)."""
         if not self._active:

@@ -12,69 +12,15 @@
 #include "common/check.h"
 #include "nimble_train/build_config.h"
 #include "optim/device_tables.h"
-#include "optim/flat_scale.h"
 #include "optim/fused_update.h"
 #include "optim/step_control.h"
 
 #if NT_HAVE_CUDA
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
-#include <cuda_runtime_api.h>
-
-#include "common/cuda_check.h"
 #endif
 
 namespace nimble_train::optim {
-namespace {
-
-#if NT_HAVE_CUDA
-DType kernel_dtype(const at::Tensor& x, const char* op) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: break;
-  }
-  NT_CHECK(false, op, ": CUDA tensors must be float32, float16 or bfloat16; got ",
-           x.scalar_type());
-  return DType::kFloat32;  // unreachable
-}
-#endif
-
-}  // namespace
-
-void flat_scale_(const at::Tensor& x, const at::Tensor& scale) {
-  NT_CHECK(x.is_contiguous(), "flat_scale_: x must be contiguous (a flat buffer); got sizes ",
-           x.sizes(), " with strides ", x.strides(), ". Pass x.contiguous() and copy back.");
-  NT_CHECK(x.is_floating_point(), "flat_scale_: x must be a floating-point tensor; got ",
-           x.scalar_type());
-  NT_CHECK(scale.numel() == 1 && scale.scalar_type() == at::kFloat,
-           "flat_scale_: scale must be a one-element float32 tensor; got ", scale.numel(),
-           " elements of ", scale.scalar_type());
-  NT_CHECK(scale.device() == x.device(), "flat_scale_: scale must be on x's device (", x.device(),
-           "); got ", scale.device());
-
-  if (x.is_cuda()) {
-#if NT_HAVE_CUDA
-    const c10::cuda::CUDAGuard guard(x.device());
-    flat_scale_cuda(x.data_ptr(), kernel_dtype(x, "flat_scale_"), x.numel(),
-                    scale.const_data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
-#else
-    NT_CHECK(false, "flat_scale_: x is a CUDA tensor, but nimble_train was built without CUDA (",
-             NT_CUDA_REASON, "). Rebuild it: pip install --no-build-isolation -e .");
-#endif
-    return;
-  }
-  NT_CHECK(x.is_cpu(), "flat_scale_: x must be a CPU or CUDA tensor; got ", x.device());
-  const float s = scale.item<float>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "flat_scale_", [&] {
-    flat_scale_reference(x.data_ptr<scalar_t>(), x.numel(), s);
-  });
-}
-
-
-// ---------------------------------------------------------------- fused optimizer step
-
 namespace {
 
 // The element type of a flat buffer, on either device.
@@ -237,16 +183,11 @@ void prepare_step_(const StepTables& tables, const std::optional<at::Tensor>& pa
   NT_CHECK(tables.hyper.dim() == 2 && tables.hyper.size(1) == kHyperColumns, op,
            ": hyper must be [num_groups, ", int(kHyperColumns), "]; got ", tables.hyper.sizes());
   const int64_t num_groups = tables.hyper.size(0);
-  check_table(tables.ring, device, at::kFloat, -1, op, "ring");
-  NT_CHECK(tables.ring.dim() == 2 && tables.ring.size(0) > 0 &&
-               tables.ring.size(1) == slot_floats(num_groups),
-           op, ": ring must be [ring_slots > 0, ", slot_floats(num_groups), "] for ", num_groups,
-           " groups; got ", tables.ring.sizes());
+  check_table(tables.staged, device, at::kFloat, num_groups * kNumStagedHyper, op, "staged");
   check_table(tables.param_steps, device, at::kFloat, -1, op, "param_steps");
   const int64_t num_params = tables.param_steps.numel();
   check_table(tables.param_group, device, at::kLong, num_params, op, "param_group");
   check_table(tables.control, device, at::kFloat, kControlSize, op, "control");
-  check_table(tables.counter, device, at::kLong, kCounterSize, op, "counter");
 
   PrepareArgs a;
   if (partials) {
@@ -268,34 +209,18 @@ void prepare_step_(const StepTables& tables, const std::optional<at::Tensor>& pa
            max_norm);
   a.max_norm = static_cast<float>(max_norm);
   a.skip_nonfinite = skip_nonfinite;
-  a.ring = tables.ring.const_data_ptr<float>();
-  a.ring_slots = tables.ring.size(0);
+  a.staged = tables.staged.const_data_ptr<float>();
   a.hyper = tables.hyper.data_ptr<float>();
   a.num_groups = num_groups;
   a.param_steps = tables.param_steps.data_ptr<float>();
   a.param_group = tables.param_group.const_data_ptr<int64_t>();
   a.num_params = num_params;
   a.control = tables.control.data_ptr<float>();
-  a.counter = tables.counter.data_ptr<int64_t>();
 
   if (device.is_cuda()) {
 #if NT_HAVE_CUDA
-    NT_CHECK(tables.ring_host.is_cpu() && tables.ring_host.is_pinned() &&
-                 tables.ring_host.is_contiguous() &&
-                 tables.ring_host.scalar_type() == at::kFloat &&
-                 tables.ring_host.sizes() == tables.ring.sizes(),
-             op, ": ring_host must be a contiguous pinned float32 CPU tensor shaped like ring ",
-             tables.ring.sizes(), "; got ", tables.ring_host.sizes(), " on ",
-             tables.ring_host.device(), tables.ring_host.is_pinned() ? "" : " (not pinned)");
     const c10::cuda::CUDAGuard guard(device);
-    const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-    // The whole ring, not one slot: a captured copy has a fixed source, and the slot changes
-    // every step. prepare_step_cuda then picks this step's slot on the device.
-    NT_CHECK_CUDA(cudaMemcpyAsync(tables.ring.data_ptr<float>(),
-                                  tables.ring_host.const_data_ptr<float>(),
-                                  tables.ring.numel() * sizeof(float), cudaMemcpyHostToDevice,
-                                  stream));
-    prepare_step_cuda(a, stream);
+    prepare_step_cuda(a, c10::cuda::getCurrentCUDAStream());
     return;
 #else
     no_cuda(op);

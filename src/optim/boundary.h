@@ -9,11 +9,6 @@
 
 namespace nimble_train::optim {
 
-// x *= scale, in place. x: a contiguous float32/float16/bfloat16 tensor (a flat buffer, or any
-// contiguous tensor); scale: a one-element float32 tensor on x's device, read on the device.
-void flat_scale_(const at::Tensor& x, const at::Tensor& scale);
-
-// ---------------------------------------------------------------- fused optimizer step
 // The tensors below are CPU tensors (the CPU reference runs) or CUDA tensors on one device (the
 // kernels run on the current stream). Buffers are contiguous; see device_tables.h for layouts.
 
@@ -34,17 +29,16 @@ void grad_stats_(const at::Tensor& grads, const std::optional<at::Tensor>& inv_s
 
 // The persistent tables of one fused optimizer.
 struct StepTables {
-  at::Tensor ring_host;    // float32 [ring_slots, slot_floats]: pinned host memory (CPU path: any)
-  at::Tensor ring;         // float32, ring_host's shape, on the device (CPU path: ring_host)
+  at::Tensor staged;       // float32 [num_groups * kNumStagedHyper]: a view of the values the
+                           // step's staging ring fetched (src/capture/staging_ring.h)
   at::Tensor hyper;        // float32 [num_groups, kHyperColumns]
   at::Tensor param_steps;  // float32 [num_params]
   at::Tensor param_group;  // int64 [num_params]
   at::Tensor control;      // float32 [kControlSize]
-  at::Tensor counter;      // int64 [kCounterSize]
 };
 
-// The step's control block (see step_control.h): copies the staging ring to the device, reduces
-// the partials (None: no stats pass ran) into the norm, clip factor and overflow flag, writes
+// The step's control block (see step_control.h): takes the staged hyper-parameters, reduces the
+// partials (None: no stats pass ran) into the norm, clip factor and overflow flag, writes
 // found_inf (float32 [1] or None), advances the step counts. max_norm <= 0: no clipping.
 void prepare_step_(const StepTables& tables, const std::optional<at::Tensor>& partials,
                    const std::optional<at::Tensor>& inv_scale,

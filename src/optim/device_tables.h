@@ -10,8 +10,9 @@
 namespace nimble_train::optim {
 
 // Columns of the hyper-parameter table: float32 [num_groups][kHyperColumns], one row per
-// parameter group. The host stages columns [0, kNumStagedHyper) each step (a ring of slots, see
-// SlotLayout); prepare_step copies them in and computes the rest on the device.
+// parameter group. The host stages columns [0, kNumStagedHyper) for each step, in the step's
+// staging ring (src/capture/slot_ring.h); prepare_step copies them in and computes the rest on
+// the device.
 enum Hyper : int {
   kLr,
   kWeightDecay,
@@ -42,15 +43,6 @@ enum Hyper : int {
   kHyperColumns
 };
 
-// One staging slot: float32 [kSlotHeader + num_groups * kNumStagedHyper]. slot[0] holds the
-// step sequence number modulo kSeqModulus (exact in float32), so prepare_step can tell a slot
-// staged for this step from a stale one.
-constexpr int64_t kSlotHeader = 4;
-constexpr int64_t kSeqModulus = int64_t(1) << 22;
-inline constexpr int64_t slot_floats(int64_t num_groups) {
-  return kSlotHeader + num_groups * kNumStagedHyper;
-}
-
 // The control block: float32 [kControlSize], written by prepare_step, read by the updates.
 enum Control : int {
   kGradNorm,     // global L2 norm of the unscaled gradients (NaN when it was not computed)
@@ -58,13 +50,6 @@ enum Control : int {
   kFoundInf,     // 1 when a non-finite gradient was seen
   kSkipUpdate,   // 1: the update kernels leave parameters and state untouched this step
   kControlSize = 8
-};
-
-// The step counter: int64 [kCounterSize].
-enum Counter : int {
-  kStepsRun,       // prepare_step calls so far; selects the staging slot
-  kStagingErrors,  // steps that found a stale slot (step() replayed without stage_host_values())
-  kCounterSize
 };
 
 // Rows of the chunk table: int64 [num_chunks][kChunkColumns].

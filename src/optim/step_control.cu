@@ -92,7 +92,6 @@ void launch_grad_stats(const void* grads, int64_t n, const float* inv_scale, flo
 __global__ void __launch_bounds__(kPrepareThreads) prepare_step_kernel(PrepareArgs a) {
   __shared__ double shared[kPrepareThreads];
   __shared__ bool skip;
-  __shared__ const float* slot;
   // Partials summed in double, in an order fixed by the row count: the same norm every replay.
   double sum = 0.0;
   bool nonfinite = false;
@@ -103,17 +102,14 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_step_kernel(PrepareAr
   }
   const double total = block_sum<double, kPrepareThreads>(sum, shared);
   const int any = __syncthreads_or(nonfinite);
-  const int64_t run = a.counter[kStepsRun];
   if (threadIdx.x == 0) {
     decide_step(a, total, any != 0);
     skip = a.control[kSkipUpdate] != 0.0f;
-    slot = staged_slot(a, run);
-    if (static_cast<int64_t>(slot[0]) != run % kSeqModulus) ++a.counter[kStagingErrors];
   }
   __syncthreads();
   for (int64_t g = threadIdx.x; g < a.num_groups; g += kPrepareThreads) {
     float* row = a.hyper + g * kHyperColumns;
-    for (int k = 0; k < kNumStagedHyper; ++k) row[k] = slot[kSlotHeader + g * kNumStagedHyper + k];
+    for (int k = 0; k < kNumStagedHyper; ++k) row[k] = a.staged[g * kNumStagedHyper + k];
     if (!skip) row[kStep] += 1.0f;
     derive_hyper(row);
   }
@@ -121,7 +117,6 @@ __global__ void __launch_bounds__(kPrepareThreads) prepare_step_kernel(PrepareAr
   for (int64_t i = threadIdx.x; i < a.num_params; i += kPrepareThreads) {
     a.param_steps[i] = a.hyper[a.param_group[i] * kHyperColumns + kStep];
   }
-  if (threadIdx.x == 0) a.counter[kStepsRun] = run + 1;
 }
 
 }  // namespace
@@ -135,8 +130,7 @@ void grad_stats_cuda(const void* grads, DType dtype, int64_t n, const float* inv
 }
 
 void prepare_step_cuda(const PrepareArgs& a, cudaStream_t stream) {
-  NT_CHECK(a.ring_slots > 0, "prepare_step: the staging ring needs at least one slot; got ",
-           a.ring_slots);
+  NT_CHECK(a.staged != nullptr, "prepare_step: no staged hyper-parameters were given");
   prepare_step_kernel<<<1, kPrepareThreads, 0, stream>>>(a);
   NT_CHECK_LAUNCH();
 }

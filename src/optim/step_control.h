@@ -36,15 +36,15 @@ struct PrepareArgs {
   float max_norm = 0.0f;             // > 0: clip the global norm to it; otherwise no clipping
   bool skip_nonfinite = false;       // a non-finite gradient skips the update and the step count
   float* found_inf = nullptr;        // [1] written 1.0 or 0.0, or null
-  const float* ring = nullptr;       // [ring_slots][slot_floats(num_groups)] staged values
-  int64_t ring_slots = 0;
+  // [num_groups][kNumStagedHyper]: this step's staged hyper-parameters, as the step's staging
+  // ring fetched them (src/capture/slot_ring.h) into device memory at the top of the step.
+  const float* staged = nullptr;
   float* hyper = nullptr;            // [num_groups][kHyperColumns]
   int64_t num_groups = 0;
   float* param_steps = nullptr;      // [num_params] each parameter's step (state["step"] views)
   const int64_t* param_group = nullptr;  // [num_params] group of each parameter
   int64_t num_params = 0;
   float* control = nullptr;          // [kControlSize]
-  int64_t* counter = nullptr;        // [kCounterSize]
 };
 
 // ------------------------------------------------------------------ CPU reference
@@ -105,11 +105,6 @@ NT_HOST_DEVICE inline void decide_step(const PrepareArgs& a, double sum_sq, bool
   if (a.found_inf) *a.found_inf = found ? 1.0f : 0.0f;
 }
 
-// The staged slot of this step, checked against the step's sequence number.
-NT_HOST_DEVICE inline const float* staged_slot(const PrepareArgs& a, int64_t steps_run) {
-  return a.ring + (steps_run % a.ring_slots) * slot_floats(a.num_groups);
-}
-
 inline void prepare_step_reference(const PrepareArgs& a) {
   double sum = 0.0;
   bool nonfinite = false;
@@ -118,20 +113,16 @@ inline void prepare_step_reference(const PrepareArgs& a) {
     nonfinite |= a.partials[2 * i + 1] != 0.0f;
   }
   decide_step(a, sum, nonfinite);
-  const int64_t run = a.counter[kStepsRun];
-  const float* slot = staged_slot(a, run);
-  if (static_cast<int64_t>(slot[0]) != run % kSeqModulus) ++a.counter[kStagingErrors];
   const bool skip = a.control[kSkipUpdate] != 0.0f;
   for (int64_t g = 0; g < a.num_groups; ++g) {
     float* row = a.hyper + g * kHyperColumns;
-    std::copy_n(slot + kSlotHeader + g * kNumStagedHyper, kNumStagedHyper, row);
+    std::copy_n(a.staged + g * kNumStagedHyper, kNumStagedHyper, row);
     if (!skip) row[kStep] += 1.0f;
     derive_hyper(row);
   }
   for (int64_t i = 0; i < a.num_params; ++i) {
     a.param_steps[i] = a.hyper[a.param_group[i] * kHyperColumns + kStep];
   }
-  a.counter[kStepsRun] = run + 1;
 }
 
 // ------------------------------------------------------------------ CUDA (NT_HAVE_CUDA builds)

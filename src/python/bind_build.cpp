@@ -10,12 +10,6 @@
 #if NT_HAVE_NCCL
 #include "comm/nccl_info.h"
 #endif
-#if NT_HAVE_CUDNN
-#include <cudnn_graph.h>
-#endif
-#if NT_HAVE_CUBLASLT
-#include <cublasLt.h>
-#endif
 
 namespace py = pybind11;
 
@@ -37,8 +31,6 @@ py::dict build_info() {
   info["cuda"] = feature(NT_HAVE_CUDA, NT_CUDA_VERSION, NT_CUDA_REASON);
   info["cuda_archs"] = NT_HAVE_CUDA ? py::object(py::str(NT_CUDA_ARCHS)) : py::object(py::none());
   info["nccl"] = feature(NT_HAVE_NCCL, NT_NCCL_VERSION, NT_NCCL_REASON);
-  info["cudnn"] = feature(NT_HAVE_CUDNN, NT_CUDNN_VERSION, NT_CUDNN_REASON);
-  info["cublaslt"] = feature(NT_HAVE_CUBLASLT, NT_CUBLASLT_VERSION, NT_CUBLASLT_REASON);
   return info;
 }
 
@@ -53,12 +45,6 @@ py::dict runtime_versions() {
 #if NT_HAVE_NCCL
   out["nccl"] = comm::nccl_runtime_version();
 #endif
-#if NT_HAVE_CUDNN
-  out["cudnn"] = py::int_(cudnnGetVersion());
-#endif
-#if NT_HAVE_CUBLASLT
-  out["cublaslt"] = py::int_(cublasLtGetVersion());
-#endif
   return out;
 }
 
@@ -67,7 +53,7 @@ py::dict runtime_versions() {
 void bind_build(py::module_& m) {
   m.def("build_info", &build_info,
         "What this build compiled in: a dict with 'version', 'torch_version' (the torch it was "
-        "compiled against), 'cuda_archs', and for 'cuda', 'nccl', 'cudnn', 'cublaslt' a dict "
+        "compiled against), 'cuda_archs', and for 'cuda' and 'nccl' a dict "
         "{'available', 'version', 'reason'} where 'reason' says why a feature was left out.");
   m.def("has_cuda", [] { return bool(NT_HAVE_CUDA); },
         "True when the CUDA kernels and the capture runtime were compiled in.");
@@ -75,7 +61,7 @@ void bind_build(py::module_& m) {
         "True when the NCCL communication layer was compiled in.");
   m.def("runtime_versions", &runtime_versions,
         "Versions of the CUDA libraries loaded in this process (CUDA runtime as an int, e.g. "
-        "13000; NCCL as 'major.minor.patch'; cuDNN and cuBLASLt as ints); only those compiled in.");
+        "13000; NCCL as 'major.minor.patch'); only those compiled in.");
 }
 
 }  // namespace nimble_train

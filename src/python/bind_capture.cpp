@@ -1,36 +1,213 @@
-// Bindings for src/capture.
+// Bindings for src/capture: the staging ring, static inputs and the step-graph runtime.
 #include <torch/csrc/utils/pybind.h>
 
-#include "capture/boundary.h"
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "capture/static_inputs.h"
+#include "capture/staging_ring.h"
+#include "common/check.h"
+#include "nimble_train/build_config.h"
 #include "python/bindings.h"
+
+#if NT_HAVE_CUDA
+#include "capture/step_graph.h"
+#endif
 
 namespace py = pybind11;
 
 namespace nimble_train {
+namespace {
+
+using capture::LeafSpec;
+
+// (path, example tensor, strides, batched) per tensor leaf: the example gives sizes, dtype and
+// device (the first batch's leaf), strides the static buffer's layout.
+using LeafTuple = std::tuple<std::string, at::Tensor, std::vector<int64_t>, bool>;
+
+std::vector<LeafSpec> leaf_specs(const std::vector<LeafTuple>& leaves) {
+  std::vector<LeafSpec> specs;
+  specs.reserve(leaves.size());
+  for (const auto& [path, example, strides, batched] : leaves) {
+    LeafSpec spec;
+    spec.path = path;
+    spec.sizes = example.sizes().vec();
+    spec.strides = strides;
+    spec.dtype = example.scalar_type();
+    spec.device = example.device();
+    spec.batched = batched;
+    specs.push_back(std::move(spec));
+  }
+  return specs;
+}
+
+const char* const kLeavesDoc =
+    "leaves: one (path, example, strides, batched) per tensor leaf of the batch, in flattening "
+    "order: path names it in messages (\"batch[0]\"), example is the first batch's tensor (its "
+    "sizes, dtype and device), strides the static buffer's layout, batched whether dimension 0 "
+    "is the batch.";
+
+void bind_staging(py::module_& m) {
+  using capture::StagingRing;
+  py::class_<StagingRing>(
+      m, "StagingRing",
+      "The one host-to-graph staging mechanism: per launch one slot of float32 values in\n"
+      "mapped pinned memory (CUDA) that the launch's first kernel (fetch) copies into\n"
+      "`current`; back-pressure, a stale-slot check and rollback (unstage). See\n"
+      "src/capture/slot_ring.h.")
+      .def(py::init<int64_t, at::Device, int64_t>(), py::arg("num_values"), py::arg("device"),
+           py::arg("capacity") = 1024)
+      .def("stage", &StagingRing::stage, py::arg("values"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Host: the next launch's values (num_values floats); returns its sequence number.")
+      .def("restage", &StagingRing::restage, py::arg("values"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Host: rewrites the newest slot that no launch has consumed yet.")
+      .def("unstage", &StagingRing::unstage, py::call_guard<py::gil_scoped_release>(),
+           "Host: takes back the newest pending slot (its launch did not happen).")
+      .def("launched", &StagingRing::launched, py::arg("n") = 1,
+           py::call_guard<py::gil_scoped_release>(),
+           "Host: n launches that fetch were enqueued (each consumes one pending slot).")
+      .def("fetch", &StagingRing::fetch, py::call_guard<py::gil_scoped_release>(),
+           "Device: copies the next slot into current, on the current stream (capturable); on "
+           "the CPU at once.")
+      .def_property_readonly("current", &StagingRing::current,
+                             "[num_values] float32 tensor on the device: the values the "
+                             "running launch fetched.")
+      .def_property_readonly("staged", [](const StagingRing& r) { return r.ring().staged(); })
+      .def_property_readonly("launches", [](const StagingRing& r) { return r.ring().launches(); })
+      .def_property_readonly("pending", [](const StagingRing& r) { return r.ring().pending(); })
+      .def_property_readonly("consumed", [](const StagingRing& r) { return r.ring().consumed(); },
+                             "Launches whose fetch has run, as the device last published.")
+      .def_property_readonly("stale", [](const StagingRing& r) { return r.ring().stale(); },
+                             "Launches that found a slot not staged for them.")
+      .def("set_timeout", [](StagingRing& r, double seconds) {
+             r.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(seconds * 1e3)));
+           }, py::arg("seconds"), "How long stage() waits for a free slot before raising.");
+}
+
+void bind_static_inputs(py::module_& m) {
+  using capture::StaticInputs;
+  py::class_<StaticInputs>(
+      m, "StaticInputs",
+      "The buffers a captured step reads its batch from; checks batches against them and\n"
+      "copies them in (a short batch fills the leading rows). A mismatch raises ShapeError.")
+      .def(py::init([](const std::vector<LeafTuple>& leaves) {
+             return std::make_unique<StaticInputs>(leaf_specs(leaves));
+           }),
+           py::arg("leaves"), kLeavesDoc)
+      .def("check", &StaticInputs::check, py::arg("leaves"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The number of samples of a batch's tensor leaves, or ShapeError.")
+      .def("copy_in", &StaticInputs::copy_in, py::arg("leaves"), py::arg("samples"),
+           py::arg("fill_padding") = false, py::call_guard<py::gil_scoped_release>(),
+           "Copies checked leaves in on the current stream; fill_padding copies the first "
+           "sample into the rows past `samples`.")
+      .def_property_readonly("buffers", &StaticInputs::buffers)
+      .def_property_readonly("batch_size", &StaticInputs::batch_size);
+}
+
+#if NT_HAVE_CUDA
+capture::LaunchFault launch_fault(const std::string& name) {
+  if (name == "after_staging") return capture::LaunchFault::kAfterStaging;
+  if (name == "after_copy_in") return capture::LaunchFault::kAfterCopyIn;
+  NT_CHECK(name == "none", "fail_next_launch: point must be \"after_staging\", "
+           "\"after_copy_in\" or \"none\"; got \"", name, "\"");
+  return capture::LaunchFault::kNone;
+}
+
+void bind_step_graph(py::module_& m) {
+  using capture::CaptureResult;
+  using capture::StepGraph;
+  py::class_<CaptureResult>(m, "CaptureResult", "How a capture ended.")
+      .def_readonly("ok", &CaptureResult::ok)
+      .def_readonly("invalidated", &CaptureResult::invalidated,
+                    "CUDA invalidated the capture: a call it forbids while capturing ran "
+                    "(a host synchronisation, a synchronous copy).")
+      .def_readonly("error", &CaptureResult::error);
+
+  py::class_<StepGraph>(
+      m, "StepGraph",
+      "A training step's CUDA graphs, captured into one private pool, each with its static\n"
+      "inputs, and the staging ring every launch reads (value 0: the valid-sample count).\n"
+      "See src/capture/step_graph.h.")
+      .def(py::init<at::Device, int64_t, int64_t>(), py::arg("device"), py::arg("num_values"),
+           py::arg("ring_capacity") = 1024)
+      .def("add_entry", [](StepGraph& g, const std::vector<LeafTuple>& leaves) {
+             return g.add_entry(leaf_specs(leaves));
+           }, py::arg("leaves"), kLeavesDoc)
+      .def("inputs", [](const StepGraph& g, int64_t entry) {
+             return g.inputs(entry).buffers();
+           }, py::arg("entry"), "The static input buffers of an entry, in leaf order.")
+      .def("check", &StepGraph::check, py::arg("entry"), py::arg("leaves"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("copy_in", &StepGraph::copy_in, py::arg("entry"), py::arg("leaves"),
+           py::arg("samples"), py::arg("fill_padding") = false,
+           py::call_guard<py::gil_scoped_release>())
+      .def("stage_eager", &StepGraph::stage_eager, py::arg("samples"), py::arg("values"),
+           py::call_guard<py::gil_scoped_release>(),
+           "For an eager step that reads current: stages [samples, values...] and fetches it "
+           "now, on the current stream.")
+      .def("begin_capture", &StepGraph::begin_capture, py::arg("entry"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Starts capturing the entry's graph on the current (side) stream; the fetch is its "
+           "first node.")
+      .def("end_capture", &StepGraph::end_capture, py::call_guard<py::gil_scoped_release>(),
+           "Ends and instantiates the capture; a failed one is abandoned. Returns a "
+           "CaptureResult.")
+      .def("abandon_capture", &StepGraph::abandon_capture,
+           py::call_guard<py::gil_scoped_release>(),
+           "Ends and discards the capture after the step's code failed inside it.")
+      .def("launch", &StepGraph::launch, py::arg("entry"), py::arg("leaves"), py::arg("values"),
+           py::call_guard<py::gil_scoped_release>(),
+           "The replay path: checks the leaves, stages [samples, values...], copies the batch "
+           "in and replays; a failure after staging gives the slot back.")
+      .def("drop", &StepGraph::drop, py::arg("entry"))
+      .def("release", &StepGraph::release, py::call_guard<py::gil_scoped_release>(),
+           "Waits for the device, then frees every graph and the pool.")
+      .def("captured", &StepGraph::captured, py::arg("entry"))
+      .def("node_count", &StepGraph::node_count, py::arg("entry"))
+      .def_property_readonly("pool_id", &StepGraph::pool_id)
+      .def_property_readonly("num_entries", &StepGraph::num_entries)
+      .def_property_readonly("current", &StepGraph::current)
+      .def_property_readonly("staged", [](const StepGraph& g) {
+             return g.staging().ring().staged();
+           })
+      .def_property_readonly("launches", [](const StepGraph& g) {
+             return g.staging().ring().launches();
+           })
+      .def_property_readonly("consumed", [](const StepGraph& g) {
+             return g.staging().ring().consumed();
+           })
+      .def_property_readonly("stale", [](const StepGraph& g) {
+             return g.staging().ring().stale();
+           })
+      .def("fail_next_launch", [](StepGraph& g, const std::string& point) {
+             g.fail_next_launch(launch_fault(point));
+           }, py::arg("point"),
+           "Makes the next launch fail once at \"after_staging\" or \"after_copy_in\" (rollback "
+           "tests).");
+}
+#endif
+
+}  // namespace
 
 void bind_capture(py::module_& m) {
-  using capture::DeviceScalars;
-  py::class_<DeviceScalars>(
-      m, "DeviceScalars",
-      "Scalars set on the host before each launch of a captured graph and read by the graph\n"
-      "on the device: a ring of mapped pinned slots, so the host may run ahead of the GPU.")
-      .def(py::init<int64_t, at::Device, int64_t>(), py::arg("num_scalars"), py::arg("device"),
-           py::arg("capacity") = 1024)
-      .def("stage", &DeviceScalars::stage, py::arg("values"),
-           py::call_guard<py::gil_scoped_release>(),
-           "Host: writes the next launch's values (a list of num_scalars floats).")
-      .def("unstage", &DeviceScalars::unstage, py::call_guard<py::gil_scoped_release>(),
-           "Host: takes back the last stage() when its launch did not happen.")
-      .def("fetch", &DeviceScalars::fetch, py::call_guard<py::gil_scoped_release>(),
-           "Device: copies the staged values into values() on the current stream (capturable).")
-      .def_property_readonly("values", &DeviceScalars::values,
-                             "[num_scalars] float32 device tensor the graph reads.")
-      .def_property_readonly("staged", &DeviceScalars::staged)
-      .def_property_readonly("consumed", &DeviceScalars::consumed);
-
-  m.def("graph_node_count", &capture::graph_node_count, py::arg("graph"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Number of nodes in a cudaGraph_t given as an integer (torch's raw_cuda_graph()).");
+  bind_staging(m);
+  bind_static_inputs(m);
+#if NT_HAVE_CUDA
+  bind_step_graph(m);
+#endif
+  // A batch that does not fit the template is the user's ShapeError, raised as that class.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const capture::BatchMismatch& e) {
+      py::object error = py::module_::import("nimble_train.errors").attr("ShapeError");
+      PyErr_SetString(error.ptr(), e.what());
+    }
+  });
 }
 
 }  // namespace nimble_train

@@ -31,16 +31,11 @@ py::dict layout() {
   d["hyper"] = hyper;
   d["hyper_columns"] = int(kHyperColumns);
   d["staged_columns"] = int(kNumStagedHyper);
-  d["slot_header"] = kSlotHeader;
-  d["seq_modulus"] = kSeqModulus;
   d["control"] = py::dict(py::arg("grad_norm") = int(kGradNorm),
                           py::arg("grad_factor") = int(kGradFactor),
                           py::arg("found_inf") = int(kFoundInf),
                           py::arg("skip_update") = int(kSkipUpdate));
   d["control_size"] = int(kControlSize);
-  d["counter"] = py::dict(py::arg("steps_run") = int(kStepsRun),
-                          py::arg("staging_errors") = int(kStagingErrors));
-  d["counter_size"] = int(kCounterSize);
   d["chunk_columns"] = int(kChunkColumns);
   d["default_chunk_elems"] = kDefaultChunkElems;
   return d;
@@ -49,15 +44,9 @@ py::dict layout() {
 }  // namespace
 
 void bind_optim(py::module_& m) {
-  m.def("flat_scale_", &optim::flat_scale_, py::arg("x"), py::arg("scale"),
-        py::call_guard<py::gil_scoped_release>(),
-        "x *= scale, in place, with scale read on x's device (no host sync on CUDA).\n\n"
-        "x: contiguous float tensor (float32, float16 or bfloat16 on CUDA; any float on CPU).\n"
-        "scale: one-element float32 tensor on x's device.");
-
   m.def("optim_layout", &layout,
-        "The layouts of the fused optimizer's tables (columns of hyper, control, counter; "
-        "staging slot header; chunk table width), as in src/optim/device_tables.h.");
+        "The layouts of the fused optimizer's tables (columns of hyper and control, the staged "
+        "columns per group, the chunk table width), as in src/optim/device_tables.h.");
 
   m.def("optim_build_chunk_table", &optim::make_chunk_table, py::arg("offsets"),
         py::arg("tensor_group"), py::arg("chunk_elems") = optim::kDefaultChunkElems,
@@ -79,28 +68,24 @@ void bind_optim(py::module_& m) {
   py::class_<optim::StepTables>(m, "OptimStepTables",
                                 "The persistent tables of one fused optimizer (see "
                                 "src/optim/device_tables.h).")
-      .def(py::init([](at::Tensor ring_host, at::Tensor ring, at::Tensor hyper,
-                       at::Tensor param_steps, at::Tensor param_group, at::Tensor control,
-                       at::Tensor counter) {
-             return optim::StepTables{ring_host, ring, hyper, param_steps, param_group, control,
-                                      counter};
+      .def(py::init([](at::Tensor staged, at::Tensor hyper, at::Tensor param_steps,
+                       at::Tensor param_group, at::Tensor control) {
+             return optim::StepTables{staged, hyper, param_steps, param_group, control};
            }),
-           py::kw_only(), py::arg("ring_host"), py::arg("ring"), py::arg("hyper"),
-           py::arg("param_steps"), py::arg("param_group"), py::arg("control"),
-           py::arg("counter"))
-      .def_readonly("ring_host", &optim::StepTables::ring_host)
-      .def_readonly("ring", &optim::StepTables::ring)
+           py::kw_only(), py::arg("staged"), py::arg("hyper"), py::arg("param_steps"),
+           py::arg("param_group"), py::arg("control"))
+      .def_readonly("staged", &optim::StepTables::staged)
       .def_readonly("hyper", &optim::StepTables::hyper)
       .def_readonly("param_steps", &optim::StepTables::param_steps)
       .def_readonly("param_group", &optim::StepTables::param_group)
-      .def_readonly("control", &optim::StepTables::control)
-      .def_readonly("counter", &optim::StepTables::counter);
+      .def_readonly("control", &optim::StepTables::control);
 
   m.def("optim_prepare_step_", &optim::prepare_step_, py::arg("tables"), py::arg("partials"),
         py::arg("inv_scale"), py::arg("found_inf"), py::arg("max_norm"),
         py::arg("skip_nonfinite"), py::call_guard<py::gil_scoped_release>(),
-        "One block of device work per step: copies the staging ring to the device, reduces the "
-        "partials (None: no stats) to the norm, clip factor (max_norm <= 0: none) and overflow "
+        "One block of device work per step: takes the staged hyper-parameters (tables.staged, "
+        "fetched by the step's staging ring), reduces the partials (None: no stats) to the "
+        "norm, clip factor (max_norm <= 0: none) and overflow "
         "flag, writes found_inf (float32 [1] or None), advances the step counts unless the step "
         "is skipped (skip_nonfinite and a non-finite gradient).");
 

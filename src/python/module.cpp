@@ -1,10 +1,12 @@
-// The extension module nimble_train._C: one pybind11 module over all of src/.
+// The extension module nimble_train._C: one pybind11 module over the runtime library.
 #include <pybind11/pybind11.h>
 
 #include "python/bindings.h"
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "nimble_train's C++/CUDA runtime. Use it through the nimble_train package.";
+  m.doc() =
+      "Bindings over nimble_train's C++/CUDA runtime library; use it through the nimble_train "
+      "package.";
   nimble_train::bind_build(m);
   nimble_train::bind_optim(m);
   nimble_train::bind_streams(m);

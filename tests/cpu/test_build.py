@@ -7,7 +7,7 @@ import torch
 import nimble_train as nt
 from nimble_train import _C
 
-FEATURES = ("cuda", "nccl", "cudnn", "cublaslt")
+FEATURES = ("cuda", "nccl")
 
 
 def test_built_against_the_running_torch():
@@ -46,8 +46,6 @@ def test_runtime_libraries_match_what_was_built_against():
         # _C must use the NCCL that torch loaded, and have been compiled against its header.
         assert loaded["nccl"] == ".".join(map(str, torch.cuda.nccl.version()))
         assert loaded["nccl"] == info["nccl"]["version"]
-    if info["cudnn"]["available"]:
-        assert loaded["cudnn"] == torch.backends.cudnn.version()
     if info["cuda"]["available"]:
         major, minor = (int(x) for x in torch.version.cuda.split(".")[:2])
         assert loaded["cuda_runtime"] // 1000 == major, (loaded, torch.version.cuda)

@@ -11,7 +11,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import nimble_train as nt
-from nimble_train.distributed import World, plan_buckets
+from nimble_train._gradsync import plan_buckets
+from nimble_train.distributed import World
 from step_reference import MLP, assert_same_training, classification_batches, eager_loop
 
 
@@ -199,7 +200,7 @@ def test_ranks_with_different_models_fail_clearly_on_every_rank():
 def test_buckets_go_out_in_the_planned_order_whatever_order_they_fill():
     # NCCL matches collectives by their order on each rank: a bucket that fills early waits
     # until every bucket planned before it has gone out.
-    from nimble_train.distributed import Bucket, GradientSync
+    from nimble_train._gradsync import Bucket, GradientSync
 
     params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(6)]
     sync = GradientSync(World(0, 2, dist.HashStore(), prefix="t"), torch.device("cpu"), 1.0)
@@ -228,7 +229,7 @@ def test_buckets_over_the_fused_flat_buffers_follow_the_backward():
     # The set-up the captured step uses, on the CPU with a one-rank store: the first backward
     # notes the arrival order, buckets are cut from the fused optimizer's flat gradients, and
     # in a later backward every bucket goes out, in the planned order, as soon as it fills.
-    from nimble_train.distributed import GradientSync
+    from nimble_train._gradsync import GradientSync
     from nimble_train.optim import FusedOptimizer
 
     torch.manual_seed(0)
@@ -339,7 +340,7 @@ def test_sharded_optimizer_trains_as_one_process_and_saves_whole_state(name, cli
     # Each rank: its share of the batch, buckets reduce-scattered into its parts, the fused
     # update of its parts alone (clip norms summed over the ranks), the parameters
     # all-gathered. Reference: torch.optim on one model with the whole batch.
-    from nimble_train.distributed import GradientSync
+    from nimble_train._gradsync import GradientSync
     from nimble_train.optim import FusedOptimizer
 
     make = SHARD_OPTIMIZERS[name]
@@ -376,6 +377,11 @@ def test_sharded_optimizer_trains_as_one_process_and_saves_whole_state(name, cli
         fused.consolidate(sync.gather)
         saved = copy.deepcopy(opt.state_dict())
         params = [p.detach().clone() for p in model.parameters()]
+        fused.step(max_grad_norm=clip)  # shards move on: the whole copies are dropped again
+        with pytest.raises(RuntimeError, match="consolidate_optimizer_state"):
+            opt.state_dict()
+        fused.close()  # its hooks go: state_dict no longer refuses (Step.close consolidates)
+        opt.state_dict()
         return params, saved
 
     results = _on_threads(ranks, rank_run)
@@ -399,7 +405,7 @@ def test_sharded_optimizer_trains_as_one_process_and_saves_whole_state(name, cli
 
 def test_loaded_state_reaches_the_shards():
     # load_state_dict puts whole tensors back; each rank keeps its parts and trains on from them.
-    from nimble_train.distributed import GradientSync
+    from nimble_train._gradsync import GradientSync
     from nimble_train.optim import FusedOptimizer
 
     torch.manual_seed(1)
@@ -458,7 +464,7 @@ def test_shard_optimizer_is_refused_where_it_cannot_work(monkeypatch):
 def test_an_overflow_in_one_shard_skips_the_update_on_every_rank():
     # fp16 loss scaling: a non-finite gradient in rank 1's part must skip the update on rank 0
     # too (the overflow flags are summed over the ranks), or the replicas would part.
-    from nimble_train.distributed import GradientSync
+    from nimble_train._gradsync import GradientSync
     from nimble_train.optim import DeviceLossScaler, FusedOptimizer
 
     torch.manual_seed(2)

@@ -9,6 +9,7 @@ we compute in float32 and round once; both are judged against a float64 run of t
 optimizer, and ours must be within 2x of torch's error (plus a tiny floor).
 """
 
+import copy
 import io
 
 import pytest
@@ -216,7 +217,7 @@ def test_state_dict_round_trip_through_plain_torch(name):
         for t, p in zip(twin_params, params):
             p.copy_(t)
     for key, value in state_tensors(opt).items():
-        flat_ptrs = [b.data_ptr() for b in fused._buckets[0].state.values()]
+        flat_ptrs = [b.data_ptr() for b in fused._flats[0].state.values()]
         flat_ptrs.append(fused._tables.param_steps.data_ptr())
         assert any(value.untyped_storage().data_ptr() == ptr for ptr in flat_ptrs), key
     for step in range(5, 7):
@@ -464,3 +465,30 @@ def test_channels_last_weights_keep_their_layout_and_update_like_torch():
     torch.testing.assert_close(conv.weight, twin.weight, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(opt.state[conv.weight]["momentum_buffer"],
                                ref.state[twin.weight]["momentum_buffer"], rtol=1e-5, atol=1e-6)
+
+
+def test_close_removes_the_hooks_and_the_optimizer_trains_on_eagerly():
+    params = make_params()
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    fused = FusedOptimizer(opt)
+    set_grads(params, random_grads(params, 0))
+    fused.step()
+    fused.close()
+    twin_params = [p.detach().clone().requires_grad_() for p in params]
+    twin = torch.optim.AdamW(twin_params, lr=1e-2)
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    # No hook copies the loaded state into the flat buffers any more: it stays the tensors
+    # load_state_dict made, and plain torch steps go on from it.
+    flat_storage = {t.untyped_storage().data_ptr()
+                    for f in fused._flats for t in f.state.values()}
+    opt.load_state_dict(copy.deepcopy(twin.state_dict()))
+    for state in opt.state.values():
+        assert state["exp_avg"].untyped_storage().data_ptr() not in flat_storage
+    for step in (1, 2):
+        grads = random_grads(params, step)
+        set_grads(params, grads)
+        set_grads(twin_params, grads)
+        opt.step()
+        twin.step()
+    for a, b in zip(params, twin_params):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

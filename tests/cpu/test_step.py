@@ -194,11 +194,14 @@ def test_loss_of_the_wrong_shape_is_rejected():
 def test_stats_report_the_lifecycle():
     model = MLP()
     step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample, warmup=2)
-    assert step.stats()["warmup_left"] == 2
+    assert step.stats()["warmup_left"] == 2 and step.stats()["phase"] == "template"
     for b in classification_batches(3, 8):
         step(b)
     stats = step.stats()
     assert stats["warmup_left"] == 0 and stats["steps"] == 3 and stats["eager_steps"] == 3
+    assert stats["phase"] == "eager"  # the CPU: every step eager
+    step.close()
+    assert step.stats()["phase"] == "closed"
     assert stats["captured"] is False  # a CPU model runs eagerly
     for key in ("streams", "syncs", "graph_nodes", "pool_bytes"):
         assert key in stats
@@ -232,21 +235,65 @@ def test_host_syncs_are_named_by_the_expression_that_ran():
     assert found == "an operation"  # the call spans two lines
 
 
-def test_static_batch_keeps_the_first_batch_layout():
+def test_static_inputs_keep_the_first_batch_layout():
     # A captured graph reads the static buffers: channels_last inputs stay channels_last (as
     # warm-up saw them), a non-dense first batch gets contiguous buffers, short batches fill
     # the leading rows.
-    from nimble_train._batch import BatchTemplate, StaticBatch
+    from nimble_train import _C
+    from nimble_train._batch import BatchTemplate
 
     x = torch.randn(4, 3, 8, 8).to(memory_format=torch.channels_last)
     y = torch.arange(4)
-    static = StaticBatch(BatchTemplate((x, y)), [x, y], 4)
-    assert static.leaves[0].stride() == x.stride() != torch.randn(4, 3, 8, 8).stride()
-    assert torch.equal(static.leaves[0], x) and torch.equal(static.leaves[1], y)
+    static = _C.StaticInputs(BatchTemplate((x, y)).specs())
+    static.copy_in([x, y], 4)
+    buffers = static.buffers
+    assert buffers[0].stride() == x.stride() != torch.randn(4, 3, 8, 8).stride()
+    assert torch.equal(buffers[0], x) and torch.equal(buffers[1], y)
     short = torch.randn(3, 3, 8, 8)  # contiguous: copied into the channels_last buffer
+    assert static.check([short, y[:3]]) == 3
     static.copy_in([short, y[:3]], 3)
-    assert torch.equal(static.leaves[0][:3], short) and torch.equal(static.leaves[0][3], x[3])
+    assert torch.equal(buffers[0][:3], short) and torch.equal(buffers[0][3], x[3])
 
     gaps = torch.randn(4, 3, 8, 16)[..., ::2]
-    static = StaticBatch(BatchTemplate((gaps, y)), [gaps, y], 4)
-    assert static.leaves[0].is_contiguous() and torch.equal(static.leaves[0], gaps)
+    static = _C.StaticInputs(BatchTemplate((gaps, y)).specs())
+    static.copy_in([gaps, y], 4)
+    assert static.buffers[0].is_contiguous() and torch.equal(static.buffers[0], gaps)
+
+
+@pytest.mark.parametrize("batch", [
+    (torch.randn(4, 3), torch.arange(4)),
+    [(torch.randn(4, 3), torch.randn(4, 2)), torch.arange(4)],
+    {"input_ids": torch.zeros(4, 5, dtype=torch.long), "labels": torch.ones(4, 5)},
+    {"x": (torch.randn(4, 1), 7), "y": [torch.arange(4), "tag"]},
+], ids=["pair", "nested", "dict", "constants"])
+def test_the_fast_flatten_agrees_with_pytree(batch):
+    from nimble_train._batch import BatchTemplate
+    from nimble_train._torch_private import pytree
+
+    template = BatchTemplate(batch)
+    assert template._fast is not None
+    fresh = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
+    leaves = template.flatten(fresh)
+    expected = pytree.tree_flatten(fresh)[0]
+    assert len(leaves) == len(expected)
+    assert all(a is b for a, b in zip(leaves, expected))
+    assert template.unflatten(template.tensors(fresh)).__class__ is batch.__class__
+
+
+def test_a_batch_of_another_structure_is_refused_by_either_path():
+    import collections
+
+    from nimble_train._batch import BatchTemplate
+
+    Pair = collections.namedtuple("Pair", "x y")
+    x, y = torch.randn(4, 3), torch.arange(4)
+    for first, other in [((x, y), [x, y]), ((x, y), (x, y, y)), ({"a": x, "b": y}, {"b": y, "a": x}),
+                         ((x, y), ((x,), y)), (Pair(x, y), (x, y))]:
+        template = BatchTemplate(first)
+        with pytest.raises(nt.ShapeError, match="structure differs"):
+            template.flatten(other)
+    template = BatchTemplate(Pair(x, y))  # pytree flattens named tuples: no fast path
+    assert template._fast is None and len(template.flatten(Pair(x, y))) == 2
+    constants = BatchTemplate(((x, 3), y))
+    with pytest.raises(nt.ShapeError, match=r"batch\[0\]\[1\] was 3 in the first batch and is 4"):
+        constants.tensors(((x, 4), y))

@@ -30,9 +30,10 @@ def checksum(model) -> torch.Tensor:
 
 
 def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05, shard=False,
-                after=None):
+                after=None, after_close=None):
     """N ranks of batch b train as one GPU with batch N*b; replicas stay identical.
-    after(step, optimizer, reference optimizer) runs last, before the step is closed."""
+    after(step, optimizer, reference optimizer) runs last, before the step is closed;
+    after_close(optimizer, reference optimizer) once it is."""
     rank, world, device = info.rank, info.world_size, info.device
     per_rank = 8
     torch.manual_seed(0)
@@ -64,6 +65,8 @@ def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05, shard=F
     if after is not None:
         after(step, opt, ref_opt)
     step.close()
+    if after_close is not None:
+        after_close(opt, ref_opt)
     return stats
 
 
@@ -107,9 +110,17 @@ def sharded(info):
                                            atol=1e-6, msg=lambda m, f=field: f"{key} {f}: {m}")
             assert float(ours[key]["step"]) == float(ref[key]["step"])
 
+    def closed(opt, ref_opt):
+        # close() gathers the shards back and removes its hooks: the optimizer is whole again.
+        ours, ref = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+        for key in ref:
+            torch.testing.assert_close(ours[key]["momentum_buffer"], ref[key]["momentum_buffer"],
+                                       rtol=1e-3, atol=1e-6)
+
     _as_one_gpu(info, lambda params: torch.optim.AdamW(params, lr=1e-3), grad_clip=0.05,
                 shard=True, after=check)
-    _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), shard=True)
+    _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), shard=True,
+                after_close=closed)
 
 
 def unfused(info):

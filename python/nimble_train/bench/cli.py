@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from .. import _torch_private
 from .modes import MODES, Mode
 from .report import add_ratios, format_table, write_all
 from .timing import gpu_busy_fraction, ms_per_step, time_to_first_fast_step
@@ -135,11 +136,7 @@ def main(argv=None) -> int:
         return 2
     torch.backends.cudnn.benchmark = True
     if not args.compile_cache and any("compile" in m for m in args.modes):
-        try:
-            import torch._inductor.config as inductor_config
-            inductor_config.force_disable_caches = True
-        except (ImportError, AttributeError):
-            pass
+        _torch_private.disable_compile_caches()
     print(f"benchmarking {args.model} on {torch.cuda.get_device_name()}: "
           f"{', '.join(args.modes)}")
     try:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.utils import _pytree as pytree
 
+from .._torch_private import pytree
 from ..step import Step
 from .workloads import Workload, forward_loss
 

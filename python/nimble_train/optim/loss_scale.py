@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_private
+
 
 class DeviceLossScaler:
     """Dynamic loss scale for float16 training, with ``torch.amp.GradScaler``'s semantics and no
@@ -54,8 +56,9 @@ class DeviceLossScaler:
 
     def update(self) -> None:
         """Grows or backs off the scale from ``found_inf``, on the device."""
-        torch._amp_update_scale_(self.scale, self.growth_tracker, self.found_inf,
-                                 self.growth_factor, self.backoff_factor, self.growth_interval)
+        _torch_private.amp_update_scale_(self.scale, self.growth_tracker, self.found_inf,
+                                         self.growth_factor, self.backoff_factor,
+                                         self.growth_interval)
 
     def step(self, fused, *, max_grad_norm: float | None = None) -> torch.Tensor:
         """``fused.step`` with this scaler's inverse scale and overflow flag, then ``update``.

@@ -1,0 +1,144 @@
+"""A Step's captured graph: capture through the C++ runtime, and what a failed capture means.
+
+``_C.StepGraph`` (src/capture/step_graph.h) owns the graphs, their shared private pool, the
+static inputs and the staging ring; here the Python side drives a capture (the body is Python:
+the user's forward, autograd, our update) and turns a failure into the error the user needs.
+A failure is classified by mechanism: CUDA *invalidates* a capture when a call it forbids runs
+inside it, which is how a host synchronisation (``.item()``, ``.cpu()``, a data-dependent
+shape) fails; that, with the host syncs warm-up recorded, is a SyncError. Anything else is a
+CaptureError. Either way the capture is abandoned in C++ and nothing of it stays behind.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ._batch import BatchTemplate
+from ._extension import _C
+from ._multistream import build_multistream, warn_single_stream
+from .errors import CaptureError, NimbleError, SyncError
+
+ENTRY = 0  # the one graph of a Step today; shape buckets and evaluation add entries
+
+
+class CapturedStep:
+    """The C++ step graph of one Step, with the template's static inputs as entry 0."""
+
+    def __init__(self, device: torch.device, num_values: int, template: BatchTemplate):
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.graph = _C.StepGraph(torch.device("cuda", index), num_values)
+        self.entry = self.graph.add_entry(template.specs())
+        assert self.entry == ENTRY
+        self.inputs = self.graph.inputs(ENTRY)
+        self.batch = template.unflatten(self.inputs)  # the static batch the capture reads
+        self.loss: torch.Tensor | None = None
+        self.current = self.graph.current  # [1 + num_values]: samples, then the update's values
+        self.multistream = None  # the forward on several streams, once planned
+        self.single_stream_reason: str | None = None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """The running launch's valid-sample count, on the device (0-dim view)."""
+        return self.current[0]
+
+    @property
+    def captured(self) -> bool:
+        return self.graph.captured(ENTRY)
+
+    def plan_streams(self, model: torch.nn.Module, streams, device: torch.device) -> None:
+        """Traces and plans the forward on several streams, once, before the first capture."""
+        if self.multistream is None and self.single_stream_reason is None:
+            self.multistream, self.single_stream_reason = build_multistream(model, streams,
+                                                                            device)
+            if self.multistream is None and streams != 1:
+                warn_single_stream(self.single_stream_reason)
+
+    def capture(self, body: Callable, stream: torch.cuda.Stream, sync_records: list) -> None:
+        """Captures `body(forward)`, which returns the loss, on `stream` (`forward` is the
+        multi-stream forward, or None for the model itself); on failure raises SyncError or
+        CaptureError, the capture abandoned. The plan's streams are an optimisation: when a
+        capture on several streams fails for another reason than a host sync, it is tried once
+        more on one stream. `body` must start from scratch each time (zeroing gradients)."""
+        try:
+            self._capture_once(body, stream, sync_records)
+        except NimbleError as failure:
+            if self.multistream is None or isinstance(failure, SyncError):
+                raise
+            cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
+            self.multistream = None
+            self.single_stream_reason = f"capture on several streams failed ({cause})"
+            warn_single_stream(self.single_stream_reason)
+            self._capture_once(body, stream, sync_records)
+
+    def _capture_once(self, body: Callable, stream: torch.cuda.Stream,
+                      sync_records: list) -> None:
+        forward = self.multistream
+        # As torch.cuda.graph does: no work still queued from before (the allocator cannot
+        # process its events once this thread captures).
+        torch.cuda.synchronize(stream.device)
+        with torch.cuda.stream(stream):
+            try:
+                self.graph.begin_capture(ENTRY)
+            except RuntimeError as exc:
+                raise failure(False, root_message(exc), []) from exc
+            try:
+                loss = body(forward)
+                if forward is not None:
+                    forward.join()  # every side stream rejoins the capture stream
+            except BaseException as exc:
+                if forward is not None:
+                    try:
+                        forward.join()  # side streams rejoin, so the capture can end cleanly
+                    except Exception:
+                        pass  # the capture is abandoned whatever happens here
+                result = self.graph.abandon_capture()
+                raise failure(result.invalidated, root_message(exc), sync_records) from exc
+            result = self.graph.end_capture()
+        if not result.ok:
+            raise failure(result.invalidated, result.error.splitlines()[0], sync_records)
+        self.loss = loss.detach()
+
+    def stats(self) -> dict:
+        nodes = self.graph.node_count(ENTRY)
+        return {"graph_nodes": nodes if nodes >= 0 else None, "pool_bytes": self.pool_bytes()}
+
+    def pool_bytes(self) -> int | None:
+        """Bytes of the segments of the graphs' shared private memory pool."""
+        pool = tuple(self.graph.pool_id)
+        segments = [seg for seg in torch.cuda.memory_snapshot()
+                    if tuple(seg.get("segment_pool_id", ())) == pool]
+        return sum(seg["total_size"] for seg in segments) if segments else None
+
+    def release(self) -> None:
+        self.loss = None
+        self.graph.release()
+
+
+def failure(invalidated: bool, cause: str, sync_records: list) -> NimbleError:
+    """The error for a failed capture: SyncError when CUDA invalidated it and warm-up saw host
+    syncs, else CaptureError."""
+    if invalidated and sync_records:
+        found = "\n".join(f"  - {r}" for r in sync_records)
+        return SyncError(
+            "capturing the step failed because it synchronises with the host; warm-up saw "
+            f"these host syncs:\n{found}\nKeep values on the device (no .item(), .cpu(), "
+            "printing CUDA tensors or data-dependent shapes such as nonzero / boolean "
+            "indexing inside the step), or pass capture=False. The model and optimizer "
+            "are as after the last step; later calls run eagerly. Cause: " + cause)
+    how = (" (CUDA invalidated the capture: a call it forbids while capturing ran, such as a "
+           "host synchronisation or a synchronous copy)" if invalidated else "")
+    return CaptureError(
+        f"capturing the step as a CUDA graph failed{how}: {cause}. The model and optimizer are "
+        "as after the last completed step; later calls run eagerly (capture=False does that "
+        "from the start).")
+
+
+def root_message(exc: BaseException) -> str:
+    """The first error of a chain: a later failure often hides the real cause."""
+    seen = exc
+    while seen.__context__ is not None and seen.__context__ is not seen:
+        seen = seen.__context__
+    text = f"{type(seen).__name__}: {seen}".strip()
+    return text.splitlines()[0] if text else type(seen).__name__

@@ -1,0 +1,281 @@
+"""Gradient averaging across the ranks of a data-parallel job, inside the captured step.
+
+On CUDA the fused optimizer's flat gradient buffer is cut into buckets (src/optim/flat_layout.h
+plans them from the order gradients arrived in warm-up); when a bucket's last gradient has been
+accumulated, the communication stream waits on that point and all-reduces the bucket in place
+through our NCCL communicator, while the backward goes on; the update waits for every bucket.
+Sharded (ZeRO-1), each bucket is reduce-scattered instead, each rank updates its part, and the
+parameters are all-gathered after the update. Before the fused optimizer exists (the first
+warm-up steps), and for optimizers captured as they are, the gradients of each dtype are
+concatenated, all-reduced once and copied back; on the CPU through torch.distributed (gloo).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ._extension import _C
+from .distributed import World, fingerprint
+from .errors import DistributedError
+
+# The last bucket to fill is all-reduced after the backward has ended, so it is kept small;
+# 1 MiB all-reduces in tens of microseconds between GPUs of one host.
+LAST_BUCKET_BYTES = 2 ** 20
+
+
+@dataclass
+class Bucket:
+    """A contiguous slice [start, stop) of one dtype's flat gradient buffer."""
+
+    dtype: torch.dtype
+    start: int
+    stop: int
+    members: list[int]   # indices of its parameters in the flat buffer's order
+    ready_at: int = 0    # position, in the warm-up's gradient order, of its last gradient
+    params: list = field(default_factory=list)  # the parameters themselves (GradientSync)
+
+
+def plan_buckets(offsets: Sequence[int], ready_rank: Sequence[int], element_size: int,
+                 bucket_bytes: int, dtype: torch.dtype = torch.float32,
+                 last_bucket_bytes: int = LAST_BUCKET_BYTES) -> list[Bucket]:
+    """Cuts one flat buffer (segment i is [offsets[i], offsets[i+1])) into buckets of whole
+    segments, in the order their gradients become ready (segment i's is the ready_rank[i]-th
+    to arrive); sorted by when their last gradient arrives. The last bucket holds at most
+    `last_bucket_bytes` (nothing hides its all-reduce), each before it at most twice the one
+    after, up to `bucket_bytes` (see src/optim/flat_layout.h)."""
+    planned = _C.plan_flat_buckets(list(offsets), list(ready_rank), element_size, bucket_bytes,
+                                   last_bucket_bytes)
+    return [Bucket(dtype, start, stop, list(members), ready_at)
+            for start, stop, members, ready_at in planned]
+
+
+class GradientSync:
+    """Averages gradients across the ranks of `world`, on CUDA through our NCCL communicator
+    (inside a captured step too), on CPU through torch.distributed (gloo)."""
+
+    def __init__(self, world: World, device: torch.device, bucket_mb: float,
+                 shard: bool = False):
+        self.world, self.device, self.bucket_mb = world, device, bucket_mb
+        self.sharded = shard  # ZeRO-1: reduce-scatter into optimizer shards, all-gather after
+        self.comm = None
+        self._stream = None          # the communication stream (CUDA)
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[int, int] = {}  # id(param) -> index into _buckets
+        self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self._flat_params: dict[torch.dtype, torch.Tensor] = {}
+        self._remaining: list[int] = []
+        self._launched = 0
+        self._hooks = []
+        self._active = False
+        self._checked_first = False
+        self._order: dict[int, int] | None = None  # id(param) -> place in the arrival order
+
+    # ---------------------------------------------------------------- set-up
+
+    def join(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, template,
+             options: dict) -> None:
+        """At the first step: checks that every rank runs the same step (parameters,
+        optimizer, the batch template's tensor leaves, Step options), then connects them."""
+        shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params]
+        batch = [(leaf.path, tuple(leaf.tensor.shape), str(leaf.tensor.dtype))
+                 for leaf in template.tensor_leaves]
+        self.world.agree("model, optimizer and Step options", {
+            "parameters": f"{len(shapes)} tensors, {sum(p.numel() for p in params)} elements, "
+                          f"digest {fingerprint(shapes)}",
+            "optimizer": f"{type(optimizer).__qualname__} with "
+                         f"{len(optimizer.param_groups)} param group(s)",
+            "batch": batch,
+            "options": {**options, "bucket_mb": self.bucket_mb, "shard_optimizer": self.sharded,
+                        "device": self.device.type},
+        })
+        self.connect()
+
+    def connect(self) -> None:
+        """Makes the NCCL communicator (CUDA): rank 0's unique id through the store."""
+        if self.device.type != "cuda" or self.comm is not None:
+            return
+        if not _C.has_nccl():
+            raise DistributedError(
+                "data-parallel training on CUDA needs nimble_train's NCCL layer, and this build "
+                f"has none ({_C.build_info()['nccl']['reason']}).")
+        unique_id = self.world.share("nccl_unique_id",
+                                     _C.nccl_unique_id() if self.world.rank == 0 else None)
+        self.comm = _C.NcclCommunicator(unique_id, self.world.rank, self.world.size,
+                                        self.device, self.world.timeout_s)
+        self._stream = torch.cuda.Stream(self.device)
+
+    @contextlib.contextmanager
+    def noting_arrival_order(self, params: Sequence[torch.Tensor]):
+        """Around the first backward: notes the order in which gradients arrive (the buckets
+        are planned from it); later, does nothing."""
+        if self._order is not None:
+            yield
+            return
+        order: dict[int, int] = {}
+
+        def hook(p):
+            order.setdefault(id(p), len(order))
+        handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._order = order
+
+    def use_buckets(self, fused) -> None:
+        """Plans buckets over the fused optimizer's flat gradient buffers and hooks them; when
+        sharded, gives each rank its part of every bucket to update (fused.shard)."""
+        bucket_bytes = max(1, int(self.bucket_mb * 2 ** 20))
+        self._order = self._order or {}
+        unseen = len(self._order)
+        self._buckets = []
+        for dtype, flat in fused.flat_grads.items():
+            segments = fused.segments(dtype)
+            offsets = [offset for _, offset, _ in segments] + [flat.numel()]
+            ready = []
+            for p, _, _ in segments:
+                if id(p) not in self._order:  # no gradient seen: ready last
+                    self._order[id(p)] = unseen
+                    unseen += 1
+                ready.append(self._order[id(p)])
+            self._flat[dtype] = flat
+            planned = plan_buckets(offsets, ready, flat.element_size(), bucket_bytes, dtype)
+            for bucket in planned:
+                bucket.params = [segments[i][0] for i in bucket.members]
+            self._buckets += planned
+        self._buckets.sort(key=lambda b: b.ready_at)
+        self.world.agree("gradient buckets", {
+            "buckets": fingerprint([(str(b.dtype), b.start, b.stop) for b in self._buckets])})
+        for index, bucket in enumerate(self._buckets):
+            for p in bucket.params:
+                self._bucket_of[id(p)] = index
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._on_ready))
+        if self.sharded:
+            self._flat_params = dict(fused.flat_params)
+            fused.shard(self.pieces())
+            fused.reduce_partials = self._sum_
+
+    def pieces(self) -> list[tuple[torch.dtype, int, int, int, int]]:
+        """This rank's part of every bucket, in the buckets' order: (dtype, start, stop,
+        bucket start, bucket size). Bucket r-th parts go to rank r, as NCCL's reduce-scatter
+        and all-gather cut them."""
+        n, r = self.world.size, self.world.rank
+        out = []
+        for b in self._buckets:
+            try:
+                cut = _C.shard_slice(b.start, b.stop, n, r)
+            except ValueError as exc:
+                raise DistributedError(
+                    f"{exc}; the fused optimizer must be built with shard_world equal to the "
+                    "number of ranks") from exc
+            out.append((b.dtype, *cut))
+        return out
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    # ---------------------------------------------------------------- per step
+
+    def begin(self) -> None:
+        """Before a backward that uses the buckets."""
+        self._remaining = [len(b.params) for b in self._buckets]
+        self._launched = 0
+        self._active = True
+
+    def _on_ready(self, p: torch.Tensor) -> None:
+        if not self._active:
+            return
+        index = self._bucket_of[id(p)]
+        self._remaining[index] -= 1
+        if self._remaining[index] == 0:
+            # Buckets go out in one fixed order on every rank (NCCL matches collectives by
+            # order): a bucket that fills early waits for those planned before it.
+            while (self._launched < len(self._buckets)
+                   and self._remaining[self._launched] <= 0):
+                self._launch(self._buckets[self._launched])
+                self._launched += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))  # where the gradient was made
+        self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            if self.sharded:  # this rank's part gets the average; the optimizer updates it
+                self.comm.reduce_scatter_(self._flat[bucket.dtype], bucket.start,
+                                          bucket.stop - bucket.start, "avg")
+            else:
+                self.comm.all_reduce_(self._flat[bucket.dtype], bucket.start,
+                                      bucket.stop - bucket.start, "avg")
+
+    def finish(self) -> None:
+        """After the backward: launches what is left (parameters without a gradient this step)
+        and makes the current stream wait for every bucket."""
+        for bucket in self._buckets[self._launched:]:
+            self._launch(bucket)
+        self._launched = len(self._buckets)
+        self._active = False
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        self._check_first()
+
+    def after_update(self) -> None:
+        """Sharded: after the update of this rank's parts, every rank gets every part of the
+        parameters (an all-gather per bucket, in place, on the current stream)."""
+        if not self.sharded:
+            return
+        for bucket in self._buckets:
+            self.comm.all_gather_(self._flat_params[bucket.dtype], bucket.start,
+                                  bucket.stop - bucket.start)
+
+    def gather(self, flat: torch.Tensor, start: int, count: int) -> None:
+        """All-gathers flat[start: start + count], cut in equal parts, in place (a collective:
+        every rank calls it, in the same order); for consolidating sharded state."""
+        self.comm.all_gather_(flat, start, count)
+
+    def _sum_(self, t: torch.Tensor) -> None:
+        self.comm.all_reduce_(t, 0, t.numel(), "sum")
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Averages the gradients of `params` (one concatenation per dtype); capturable."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is not None:
+                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for dtype in sorted(by_dtype, key=str):  # the same order on every rank
+            grads = by_dtype[dtype]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            if self.comm is not None:
+                self.comm.all_reduce_(flat, 0, flat.numel(), "avg")
+            else:
+                dist.all_reduce(flat)
+                flat.div_(self.world.size)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._check_first()
+
+    def _check_first(self) -> None:
+        # Once, in an eager step: the host waits (bounded) for the first all-reduce, so a rank
+        # that never joins ends the job with a message instead of a hang.
+        if self._checked_first or self.comm is None:
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return
+        self.comm.wait(self.world.timeout_s, "the first gradient all-reduce")
+        self._checked_first = True
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.comm is not None:
+            if self._stream is not None:
+                self._stream.synchronize()
+            self.comm = None  # the communicator finalizes and is destroyed with its last reference

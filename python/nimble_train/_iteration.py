@@ -1,0 +1,170 @@
+"""The body of one training iteration: forward, loss, backward, all-reduce, update.
+
+The same code runs eagerly (warm-up, capture=False, CPU, eager fallbacks) and inside a capture;
+what differs is only where the valid-sample count comes from (a padded batch masks its padding
+rows out of the loss with it) and which update runs (see _update.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+
+from . import _torch_private
+
+AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Iteration:
+    """Forward, loss, backward and update of `model` with `update` (an _update.Update)."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, amp: str | None,
+                 grad_clip: float | None, params: list[torch.Tensor], device: torch.device,
+                 update, gradsync, sync_recorder):
+        self.model, self.loss_fn, self.amp, self.grad_clip = model, loss_fn, amp, grad_clip
+        self.params, self.device, self.update = params, device, update
+        self.gradsync, self.sync = gradsync, sync_recorder
+        self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
+
+    # ------------------------------------------------------------------ forward and loss
+
+    def loss(self, batch: Any, batch_size: int, valid: torch.Tensor | None,
+             model: Callable | None = None) -> torch.Tensor:
+        """Forward and loss. `valid` (a 0-dim float tensor) masks rows at or past it."""
+        with self._autocast():
+            losses = self._forward(batch, model or self.model)
+        if not self._classify(losses, batch_size):
+            return losses
+        losses = losses.float()
+        if valid is None:
+            return losses.mean()
+        keep = torch.arange(batch_size, device=losses.device) < valid
+        # where, not a product: a padded row's loss may be inf or NaN, and 0 * NaN is NaN.
+        return torch.where(keep, losses, 0.0).sum() / valid
+
+    def _autocast(self):
+        dtype = AMP_DTYPES[self.amp]
+        if dtype is None:
+            return contextlib.nullcontext()
+        # The autocast cache would keep casts made during capture alive across replays.
+        return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
+
+    def _forward(self, batch: Any, model: Callable) -> torch.Tensor:
+        if isinstance(batch, dict):
+            outputs = model(**batch)
+            if self.loss_fn is not None:
+                return self.loss_fn(outputs, batch)
+            return own_loss(outputs)
+        inputs, target = batch
+        outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        return self.loss_fn(outputs, target)
+
+    def _classify(self, losses: Any, batch_size: int) -> bool:
+        if not isinstance(losses, torch.Tensor):
+            raise TypeError(f"the loss must be a tensor; got {type(losses).__name__}")
+        if losses.dim() == 0:
+            kind = False
+        elif losses.dim() == 1 and losses.shape[0] == batch_size:
+            kind = True
+        else:
+            raise ValueError(
+                "loss_fn must return a scalar or one loss per sample (shape "
+                f"[{batch_size}]); got shape {tuple(losses.shape)}. Reduce it yourself, or "
+                "return per-sample losses (e.g. reduction='none').")
+        if self.per_sample is None:
+            self.per_sample = kind
+        return kind
+
+    def can_pad(self, partial_batch: str) -> bool:
+        """A short batch can be padded when losses are per sample and no layer sees the batch."""
+        return (partial_batch == "pad" and self.per_sample is not False
+                and not has_batch_statistics(self.model))
+
+    # ------------------------------------------------------------------ backward and update
+
+    def step(self, batch: Any, batch_size: int, valid: torch.Tensor | None,
+             captured: bool) -> torch.Tensor:
+        """One whole iteration, eagerly (`captured`: gradients live in a captured graph's pool,
+        which eager steps must zero in place); returns the detached loss."""
+        self.zero_grad(captured)
+        loss = self.loss(batch, batch_size, valid)
+        self.backward_and_update(loss)
+        return loss.detach()
+
+    def zero_grad(self, captured: bool) -> None:
+        if self.update.fused is not None:
+            self.update.fused.zero_grad()  # one memset per flat gradient buffer
+        else:
+            # After capture, gradients live in the graph's pool: zero them in place, so that
+            # p.grad keeps pointing at the tensors the replays write.
+            self.update.optimizer.zero_grad(set_to_none=not captured)
+
+    def backward_and_update(self, loss: torch.Tensor) -> None:
+        fused, sync = self.update.fused, self.gradsync
+        if fused is not None:
+            self._fused_backward_and_update(loss)
+            return
+        scaler = self.update.grad_scaler
+        noting = (sync.noting_arrival_order(self.params)
+                  if sync is not None and self.update.needs_fusing else contextlib.nullcontext())
+        with noting:
+            (scaler.scale(loss) if scaler else loss).backward()
+        if sync is not None:
+            sync.all_reduce_grads(self.params)  # (scaled) gradients, before clip and update
+        optimizer = self.update.optimizer
+        # The update is ours, not the user's code: its syncs (GradScaler's) are not recorded.
+        with self.sync.paused() if self.sync else contextlib.nullcontext():
+            if self.grad_clip is not None:
+                if scaler:
+                    scaler.unscale_(optimizer)
+                # foreach norms, clamped factor as a device tensor: no host sync, capturable.
+                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip,
+                                               foreach=self.device.type == "cuda")
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+
+    def _fused_backward_and_update(self, loss: torch.Tensor) -> None:
+        fused, scaler, sync = self.update.fused, self.update.scaler, self.gradsync
+        if sync is not None:
+            sync.begin()  # buckets are all-reduced as their gradients arrive
+        (loss if scaler is None else scaler.scale_loss(loss)).backward()
+        if sync is not None:
+            sync.finish()  # the update waits for every bucket
+        if scaler is None:
+            fused.step(max_grad_norm=self.grad_clip)  # clipping fused in
+        else:
+            # Unscale, clip and the overflow skip inside the update; the scale moves on the
+            # device: no host sync anywhere.
+            scaler.step(fused, max_grad_norm=self.grad_clip)
+        if sync is not None:
+            sync.after_update()  # sharded: every rank gets every updated part
+
+
+def own_loss(outputs: Any) -> torch.Tensor:
+    """The loss a model returned itself: outputs.loss, outputs["loss"] or a 0-dim tensor."""
+    loss = getattr(outputs, "loss", None)
+    if loss is None and isinstance(outputs, dict):
+        loss = outputs.get("loss")
+    if loss is None and isinstance(outputs, torch.Tensor) and outputs.dim() == 0:
+        loss = outputs
+    if loss is None:
+        raise TypeError(
+            "with no loss_fn, the model must return its own loss (outputs.loss, "
+            f"outputs['loss'] or a 0-dim tensor); got {type(outputs).__name__}. Pass labels "
+            "in the batch so the model computes it, or give Step a loss_fn.")
+    return loss
+
+
+def has_batch_statistics(model: torch.nn.Module) -> bool:
+    """Layers whose training-mode output or running statistics depend on the whole batch."""
+    batch_norm, norm_base = _torch_private.batch_statistics_layers()
+    for m in model.modules():
+        if isinstance(m, norm_base) and m.training:
+            if isinstance(m, batch_norm) or m.track_running_stats:
+                return True
+    return False

@@ -1,0 +1,110 @@
+"""Checks of Step's arguments and of the first batch, each error saying what was expected,
+what was seen, and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._batch import BatchTemplate
+from ._iteration import AMP_DTYPES
+from .errors import NimbleError, ShapeError
+
+PARTIAL_BATCH = ("pad", "eager", "error")
+
+
+def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial_batch, capture,
+             bucket_mb, shard_optimizer) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable or None; got {type(loss_fn).__name__}")
+    if not (streams == "auto" or (isinstance(streams, int) and not isinstance(streams, bool)
+                                  and streams >= 1)):
+        raise ValueError(f'streams must be "auto" or an int >= 1; got {streams!r}')
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
+        raise ValueError(
+            f"warmup must be an int >= 1 (eager steps before capture create optimizer state "
+            f"and pick cuDNN algorithms); got {warmup!r}")
+    if amp not in AMP_DTYPES:
+        raise ValueError(f'amp must be None, "bf16" or "fp16"; got {amp!r}')
+    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
+        raise ValueError(f"grad_clip must be None or a positive number; got {grad_clip!r}")
+    if partial_batch not in PARTIAL_BATCH:
+        raise ValueError(f'partial_batch must be "pad", "eager" or "error"; got {partial_batch!r}')
+    if not isinstance(capture, bool):
+        raise TypeError(f"capture must be True or False; got {capture!r}")
+    if not (isinstance(bucket_mb, (int, float)) and 0 < bucket_mb < float("inf")):
+        raise ValueError(f"bucket_mb must be a positive number of megabytes; got {bucket_mb!r}")
+    if not isinstance(shard_optimizer, bool):
+        raise ValueError(f"shard_optimizer must be True or False; got {shard_optimizer!r}")
+
+
+def require_cuda_runtime(device: torch.device) -> None:
+    from ._extension import _C
+
+    if not _C.has_cuda():
+        raise NimbleError(
+            f"Step needs nimble_train's CUDA runtime to capture on {device}, but this build has "
+            f"none ({_C.build_info()['cuda']['reason']}). Rebuild it (pip install "
+            "--no-build-isolation -e .) or pass capture=False.")
+
+
+def single_device(model: torch.nn.Module, params: list[torch.Tensor]) -> torch.device:
+    devices = {p.device for p in list(model.parameters()) + params}
+    if len(devices) != 1:
+        raise ValueError(
+            "Step trains a model whose parameters all live on one device; got parameters on "
+            f"{sorted(str(d) for d in devices)}. Move the model with model.to(device) before "
+            "building the optimizer." if devices else
+            "the model and optimizer have no parameters; there is nothing to train")
+    return devices.pop()
+
+
+def first_template(batch: Any, device: torch.device) -> BatchTemplate:
+    """The template of the first batch, after checking its form and device."""
+    if not isinstance(batch, (tuple, list, dict)):
+        raise TypeError(
+            "a batch must be a tuple/list (inputs, target) or a dict of model inputs; got "
+            f"{type(batch).__name__}")
+    if not isinstance(batch, dict) and len(batch) != 2:
+        raise TypeError(
+            f"a tuple/list batch must be (inputs, target); got {len(batch)} items. Wrap "
+            "several inputs in a tuple: ((x1, x2), target).")
+    template = BatchTemplate(batch)
+    for leaf in template.tensor_leaves:
+        if leaf.tensor.device != device:
+            raise ShapeError(
+                f"{leaf.path} is on {leaf.tensor.device} but the model is on {device}; move "
+                f"batches to the model's device (x.to('{device}', non_blocking=True)), or keep "
+                "the dataset there")
+    return template
+
+
+def short_batch_error(samples: int, batch_size: int) -> ShapeError:
+    return ShapeError(
+        f"this batch has {samples} samples, fewer than the {batch_size} of the first batch, and "
+        'partial_batch="error"; drop the last batch (drop_last=True) or use partial_batch="pad" '
+        'or "eager"')
+
+
+def check_shardable(device: torch.device, capture: bool, fuse_reason: str | None,
+                    optimizer: torch.optim.Optimizer) -> None:
+    from .optim import LAMB
+
+    why = None
+    if device.type != "cuda":
+        why = f"the model is on {device}; the shards are reduced and gathered by NCCL"
+    elif not capture:
+        why = "capture=False: the sharded update is the fused one, which capture sets up"
+    elif fuse_reason is not None:
+        why = f"the optimizer cannot be fused ({fuse_reason})"
+    elif isinstance(optimizer, LAMB):
+        why = "LAMB's trust ratio needs each whole parameter's norms, which a shard lacks"
+    if why:
+        raise ValueError(f"shard_optimizer=True needs CUDA GPUs, capture and a fused SGD, "
+                         f"Adam or AdamW; here {why}. Pass shard_optimizer=False.")

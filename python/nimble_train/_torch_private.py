@@ -1,0 +1,75 @@
+"""Every private torch API nimble_train uses, in one place.
+
+torch may change any of these in a release without notice. tests/cpu/test_torch_private.py
+checks the behaviour nimble_train relies on for each, so a change fails there, by name,
+instead of somewhere deep inside a training step. Nothing else in the package reaches into
+torch's private names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Pytrees: flattening batches into leaves and back, with key paths for messages. The public
+# torch.utils.pytree module is not in every supported release; this one is.
+from torch.utils import _pytree as pytree  # noqa: F401  (re-exported)
+
+
+def batch_statistics_layers() -> tuple[type, ...]:
+    """The base classes of normalisation layers (BatchNorm*, InstanceNorm*, SyncBatchNorm):
+    (_BatchNorm, _NormBase). Their training-mode output or running statistics depend on every
+    sample of the batch."""
+    from torch.nn.modules.batchnorm import _BatchNorm, _NormBase
+
+    return _BatchNorm, _NormBase
+
+
+def is_compiled_module(module: torch.nn.Module) -> bool:
+    """True for the wrapper torch.compile returns around a module (OptimizedModule)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(module, OptimizedModule)
+
+
+def default_store():
+    """The torch.distributed store of the default process group (rendezvous key-value store)."""
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_store()
+
+
+def amp_update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
+                      found_inf: torch.Tensor, growth_factor: float, backoff_factor: float,
+                      growth_interval: int) -> None:
+    """GradScaler's own on-device update of the loss scale (in place, no host sync)."""
+    torch._amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor,
+                             growth_interval)
+
+
+def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Tells LR schedulers that optimizer.step() ran (they warn when a scheduler steps first);
+    a fused update that stands for optimizer.step() sets it."""
+    optimizer._opt_called = True
+
+
+def declare_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
+    """Tells GradScaler that optimizer.step() unscales gradients itself (fused SGD sets this only
+    when built with fused=True; Step switches groups to fused after construction)."""
+    optimizer._step_supports_amp_scaling = True
+
+
+def cuda_sleep(cycles: int) -> None:
+    """Enqueues a kernel that spins for `cycles` GPU clock cycles (tests and benchmarks keep the
+    GPU busy with it while the host runs ahead)."""
+    torch.cuda._sleep(cycles)
+
+
+def disable_compile_caches() -> None:
+    """Makes torch.compile compile cold (no on-disk caches), so that a benchmark's time to the
+    first step is what a first run costs. Does nothing where inductor has no such switch."""
+    try:
+        import torch._inductor.config as inductor_config
+    except ImportError:
+        return
+    if hasattr(inductor_config, "force_disable_caches"):
+        inductor_config.force_disable_caches = True

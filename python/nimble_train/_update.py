@@ -1,0 +1,137 @@
+"""How a Step's optimizer update runs, and the values it stages for every launch.
+
+A captured step fuses SGD, Adam, AdamW and LAMB (FusedOptimizer, from the end of warm-up on:
+warm-up shows which parameters get gradients): every hyper-parameter is then read on the
+device, staged per launch. Other optimizers are captured as they are, with the learning rate
+of each param group that allows it staged (``staged_lr``) and everything else baked into the
+graph, so a change of those captures again. Eager steps (capture=False, CPU) run the
+optimizer as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+from . import _capturable
+
+
+class Update:
+    """The update of one Step: which kind, its fused optimizer and loss scalers."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, amp: str | None, will_capture: bool,
+                 device: torch.device):
+        from .optim import FusedOptimizer
+
+        self.optimizer = optimizer
+        self.device = device
+        self.will_capture = will_capture
+        self.fused = None         # FusedOptimizer, from the end of warm-up on (fuse())
+        self.scaler = None        # fp16 with the fused update: DeviceLossScaler
+        self.grad_scaler = None   # fp16 in eager steps: torch's GradScaler
+        self.staged_lr: list[bool] = []
+        self._baked: list[dict] | None = None
+        if amp == "fp16":
+            self.grad_scaler = torch.amp.GradScaler(device.type)
+        self.fuse_reason = FusedOptimizer.why_unsupported(optimizer) if will_capture else None
+        if not will_capture:
+            return
+        if self.fuse_reason is None:
+            self.staged_lr = [False] * len(optimizer.param_groups)
+            return
+        if amp == "fp16":
+            raise NotImplementedError(
+                'amp="fp16" in a captured step needs a fused optimizer for its device-side loss '
+                f"scale, and this one cannot be fused: {self.fuse_reason}. Use amp=\"bf16\", SGD, "
+                "Adam, AdamW or nimble_train.optim.LAMB, or capture=False.")
+        warnings.warn(
+            f"nimble_train.Step captures the optimizer's own step(), which is slower than the "
+            f"fused update (one kernel per tensor group, hyper-parameters other than lr baked "
+            f"into the graph): {self.fuse_reason}.", stacklevel=3)
+        self.staged_lr = _capturable.make_capturable(optimizer)
+
+    @property
+    def kind(self) -> str:
+        if self.fused is not None:
+            return "fused"
+        return "captured as-is" if self.fuse_reason else "eager"
+
+    @property
+    def needs_fusing(self) -> bool:
+        return self.will_capture and self.fused is None and self.fuse_reason is None
+
+    def num_values(self) -> int:
+        """Values this update stages per launch (after the valid-sample count)."""
+        if self.fuse_reason is None and self.will_capture:
+            from .optim import FusedOptimizer
+            return FusedOptimizer.num_staged_values(self.optimizer)
+        return sum(self.staged_lr)
+
+    def fuse(self, params: list[torch.Tensor], staged: torch.Tensor, shards: int) -> None:
+        """Moves the update to FusedOptimizer (before the last warm-up step).
+
+        Parameters that got no gradient in warm-up are left out, as torch.optim skips them;
+        state made by the eager warm-up steps is carried into the flat buffers, and the fp16
+        loss scale from torch's GradScaler into the device-side scaler. `staged` is the device
+        tensor the step's staging ring fetches this update's values into.
+        """
+        from .optim import DeviceLossScaler, FusedOptimizer
+
+        unused = frozenset(id(p) for p in params if p.grad is None)
+        self.fused = FusedOptimizer(self.optimizer, exclude=unused, shard_world=shards,
+                                    staged=staged)
+        if self.grad_scaler is not None:
+            self.scaler = DeviceLossScaler(self.device)
+            self.scaler.load_state_dict(self.grad_scaler.state_dict())
+            self.grad_scaler = None
+
+    def host_values(self) -> list[float]:
+        """This launch's staged values, read from param_groups now (no device sync)."""
+        if self.fused is not None:
+            return self.fused.host_values()
+        return [_capturable.host_lr(group)
+                for group, staged in zip(self.optimizer.param_groups, self.staged_lr) if staged]
+
+    @contextlib.contextmanager
+    def lr_on_device(self, values: torch.Tensor):
+        """While capturing an optimizer as it is: each staged group's lr is the device scalar
+        its launches fetch (values[k] for the k-th staged group); the floats come back after."""
+        groups = self.optimizer.param_groups
+        saved = [group["lr"] for group in groups]
+        k = 0
+        for group, staged in zip(groups, self.staged_lr):
+            if staged:
+                group["lr"] = values[k]
+                k += 1
+        try:
+            yield
+        finally:
+            for group, lr in zip(groups, saved):
+                group["lr"] = lr
+
+    def bake(self) -> None:
+        """After capturing an optimizer as it is: what the graph baked in."""
+        if self.fused is None:
+            self._baked = _capturable.hyperparameters(self.optimizer, self.staged_lr)
+
+    def changed(self) -> bool:
+        """Whether a hyper-parameter the graph baked in changed since (a recapture is due)."""
+        if self.fused is not None or self._baked is None:
+            return False  # the fused update reads every hyper-parameter on the device
+        now = _capturable.hyperparameters(self.optimizer, self.staged_lr)
+        return not _capturable.same_hyperparameters(now, self._baked)
+
+    def warn_if_recapturing_often(self, captures: int, steps: int, warmup: int) -> None:
+        if captures == 4 and steps < 4 * (warmup + 20):
+            warnings.warn(
+                f"Step has captured its graph {captures} times in {steps} steps: optimizer "
+                "hyper-parameters other than lr (momentum, betas, weight decay, ...) changed "
+                f"between steps, and {type(self.optimizer).__name__} bakes them into the graph. "
+                "Keep them fixed (e.g. OneCycleLR(cycle_momentum=False)); each change costs a "
+                "capture.", stacklevel=5)
+
+    def close(self) -> None:
+        if self.fused is not None:
+            self.fused.close()

@@ -1,0 +1,118 @@
+"""The private torch APIs nimble_train relies on (all in nimble_train._torch_private) still
+behave as it expects: when a torch release changes one, the failure names it here."""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nimble_train import _torch_private
+
+
+def test_pytree_flattens_with_key_paths_and_round_trips():
+    batch = {"ids": torch.zeros(2, 3), "extra": (torch.ones(2), 5)}
+    flat, treedef = _torch_private.pytree.tree_flatten_with_path(batch)
+    paths = ["batch" + _torch_private.pytree.keystr(path) for path, _ in flat]
+    assert paths == ["batch['ids']", "batch['extra'][0]", "batch['extra'][1]"]
+    leaves, spec = _torch_private.pytree.tree_flatten(batch)
+    assert spec == treedef and leaves[2] == 5
+    rebuilt = _torch_private.pytree.tree_unflatten(leaves, spec)
+    assert rebuilt.keys() == batch.keys() and rebuilt["extra"][1] == 5
+    assert _torch_private.pytree.tree_leaves(torch.ones(1))[0].shape == (1,)
+    assert _torch_private.pytree.tree_flatten((1, 2))[1] != _torch_private.pytree.tree_flatten(
+        [1, 2])[1]  # a tuple and a list are different structures
+
+
+def test_batch_statistics_layers_are_the_bases_of_the_norm_layers():
+    batch_norm, norm_base = _torch_private.batch_statistics_layers()
+    for layer in (torch.nn.BatchNorm1d(3), torch.nn.BatchNorm2d(3), torch.nn.SyncBatchNorm(3)):
+        assert isinstance(layer, batch_norm) and isinstance(layer, norm_base)
+    instance = torch.nn.InstanceNorm2d(3, track_running_stats=True)
+    assert isinstance(instance, norm_base) and not isinstance(instance, batch_norm)
+    assert instance.track_running_stats
+    assert not isinstance(torch.nn.LayerNorm(3), norm_base)
+
+
+def test_compiled_modules_are_recognised():
+    model = torch.nn.Linear(2, 2)
+    assert _torch_private.is_compiled_module(torch.compile(model))
+    assert not _torch_private.is_compiled_module(model)
+
+
+def test_the_default_store_is_the_process_groups():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        default = _torch_private.default_store()
+        default.set("nimble_train/probe", "1")
+        assert default.get("nimble_train/probe") == b"1"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amp_update_scale_backs_off_and_grows_as_grad_scaler_does():
+    scale = torch.full((1,), 1024.0)
+    tracker = torch.zeros(1, dtype=torch.int32)
+    found = torch.ones(1)
+    _torch_private.amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2)
+    assert scale.item() == 512.0 and tracker.item() == 0
+    found.zero_()
+    for _ in range(2):
+        _torch_private.amp_update_scale_(scale, tracker, found, 2.0, 0.5, 2)
+    assert scale.item() == 1024.0 and tracker.item() == 0
+
+
+def test_marking_the_optimizer_stepped_silences_the_scheduler_warning():
+    def scheduler_warnings(mark: bool) -> list:
+        p = torch.nn.Parameter(torch.ones(1))
+        opt = torch.optim.SGD([p], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+        if mark:
+            _torch_private.mark_optimizer_stepped(opt)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            scheduler.step()
+        return [w for w in seen if "optimizer.step()" in str(w.message)]
+    assert scheduler_warnings(mark=False), "torch no longer warns: the mark is not needed"
+    assert not scheduler_warnings(mark=True)
+
+
+def test_declaring_amp_scaling_makes_grad_scaler_leave_unscaling_to_the_optimizer():
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1)
+    _torch_private.declare_amp_scaling(opt)
+    assert getattr(opt, "_step_supports_amp_scaling", False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(p.sum()).backward()  # a scaled gradient: 4 everywhere
+    seen = {}
+
+    def step():  # what reaches the step is what matters here
+        seen.update(grad_scale=float(opt.grad_scale), found_inf=float(opt.found_inf),
+                    grad=p.grad.clone())
+    opt.step = step
+    scaler.step(opt)
+    # With the declaration GradScaler hands the step its scale and leaves the gradient scaled.
+    assert seen["grad_scale"] == 4.0 and seen["found_inf"] == 0.0
+    assert torch.equal(seen["grad"], torch.full((3,), 4.0))
+
+
+def test_compile_caches_can_be_disabled():
+    import torch._inductor.config as inductor_config
+
+    saved = inductor_config.force_disable_caches
+    try:
+        _torch_private.disable_compile_caches()
+        assert inductor_config.force_disable_caches is True
+    finally:
+        inductor_config.force_disable_caches = saved
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the sleep kernel")
+def test_cuda_sleep_keeps_the_gpu_busy():
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    _torch_private.cuda_sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) > 1.0
