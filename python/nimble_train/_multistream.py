@@ -161,4 +161,5 @@ def warn_single_stream(reason: str) -> None:
     warnings.warn(
         f"nimble_train.Step runs on one stream: {reason}. The step is still captured; only "
         "independent operators will not overlap. Pass streams=1 to silence this.",
-        stacklevel=4)
+        # The user's step(batch): here, CapturedStep, Step._capture, Step._call, Step.__call__.
+        stacklevel=6)
