@@ -122,40 +122,32 @@ def _flattener(template: Any) -> Callable[[Any], list[Any]] | None:
     and dicts (pytree's order: sequences in order, dicts in key order), raising _Mismatch on
     any other batch; None when the template holds other containers (named tuples, mappings of
     other types), which pytree flattens."""
-    if isinstance(template, (tuple, list)) and type(template) in (tuple, list):
-        kind, n = type(template), len(template)
-        children = [_flattener(item) for item in template]
-        if any(c is None for c in children):
-            return None
-
-        def flatten_sequence(batch):
-            if type(batch) is not kind or len(batch) != n:
-                raise _Mismatch
-            out = []
-            for child, item in zip(children, batch):
-                out += child(item)
-            return out
-        return flatten_sequence
-    if isinstance(template, dict):
-        if type(template) is not dict:
-            return None
-        keys = list(template)
+    kind = type(template)
+    if kind in (tuple, list, dict):
+        keys = list(template) if kind is dict else list(range(len(template)))
         children = [_flattener(template[k]) for k in keys]
         if any(c is None for c in children):
             return None
+        shape = _shape(template)
 
-        def flatten_dict(batch):
-            if type(batch) is not dict or list(batch) != keys:
+        def flatten(batch):
+            if type(batch) is not kind or _shape(batch) != shape:
                 raise _Mismatch
             out = []
             for child, key in zip(children, keys):
                 out += child(batch[key])
             return out
-        return flatten_dict
+        return flatten
     leaves = pytree.tree_leaves(template)
-    if isinstance(template, (tuple, list)) or len(leaves) != 1 or leaves[0] is not template:
-        return None  # a named tuple, or a container type registered with pytree
+    if isinstance(template, (tuple, list, dict)) or len(leaves) != 1 or leaves[0] is not template:
+        return None  # a named tuple, another mapping, or a container registered with pytree
     return _leaf
+
+
+def _shape(container: Any) -> Any:
+    """What must match between a plain container and its template: dict keys in order, or a
+    sequence's length."""
+    return list(container) if type(container) is dict else len(container)
 
 
 def _leaf(item: Any) -> list[Any]:

@@ -29,8 +29,8 @@ class CapturedStep:
     def __init__(self, device: torch.device, num_values: int, template: BatchTemplate):
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.graph = _C.StepGraph(torch.device("cuda", index), num_values)
-        self.entry = self.graph.add_entry(template.specs())
-        assert self.entry == ENTRY
+        entry = self.graph.add_entry(template.specs())
+        assert entry == ENTRY
         self.inputs = self.graph.inputs(ENTRY)
         self.batch = template.unflatten(self.inputs)  # the static batch the capture reads
         self.loss: torch.Tensor | None = None

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ._batch import BatchTemplate
+from ._extension import _C
 from ._iteration import AMP_DTYPES
 from .errors import NimbleError, ShapeError
 
@@ -45,8 +46,6 @@ def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial
 
 
 def require_cuda_runtime(device: torch.device) -> None:
-    from ._extension import _C
-
     if not _C.has_cuda():
         raise NimbleError(
             f"Step needs nimble_train's CUDA runtime to capture on {device}, but this build has "

@@ -65,7 +65,6 @@ class FusedOptimizer:
         self._algorithm = algorithm(optimizer)
         self._structure = Structure(optimizer, self._algorithm)
         self._chunk_elems = chunk_elems
-        self._shard_world = shard_world
         self.reduce_partials: Callable[[torch.Tensor], None] | None = None
         # Parameters in `exclude` (by id) are left out, as torch.optim skips parameters that
         # never get a gradient: no update, no state (a captured step knows them from warm-up).
