@@ -14,8 +14,9 @@
 namespace nimble_train::capture {
 
 struct StepGraph::Entry {
-  explicit Entry(std::vector<LeafSpec> specs) : inputs(std::move(specs)) {}
-  StaticInputs inputs;
+  explicit Entry(std::shared_ptr<StaticInputs> in) : inputs_ptr(std::move(in)), inputs(*inputs_ptr) {}
+  std::shared_ptr<StaticInputs> inputs_ptr;  // shared by the entries of one batch layout
+  StaticInputs& inputs;
   std::unique_ptr<TorchGraph> graph;  // set while capturing and once captured
   bool captured = false;
   int64_t nodes = -1;
@@ -71,7 +72,14 @@ int64_t StepGraph::add_entry(std::vector<LeafSpec> inputs) {
              " is on ", spec.device);
   }
   const c10::cuda::CUDAGuard guard(device_);
-  entries_.push_back(std::make_unique<Entry>(std::move(inputs)));
+  entries_.push_back(
+      std::make_unique<Entry>(std::make_shared<StaticInputs>(std::move(inputs))));
+  return num_entries() - 1;
+}
+
+int64_t StepGraph::add_entry_sharing_inputs(int64_t other) {
+  std::shared_ptr<StaticInputs> shared = entry(other).inputs_ptr;
+  entries_.push_back(std::make_unique<Entry>(std::move(shared)));
   return num_entries() - 1;
 }
 

@@ -57,6 +57,9 @@ class StepGraph {
 
   // A new entry with static inputs laid out as `inputs`; its graph is captured later.
   int64_t add_entry(std::vector<LeafSpec> inputs);
+  // A new entry whose graph reads `other`'s static inputs (the same buffers, not a copy): the
+  // graphs of one batch layout (the micro-batch and update graphs of gradient accumulation).
+  int64_t add_entry_sharing_inputs(int64_t other);
   const StaticInputs& inputs(int64_t entry) const;
   int64_t check(int64_t entry, const std::vector<at::Tensor>& leaves) const;
   void copy_in(int64_t entry, const std::vector<at::Tensor>& leaves, int64_t samples,

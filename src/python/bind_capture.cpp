@@ -137,6 +137,8 @@ void bind_step_graph(py::module_& m) {
       .def("add_entry", [](StepGraph& g, const std::vector<LeafTuple>& leaves) {
              return g.add_entry(leaf_specs(leaves));
            }, py::arg("leaves"), kLeavesDoc)
+      .def("add_entry_sharing_inputs", &StepGraph::add_entry_sharing_inputs, py::arg("other"),
+           "A new entry whose graph reads entry `other`'s static inputs (the same buffers).")
       .def("inputs", [](const StepGraph& g, int64_t entry) {
              return g.inputs(entry).buffers();
            }, py::arg("entry"), "The static input buffers of an entry, in leaf order.")

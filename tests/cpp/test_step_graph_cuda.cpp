@@ -83,6 +83,29 @@ TEST_F(StepGraphTest, GraphsOfOnePoolReplayTheirOwnStagedValuesWhileTheHostRunsA
   EXPECT_EQ(g.staging().ring().consumed(), 40);
 }
 
+TEST_F(StepGraphTest, EntriesSharingInputsReadTheSameBuffers) {
+  StepGraph g(device, 1, 8);
+  const int64_t first = g.add_entry({leaf("batch[0]", {8, 4})});
+  const int64_t second = g.add_entry_sharing_inputs(first);
+  EXPECT_TRUE(g.inputs(second).buffers()[0].is_same(g.inputs(first).buffers()[0]));
+  const at::Tensor out_first = capture_scaled_sum(g, first);
+  at::Tensor out_second;
+  {  // a different graph over the same inputs: x * scale + 1, summed
+    c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());
+    g.begin_capture(second);
+    out_second = (g.inputs(second).buffers()[0] * g.current()[1] + 1).sum(1);
+    ASSERT_TRUE(g.end_capture().ok);
+  }
+  const at::Tensor x = at::randn({8, 4}, at::device(device));
+  const at::Tensor y = at::randn({5, 4}, at::device(device));
+  g.launch(second, {x}, {2.0f});
+  EXPECT_TRUE(at::allclose(out_second, (x * 2.0f + 1).sum(1), 1e-5, 1e-5));
+  EXPECT_EQ(g.check(second, {y}), 5);  // the shared inputs' checks and padding
+  g.launch(first, {y}, {3.0f});
+  EXPECT_TRUE(at::allclose(out_first.narrow(0, 0, 5), (y * 3.0f).sum(1), 1e-5, 1e-5));
+  EXPECT_THROW(g.add_entry_sharing_inputs(7), InvalidArgument);
+}
+
 TEST_F(StepGraphTest, AFailedLaunchGivesItsSlotBack) {
   StepGraph g(device, 1, 4);
   const int64_t e = g.add_entry({leaf("batch[0]", {8, 4})});
