@@ -244,7 +244,8 @@ class FusedOptimizer:
 
     def step(self, *, inv_scale: torch.Tensor | None = None,
              found_inf: torch.Tensor | None = None,
-             max_grad_norm: float | None = None) -> torch.Tensor | None:
+             max_grad_norm: float | None = None,
+             grad_scale: torch.Tensor | None = None) -> torch.Tensor | None:
         """The update: device work only, capturable.
 
         inv_scale: float32 [1] on the device, 1 / loss scale; gradients are multiplied by it.
@@ -252,10 +253,13 @@ class FusedOptimizer:
         With either, a non-finite gradient skips the update and the step count (no host sync).
         max_grad_norm: clip the global norm of the (unscaled) gradients to it, as
         ``torch.nn.utils.clip_grad_norm_``; fixed at capture.
+        grad_scale: float32 [1] on the device; gradients are multiplied by it too (before the
+        norm), without the overflow skip (gradient accumulation's normalisation).
         Returns the global gradient norm as a 0-dim device tensor (valid until the next step)
         when it was computed (any of the three given), else None.
         """
-        for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+        for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf),
+                        ("grad_scale", grad_scale)):
             if t is not None and (t.numel() != 1 or t.dtype != torch.float32
                                   or t.device != self.device):
                 raise ValueError(f"FusedOptimizer.step: {name} must be a one-element float32 "
@@ -269,7 +273,10 @@ class FusedOptimizer:
         if not capturing:
             self._reattach()
         self._fetch(capturing)
-        stats = inv_scale is not None or found_inf is not None or max_grad_norm is not None
+        skip_nonfinite = inv_scale is not None or found_inf is not None
+        stats = skip_nonfinite or max_grad_norm is not None
+        if grad_scale is not None:  # one factor for the norm and the update
+            inv_scale = grad_scale if inv_scale is None else inv_scale * grad_scale
         targets = self._state.pieces if self._state.pieces is not None else self._flats
         if stats:
             for t in targets:
@@ -282,8 +289,7 @@ class FusedOptimizer:
                         "in-place sum over the ranks) after shard()")
                 self.reduce_partials(self._partials)  # norms and overflow over every shard
         _C.optim_prepare_step_(self._tables, self._partials if stats else None, inv_scale,
-                               found_inf, float(max_grad_norm or 0.0),
-                               inv_scale is not None or found_inf is not None)
+                               found_inf, float(max_grad_norm or 0.0), skip_nonfinite)
         run_updates(self._algorithm, targets, self._tables)
         # LR schedulers check that optimizer.step() ran before them; this step stands for it.
         _torch_private.mark_optimizer_stepped(self.optimizer)

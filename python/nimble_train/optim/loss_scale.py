@@ -60,11 +60,12 @@ class DeviceLossScaler:
                                          self.growth_factor, self.backoff_factor,
                                          self.growth_interval)
 
-    def step(self, fused, *, max_grad_norm: float | None = None) -> torch.Tensor:
+    def step(self, fused, *, max_grad_norm: float | None = None,
+             grad_scale: torch.Tensor | None = None) -> torch.Tensor:
         """``fused.step`` with this scaler's inverse scale and overflow flag, then ``update``.
         Returns the global norm of the unscaled gradients (0-dim device tensor)."""
         norm = fused.step(inv_scale=self.inv_scale(), found_inf=self.found_inf,
-                          max_grad_norm=max_grad_norm)
+                          max_grad_norm=max_grad_norm, grad_scale=grad_scale)
         self.update()
         return norm
 
