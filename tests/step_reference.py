@@ -103,6 +103,48 @@ def eager_loop(model, optimizer, loss_fn, batches, *, amp=None, grad_clip=None, 
     return losses
 
 
+def eager_accumulation_loop(model, optimizer, loss_fn, batches, k, *, grad_clip=None,
+                            scheduler=None):
+    """The eager loop Step(accumulate=k) must equal: windows of k micro-batches, each loss
+    weighted by the micro-batch's samples over the window's (per-sample losses; with full
+    micro-batches that is loss / k), then clip, step, schedule."""
+    losses = []
+    for start in range(0, len(batches) - k + 1, k):
+        window = batches[start: start + k]
+        total = sum(len(y) for _, y in window)
+        optimizer.zero_grad()
+        for x, y in window:
+            loss = loss_fn(model(x), y)
+            if loss.dim():
+                loss = loss.mean()
+                (loss * (len(y) / total)).backward()
+            else:
+                (loss / k).backward()  # a scalar loss: the DESIGN's loop
+            losses.append(loss.detach())
+        if grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def hand_written_ema(model, optimizer, loss_fn, batches, decay, k=1):
+    """EMA the usual way: after each optimizer step, avg = decay * avg + (1 - decay) * value
+    for every floating-point parameter and buffer."""
+    averages = {name: t.detach().clone() for name, t in model.state_dict().items()
+                if t.is_floating_point()}
+    for start in range(0, len(batches) - k + 1, k):
+        optimizer.zero_grad()
+        for x, y in batches[start: start + k]:
+            (loss_fn(model(x), y).mean() / k).backward()
+        optimizer.step()
+        for name, t in model.state_dict().items():
+            if name in averages:
+                averages[name] = decay * averages[name] + (1 - decay) * t.detach()
+    return averages
+
+
 def grad_scaler_loop(model, optimizer, loss_fn, batches, *, grad_clip):
     """The eager fp16 loop Step must reproduce: autocast, GradScaler, unscale, clip, step."""
     device = next(model.parameters()).device.type

@@ -20,21 +20,29 @@ from ._extension import _C
 from ._multistream import build_multistream, warn_single_stream
 from .errors import CaptureError, NimbleError, SyncError
 
-ENTRY = 0  # the one graph of a Step today; shape buckets and evaluation add entries
+ENTRY = 0  # the template's entry; the other graphs of its batch layout share its inputs
 
 
 class CapturedStep:
-    """The C++ step graph of one Step, with the template's static inputs as entry 0."""
+    """The C++ step graph of one Step: the template's static inputs as entry 0, and further
+    entries over the same inputs (the micro-batch and update graphs of accumulation).
 
-    def __init__(self, device: torch.device, num_values: int, template: BatchTemplate):
+    Each launch stages [valid samples, *extra, *update values]: `extra` values of the Step's
+    own (accumulation's loss weight and gradient correction), then the update's."""
+
+    def __init__(self, device: torch.device, extra: int, update_values: int,
+                 template: BatchTemplate):
         index = device.index if device.index is not None else torch.cuda.current_device()
-        self.graph = _C.StepGraph(torch.device("cuda", index), num_values)
+        self.graph = _C.StepGraph(torch.device("cuda", index), extra + update_values)
         entry = self.graph.add_entry(template.specs())
         assert entry == ENTRY
         self.inputs = self.graph.inputs(ENTRY)
         self.batch = template.unflatten(self.inputs)  # the static batch the capture reads
-        self.loss: torch.Tensor | None = None
-        self.current = self.graph.current  # [1 + num_values]: samples, then the update's values
+        self.losses: dict[int, torch.Tensor] = {}  # each captured entry's loss output
+        self.current = self.graph.current  # [1 + extra + update_values]
+        self.update_values = self.current[1 + extra:]
+        # Accumulation's loss weight (0-dim) and gradient correction ([1]), as launches stage.
+        self.scales = (self.current[1], self.current[2:3]) if extra else (None, None)
         self.multistream = None  # the forward on several streams, once planned
         self.single_stream_reason: str | None = None
 
@@ -45,7 +53,12 @@ class CapturedStep:
 
     @property
     def captured(self) -> bool:
-        return self.graph.captured(ENTRY)
+        """Whether any graph is captured."""
+        return any(self.graph.captured(e) for e in range(self.graph.num_entries))
+
+    def new_entry(self) -> int:
+        """Another graph over entry 0's static inputs."""
+        return self.graph.add_entry_sharing_inputs(ENTRY)
 
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device) -> None:
         """Traces and plans the forward on several streams, once, before the first capture."""
@@ -55,14 +68,15 @@ class CapturedStep:
             if self.multistream is None and streams != 1:
                 warn_single_stream(self.single_stream_reason)
 
-    def capture(self, body: Callable, stream: torch.cuda.Stream, sync_records: list) -> None:
+    def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
+                sync_records: list) -> None:
         """Captures `body(forward)`, which returns the loss, on `stream` (`forward` is the
         multi-stream forward, or None for the model itself); on failure raises SyncError or
         CaptureError, the capture abandoned. The plan's streams are an optimisation: when a
         capture on several streams fails for another reason than a host sync, it is tried once
         more on one stream. `body` must start from scratch each time (zeroing gradients)."""
         try:
-            self._capture_once(body, stream, sync_records)
+            self._capture_once(entry, body, stream, sync_records)
         except NimbleError as failure:
             if self.multistream is None or isinstance(failure, SyncError):
                 raise
@@ -70,9 +84,13 @@ class CapturedStep:
             self.multistream = None
             self.single_stream_reason = f"capture on several streams failed ({cause})"
             warn_single_stream(self.single_stream_reason)
-            self._capture_once(body, stream, sync_records)
+            for other in range(self.graph.num_entries):  # every graph on one stream alike
+                if other != entry and self.graph.captured(other):
+                    self.graph.drop(other)
+                    self.losses.pop(other, None)
+            self._capture_once(entry, body, stream, sync_records)
 
-    def _capture_once(self, body: Callable, stream: torch.cuda.Stream,
+    def _capture_once(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                       sync_records: list) -> None:
         forward = self.multistream
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
@@ -80,7 +98,7 @@ class CapturedStep:
         torch.cuda.synchronize(stream.device)
         with torch.cuda.stream(stream):
             try:
-                self.graph.begin_capture(ENTRY)
+                self.graph.begin_capture(entry)
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
@@ -98,11 +116,13 @@ class CapturedStep:
             result = self.graph.end_capture()
         if not result.ok:
             raise failure(result.invalidated, result.error.splitlines()[0], sync_records)
-        self.loss = loss.detach()
+        self.losses[entry] = loss.detach()
 
     def stats(self) -> dict:
-        nodes = self.graph.node_count(ENTRY)
-        return {"graph_nodes": nodes if nodes >= 0 else None, "pool_bytes": self.pool_bytes()}
+        nodes = [self.graph.node_count(e) for e in range(self.graph.num_entries)
+                 if self.graph.captured(e)]
+        return {"graph_nodes": sum(nodes) if nodes and min(nodes) >= 0 else None,
+                "graphs": len(nodes), "pool_bytes": self.pool_bytes()}
 
     def pool_bytes(self) -> int | None:
         """Bytes of the segments of the graphs' shared private memory pool."""
@@ -112,7 +132,7 @@ class CapturedStep:
         return sum(seg["total_size"] for seg in segments) if segments else None
 
     def release(self) -> None:
-        self.loss = None
+        self.losses = {}
         self.graph.release()
 
 

@@ -8,7 +8,7 @@ rows out of the loss with it) and which update runs (see _update.py).
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -17,15 +17,35 @@ from . import _torch_private
 AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class Call(NamedTuple):
+    """What one call of a Step does within its accumulation window.
+
+    zero: the window's first call zeroes the gradients; update: its last call updates.
+    weight: the loss is multiplied by it before the backward (None: 1); correction: the
+    accumulated gradients are multiplied by it before clipping and the update (None: 1).
+    Each is a Python float (eager steps without a graph) or a device tensor the step's staging
+    ring fills (float32 [] for the weight, [1] for the correction).
+    """
+
+    zero: bool = True
+    update: bool = True
+    weight: Any = None
+    correction: Any = None
+
+
+FULL_STEP = Call()
+
+
 class Iteration:
     """Forward, loss, backward and update of `model` with `update` (an _update.Update)."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, amp: str | None,
                  grad_clip: float | None, params: list[torch.Tensor], device: torch.device,
-                 update, gradsync, sync_recorder):
+                 update, gradsync, sync_recorder, ema=None, accumulate: int = 1):
         self.model, self.loss_fn, self.amp, self.grad_clip = model, loss_fn, amp, grad_clip
         self.params, self.device, self.update = params, device, update
-        self.gradsync, self.sync = gradsync, sync_recorder
+        self.gradsync, self.sync, self.ema = gradsync, sync_recorder, ema
+        self.accumulate = accumulate
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
 
     # ------------------------------------------------------------------ forward and loss
@@ -84,13 +104,15 @@ class Iteration:
 
     # ------------------------------------------------------------------ backward and update
 
-    def step(self, batch: Any, batch_size: int, valid: torch.Tensor | None,
-             captured: bool) -> torch.Tensor:
-        """One whole iteration, eagerly (`captured`: gradients live in a captured graph's pool,
+    def step(self, batch: Any, batch_size: int, valid: torch.Tensor | None, captured: bool,
+             call: Call = None) -> torch.Tensor:
+        """One whole call, eagerly (`captured`: gradients live in a captured graph's pool,
         which eager steps must zero in place); returns the detached loss."""
-        self.zero_grad(captured)
+        call = call or FULL_STEP
+        if call.zero:
+            self.zero_grad(captured)
         loss = self.loss(batch, batch_size, valid)
-        self.backward_and_update(loss)
+        self.backward_and_update(loss, call)
         return loss.detach()
 
     def zero_grad(self, captured: bool) -> None:
@@ -98,24 +120,41 @@ class Iteration:
             self.update.fused.zero_grad()  # one memset per flat gradient buffer
         else:
             # After capture, gradients live in the graph's pool: zero them in place, so that
-            # p.grad keeps pointing at the tensors the replays write.
-            self.update.optimizer.zero_grad(set_to_none=not captured)
+            # p.grad keeps pointing at the tensors the replays write. With accumulation the
+            # graphs of one window accumulate into the same tensors: always in place.
+            in_place = captured or (self.accumulate > 1 and self.update.will_capture)
+            self.update.optimizer.zero_grad(set_to_none=not in_place)
 
-    def backward_and_update(self, loss: torch.Tensor) -> None:
+    def backward_and_update(self, loss: torch.Tensor, call: Call = None) -> None:
+        """Backward of `loss` (weighted by call.weight), then, when call.update, the gradient
+        all-reduce, clipping, the optimizer's update and the EMA."""
+        call = call or FULL_STEP
+        if call.weight is not None:
+            loss = loss.float() * call.weight
         fused, sync = self.update.fused, self.gradsync
         if fused is not None:
-            self._fused_backward_and_update(loss)
+            self._fused_backward_and_update(loss, call)
             return
         scaler = self.update.grad_scaler
         noting = (sync.noting_arrival_order(self.params)
                   if sync is not None and self.update.needs_fusing else contextlib.nullcontext())
         with noting:
             (scaler.scale(loss) if scaler else loss).backward()
+        if not call.update:
+            return
         if sync is not None:
             sync.all_reduce_grads(self.params)  # (scaled) gradients, before clip and update
         optimizer = self.update.optimizer
         # The update is ours, not the user's code: its syncs (GradScaler's) are not recorded.
         with self.sync.paused() if self.sync else contextlib.nullcontext():
+            correction = call.correction
+            if correction is not None and not (isinstance(correction, float)
+                                               and correction == 1.0):
+                if isinstance(correction, torch.Tensor):
+                    correction = correction.reshape(())  # a device scalar
+                grads = [p.grad for p in self.params if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, correction)
             if self.grad_clip is not None:
                 if scaler:
                     scaler.unscale_(optimizer)
@@ -127,22 +166,30 @@ class Iteration:
                 scaler.update()
             else:
                 optimizer.step()
+        if self.ema is not None:
+            self.ema.update()
 
-    def _fused_backward_and_update(self, loss: torch.Tensor) -> None:
+    def _fused_backward_and_update(self, loss: torch.Tensor, call: Call) -> None:
         fused, scaler, sync = self.update.fused, self.update.scaler, self.gradsync
-        if sync is not None:
+        if sync is not None and call.update:
             sync.begin()  # buckets are all-reduced as their gradients arrive
         (loss if scaler is None else scaler.scale_loss(loss)).backward()
+        if not call.update:
+            return  # a micro-batch: its gradients accumulate, nothing else happens
         if sync is not None:
             sync.finish()  # the update waits for every bucket
+        correction = call.correction  # a device tensor: the staging ring's (fused => a graph)
+        assert correction is None or isinstance(correction, torch.Tensor), correction
         if scaler is None:
-            fused.step(max_grad_norm=self.grad_clip)  # clipping fused in
+            fused.step(max_grad_norm=self.grad_clip, grad_scale=correction)  # clipping fused in
         else:
             # Unscale, clip and the overflow skip inside the update; the scale moves on the
             # device: no host sync anywhere.
-            scaler.step(fused, max_grad_norm=self.grad_clip)
+            scaler.step(fused, max_grad_norm=self.grad_clip, grad_scale=correction)
         if sync is not None:
             sync.after_update()  # sharded: every rank gets every updated part
+        if self.ema is not None:
+            self.ema.update()
 
 
 def own_loss(outputs: Any) -> torch.Tensor:

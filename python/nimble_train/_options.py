@@ -45,6 +45,13 @@ def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial
         raise ValueError(f"shard_optimizer must be True or False; got {shard_optimizer!r}")
 
 
+def check_accumulate(accumulate) -> None:
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(
+            f"accumulate must be an int >= 1 (micro-batches per optimizer update, one call "
+            f"each; 1 updates on every call); got {accumulate!r}")
+
+
 def require_cuda_runtime(device: torch.device) -> None:
     if not _C.has_cuda():
         raise NimbleError(

@@ -91,6 +91,8 @@ class Update:
         """This launch's staged values, read from param_groups now (no device sync)."""
         if self.fused is not None:
             return self.fused.host_values()
+        if self.needs_fusing:  # not fused yet: the slots the fused update will read
+            return [0.0] * self.num_values()
         return [_capturable.host_lr(group)
                 for group, staged in zip(self.optimizer.param_groups, self.staged_lr) if staged]
 

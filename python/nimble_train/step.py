@@ -14,6 +14,10 @@ _capture.py) and launched. REPLAY: a call is the flatten of the batch, the stage
 from param_groups, and one C++ call that checks and copies the batch in, stages the values and
 launches the graph. EAGER: every call is an eager step with the same semantics. A short batch
 that cannot be padded (BatchNorm, a scalar loss) runs eagerly in any phase.
+
+With ``accumulate=K`` the calls of a window of K differ (see _iteration.Call): the first zeroes
+the gradients, the last all-reduces, clips and updates; each kind is a graph of its own over
+the same static inputs, captured the first time it is needed, all in one pool.
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import torch
 
 from . import _options
 from ._capture import ENTRY, CapturedStep
+from ._ema import EMA, check_decay
 from ._extension import _C
 from ._gradsync import GradientSync
-from ._iteration import Iteration
+from ._iteration import Call, Iteration
 from ._sync import SyncRecorder
 from ._update import Update
+from ._window import Window
 from .distributed import DEFAULT_BUCKET_MB, current_world
 from .errors import NimbleError
 
@@ -60,7 +66,8 @@ class Step:
             batch)`` for dict batches; None when the model returns its own loss. A scalar, or
             one loss per sample (a short last batch is then padded and masked in the graph).
         streams: "auto", or the most CUDA streams to use (1: a single stream).
-        warmup: eager iterations before capture (at least 1); they are real training steps.
+        warmup: eager iterations before capture (at least 1); they are real training steps
+            (with accumulation and an optimizer captured as it is, at least one window).
         amp: None, "bf16" (autocast to bfloat16) or "fp16" (loss scale kept on the device).
         grad_clip: max global gradient norm, applied on the device; None for no clipping.
         partial_batch: a batch with fewer samples than the first: "pad" (pad and mask, in the
@@ -70,6 +77,16 @@ class Step:
             backward goes on; the last buckets are smaller (1 MiB for the very last).
         shard_optimizer: data parallel on GPUs: ZeRO stage 1 inside the graph (each rank keeps
             1/N of the optimizer state; see :meth:`consolidate_optimizer_state`).
+        accumulate: K micro-batches per optimizer update, one call each: calls 1..K-1 run the
+            forward and backward into the accumulated gradients, call K also all-reduces,
+            clips, updates and (next call) zeroes; :attr:`stepped` says which calls updated.
+            Each micro-batch's loss weighs its valid samples over the window's: with full
+            micro-batches that is ``loss / K``; with a short (padded or eager) one and
+            per-sample losses, the update equals one step on the window's samples together.
+            A scalar loss is weighted 1/K, as ``(loss / K).backward()``.
+        ema: None, or a decay in (0, 1): after each update the graph moves an exponential
+            moving average of the weights (and floating-point buffers) towards them; see
+            :meth:`ema_weights`, :meth:`ema_state_dict`.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -77,13 +94,16 @@ class Step:
                  streams: str | int = "auto", warmup: int = 3, amp: str | None = None,
                  grad_clip: float | None = None, partial_batch: str = "pad",
                  capture: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 shard_optimizer: bool = False):
+                 shard_optimizer: bool = False, accumulate: int = 1,
+                 ema: float | None = None):
         _options.validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                           partial_batch, capture, bucket_mb, shard_optimizer)
+        _options.check_accumulate(accumulate)
+        check_decay(ema)
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.streams, self.warmup, self.amp, self.grad_clip = streams, warmup, amp, grad_clip
         self.partial_batch, self.capture = partial_batch, capture
-        self.shard_optimizer = shard_optimizer
+        self.shard_optimizer, self.accumulate, self.ema = shard_optimizer, accumulate, ema
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _options.single_device(model, self._params)
         cuda = self._device.type == "cuda"
@@ -97,8 +117,15 @@ class Step:
         self._gradsync = (GradientSync(world, self._device, bucket_mb, shard=shard_optimizer)
                           if world else None)
         self._sync = SyncRecorder() if cuda else None
+        self._ema = EMA(model, self._params, ema) if ema is not None else None
         self._iteration = Iteration(model, loss_fn, amp, grad_clip, self._params, self._device,
-                                    self._update, self._gradsync, self._sync)
+                                    self._update, self._gradsync, self._sync, self._ema,
+                                    accumulate)
+        self._window = Window(accumulate)
+        self._swapped = False  # the EMA weights are in the model (ema_weights())
+        # The graph each call of a window launches, by its place in the window (-1: none yet).
+        self._launch_entry = [-1] * accumulate
+        self._entry_of: dict[tuple[bool, bool], int] = {}
         self._phase = Phase.TEMPLATE
         self._template = None
         self._inputs = None    # _C.StaticInputs when nothing is captured (checks, CPU padding)
@@ -106,10 +133,16 @@ class Step:
         self._graph: CapturedStep | None = None
         self._stream = torch.cuda.Stream(self._device) if self._will_capture else None
         self._capture_error: BaseException | None = None
-        self._counts = {"steps": 0, "eager_steps": 0, "replays": 0, "captures": 0}
+        self._counts = {"steps": 0, "updates": 0, "eager_steps": 0, "replays": 0,
+                        "captures": 0}
         fusing = self._update.needs_fusing
         self._fuse_at = max(warmup - 1, 1) if fusing else -1  # which warm-up step fuses
         self._warmup_steps = warmup + (1 if fusing and warmup == 1 else 0)
+        if self._will_capture and self._update.fuse_reason is not None:
+            # An optimizer captured as it is creates its state in its first step(), which
+            # must run eagerly (captured, the state's creation would replay every time):
+            # warm-up covers the first window.
+            self._warmup_steps = max(self._warmup_steps, accumulate)
 
     # ------------------------------------------------------------------ calls
 
@@ -121,22 +154,26 @@ class Step:
                 full = tensors[self._lead].shape[0] == self._template.batch_size
             except (AttributeError, IndexError, TypeError):
                 full = False  # the slow path says what is wrong with the batch
-            if full and not self._update.changed():
-                values = self._update.host_values()
+            entry = self._launch_entry[self._window.micro]
+            if full and entry >= 0 and not self._swapped and not self._update.changed():
+                samples = self._template.batch_size
                 try:
-                    self._graph.graph.launch(ENTRY, tensors, values)
+                    self._graph.graph.launch(entry, tensors, self._call_values(samples))
                 except TypeError:
                     self._template.explain_non_tensors(tensors)
                     raise
                 self._counts["replays"] += 1
-                self._counts["steps"] += 1
-                return self._graph.loss
+                self._advance(samples)
+                return self._graph.losses[entry]
         return self._call(batch)
 
     def _call(self, batch: Any) -> torch.Tensor:
         if self._phase is Phase.CLOSED:
             raise NimbleError("this Step was closed (Step.close() released its graph and "
                               "communicator); make a new nt.Step to train further")
+        if self._swapped:
+            raise NimbleError("a Step cannot train while its EMA weights are in the model; "
+                              "call it after the `with step.ema_weights():` block")
         if self._phase is Phase.TEMPLATE:
             self._start(batch)
         tensors = self._template.tensors(batch)
@@ -159,13 +196,59 @@ class Step:
         elif short and not self._iteration.can_pad(self.partial_batch):
             loss = self._eager_step(batch, samples)
         else:
-            if phase is Phase.CAPTURE or self._update.changed():
-                self._capture(tensors, samples)
-            self._graph.graph.launch(ENTRY, tensors, self._update.host_values())
+            zero, update = self._window.kind()
+            entry = self._entry((zero, update))
+            if not self._graph.graph.captured(entry) or (update and self._update.changed()):
+                self._capture(entry, (zero, update), tensors, samples)
+            self._graph.graph.launch(entry, tensors, self._call_values(samples))
             self._counts["replays"] += 1
-            loss = self._graph.loss
-        self._counts["steps"] += 1
+            loss = self._graph.losses[entry]
+        self._advance(samples)
         return loss
+
+    # ------------------------------------------------------------------ accumulation
+
+    def _call_values(self, samples: int) -> list[float]:
+        """The values a call stages after its sample count: with accumulation the loss weight
+        and the gradient correction, then the update's."""
+        if self.accumulate == 1:
+            return self._update.host_values()
+        return [*self._scales(samples), *self._update.host_values()]
+
+    def _scales(self, samples: int) -> tuple[float, float]:
+        return self._window.scales(samples, self._template.batch_size,
+                                   self._iteration.per_sample)
+
+    def _advance(self, samples: int) -> None:
+        """A call completed: the window moves on."""
+        self._counts["steps"] += 1
+        if self._window.advance(samples):
+            self._counts["updates"] += 1
+
+    def _call_scales(self, samples: int) -> Call:
+        """The Call of an eager step: the scales as floats, or, when the step has a staging
+        ring (CUDA), as the device values it staged."""
+        zero, update = self._window.kind()
+        if self.accumulate == 1:
+            return Call(zero, update)
+        if self._graph is not None:
+            weight, correction = self._graph.scales
+            return Call(zero, update, weight, correction)
+        return Call(zero, update, *self._scales(samples))
+
+    def _entry(self, kind: tuple[bool, bool]) -> int:
+        entry = self._entry_of.get(kind)
+        if entry is None:
+            entry = ENTRY if not self._entry_of else self._graph.new_entry()
+            self._entry_of[kind] = entry
+        return entry
+
+    def _refresh_launch_entries(self) -> None:
+        graph = self._graph.graph
+        for micro in range(self.accumulate):
+            kind = (micro == 0, micro == self.accumulate - 1)
+            entry = self._entry_of.get(kind, -1)
+            self._launch_entry[micro] = entry if entry >= 0 and graph.captured(entry) else -1
 
     def _enter(self, phase: Phase) -> None:
         """The one place the phase changes."""
@@ -176,12 +259,14 @@ class Step:
         template = _options.first_template(batch, self._device)
         if self._gradsync is not None:
             options = {key: getattr(self, key) for key in (
-                "streams", "warmup", "amp", "grad_clip", "partial_batch", "capture")}
+                "streams", "warmup", "amp", "grad_clip", "partial_batch", "capture",
+                "accumulate", "ema")}
             self._gradsync.join(self._params, self.optimizer, template, options)
         self._template = template
         self._lead = next(i for i, leaf in enumerate(template.tensor_leaves) if leaf.batched)
         if self._will_capture:
-            self._graph = CapturedStep(self._device, self._update.num_values(), template)
+            extra = 2 if self.accumulate > 1 else 0
+            self._graph = CapturedStep(self._device, extra, self._update.num_values(), template)
             self._enter(Phase.WARMUP)
         else:
             self._inputs = _C.StaticInputs(template.specs())
@@ -202,10 +287,13 @@ class Step:
     def _eager_step(self, batch: Any, samples: int, warmup: bool = False) -> torch.Tensor:
         with (self._sync.recording_on(self._stream) if warmup and self._stream is not None
               else contextlib.nullcontext()):
-            if self._update.fused is not None:  # the fused update reads the staged values
-                self._graph.graph.stage_eager(samples, self._update.host_values())
+            if self._graph is not None and (self._update.fused is not None
+                                            or self.accumulate > 1):
+                # The fused update and accumulation's scales read the staged values.
+                self._graph.graph.stage_eager(samples, self._call_values(samples))
             captured = self._graph is not None and self._graph.captured
-            loss = self._iteration.step(batch, samples, None, captured)
+            loss = self._iteration.step(batch, samples, None, captured,
+                                        self._call_scales(samples))
         self._counts["eager_steps"] += 1
         return loss
 
@@ -217,7 +305,8 @@ class Step:
         self._padded += 1
         static = self._template.unflatten(self._inputs.buffers)
         valid = torch.tensor(float(samples), device=self._device)
-        loss = self._iteration.step(static, self._template.batch_size, valid, captured=False)
+        loss = self._iteration.step(static, self._template.batch_size, valid, captured=False,
+                                    call=self._call_scales(samples))
         self._counts["eager_steps"] += 1
         return loss
 
@@ -228,42 +317,53 @@ class Step:
         be autotuned inside a capture)."""
         sync = self._gradsync
         shards = sync.world.size if sync is not None and sync.sharded else 1
-        self._update.fuse(self._params, self._graph.current[1:], shards)
+        self._update.fuse(self._params, self._graph.update_values, shards)
         if sync is not None:
             sync.use_buckets(self._update.fused)
+        if self._ema is not None:
+            self._ema.use_flat(self._update.fused)
 
     # ------------------------------------------------------------------ capture
 
-    def _capture(self, tensors: list, samples: int) -> None:
-        """CAPTURE (or a recapture of an optimizer captured as it is): on success the phase is
-        REPLAY; on failure EAGER, with the error raised and nothing changed."""
+    def _capture(self, entry: int, kind: tuple[bool, bool], tensors: list,
+                 samples: int) -> None:
+        """CAPTURE of the graph of one kind of call (or a recapture of an optimizer captured as
+        it is): on success the phase is REPLAY; on failure EAGER, with the error raised and
+        nothing changed."""
         graph = self._graph
-        graph.graph.copy_in(ENTRY, tensors, samples, fill_padding=self._counts["captures"] == 0)
+        graph.graph.copy_in(entry, tensors, samples, fill_padding=self._counts["captures"] == 0)
         graph.plan_streams(self.model, self.streams, self._device)
         saved_grads = [p.grad for p in self._params]
         try:
-            with self._update.lr_on_device(graph.current[1:]):
-                graph.capture(self._capture_body, self._stream, self._sync.records)
+            with self._update.lr_on_device(graph.update_values):
+                graph.capture(entry, lambda forward: self._capture_body(kind, forward),
+                              self._stream, self._sync.records)
         except NimbleError as failure:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             self._capture_error = failure
+            self._launch_entry = [-1] * self.accumulate
             self._enter(Phase.EAGER)
             raise
-        self._update.bake()
+        if kind[1]:
+            self._update.bake()
         self._counts["captures"] += 1
         self._update.warn_if_recapturing_often(self._counts["captures"], self._counts["steps"],
                                                self.warmup)
+        self._refresh_launch_entries()
         self._enter(Phase.REPLAY)
 
-    def _capture_body(self, forward) -> torch.Tensor:
-        if self._update.fused is not None:
+    def _capture_body(self, kind: tuple[bool, bool], forward) -> torch.Tensor:
+        zero, update = kind
+        if zero and self._update.fused is not None:
             self._update.fused.zero_grad()  # inside: replays never accumulate gradients
-        else:
-            self.optimizer.zero_grad(set_to_none=True)  # backward makes them in the graph
+        elif zero:
+            # backward makes them in the graph; the graphs of a window share them
+            self.optimizer.zero_grad(set_to_none=self.accumulate == 1)
         loss = self._iteration.loss(self._graph.batch, self._template.batch_size,
                                     self._graph.valid, forward)
-        self._iteration.backward_and_update(loss)
+        weight, correction = self._graph.scales
+        self._iteration.backward_and_update(loss, Call(zero, update, weight, correction))
         return loss
 
     # ------------------------------------------------------------------ the rest of the API
@@ -280,7 +380,8 @@ class Step:
             "syncs": ms.num_syncs if ms else 0,
             "traced_ops": len(ms.graph.nodes) if ms else None,
             "single_stream_reason": graph.single_stream_reason if graph else None,
-            **(graph.stats() if captured else {"graph_nodes": None, "pool_bytes": None}),
+            **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
+                                                  "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),
             "host_syncs_in_warmup": [str(r) for r in self._sync.records] if self._sync else [],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
@@ -289,8 +390,49 @@ class Step:
             "optimizer_shards": sync.world.size if sync and sync.sharded else 1,
             "optimizer_state_bytes": fused.state_bytes if fused else None,
             "optimizer": self._update.kind,
+            "accumulate": self.accumulate,
+            "micro_batch": self._window.micro,  # the next call's place in its window
+            "ema": self.ema,
+            "ema_bytes": self._ema.nbytes if self._ema else None,
             **self._counts,
         }
+
+    @property
+    def stepped(self) -> bool:
+        """Whether the last call applied an optimizer update (every call with accumulate=1;
+        every K-th with accumulate=K): step an LR scheduler when it is True."""
+        return self._window.stepped
+
+    # ------------------------------------------------------------------ EMA
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """The EMA weights (and averaged buffers) in the model for the block, the trained ones
+        back after it: evaluate or save the averaged model. The step refuses to train inside."""
+        ema = self._require_ema("ema_weights")
+        if self._swapped:
+            raise NimbleError("ema_weights() is already active; the blocks do not nest")
+        self._swapped = True
+        try:
+            with ema.swapped_in():
+                yield self.model
+        finally:
+            self._swapped = False
+
+    def ema_state_dict(self) -> dict:
+        """The model's state_dict with the EMA weights in place of the trained ones (copies):
+        ``torch.save`` it, or load it into a copy of the model for evaluation or export."""
+        return self._require_ema("ema_state_dict").state_dict()
+
+    def load_ema_state_dict(self, state: dict) -> None:
+        """Restores the EMA from ``ema_state_dict()`` (resuming a run)."""
+        self._require_ema("load_ema_state_dict").load_state_dict(state)
+
+    def _require_ema(self, what: str) -> EMA:
+        if self._ema is None:
+            raise NimbleError(f"Step.{what}: this Step keeps no EMA; build it with "
+                              "nt.Step(..., ema=0.999)")
+        return self._ema
 
     def consolidate_optimizer_state(self) -> None:
         """With ``shard_optimizer=True``, gathers the whole optimizer state into

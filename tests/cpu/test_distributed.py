@@ -138,33 +138,45 @@ def test_bucket_mb_must_be_positive():
 PER_RANK = 8
 
 
-def _worker(rank, world, init_file, result_file, mismatch):
+def _worker(rank, world, init_file, result_file, mismatch, accumulate=1):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
         torch.manual_seed(0)
         model = MLP(hidden=32 + (rank if mismatch else 0))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        step = nt.Step(model, opt, torch.nn.CrossEntropyLoss(reduction="none"), warmup=2)
-        batches = classification_batches(4, PER_RANK * world, seed=5)
+        step = nt.Step(model, opt, torch.nn.CrossEntropyLoss(reduction="none"), warmup=2,
+                       accumulate=accumulate)
+        batches = classification_batches(4 * accumulate, PER_RANK * world, seed=5)
+        calls, real_all_reduce = [], dist.all_reduce
+
+        def counting_all_reduce(*args, **kwargs):
+            calls[-1] += 1
+            return real_all_reduce(*args, **kwargs)
+        dist.all_reduce = counting_all_reduce  # how many gradient all-reduces each call ran
         try:
-            losses = [step(((x[rank * PER_RANK:(rank + 1) * PER_RANK]),
-                            y[rank * PER_RANK:(rank + 1) * PER_RANK])) for x, y in batches]
+            losses = []
+            for x, y in batches:
+                calls.append(0)
+                losses.append(step(((x[rank * PER_RANK:(rank + 1) * PER_RANK]),
+                                    y[rank * PER_RANK:(rank + 1) * PER_RANK])))
         except nt.DistributedError as exc:
             torch.save({"error": str(exc)}, f"{result_file}.{rank}")
             return
+        finally:
+            dist.all_reduce = real_all_reduce
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
-                    "losses": torch.stack(losses), "stats": step.stats()},
-                   f"{result_file}.{rank}")
+                    "losses": torch.stack(losses), "stats": step.stats(),
+                    "all_reduces": calls}, f"{result_file}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def _launch(world, mismatch=False):
+def _launch(world, mismatch=False, accumulate=1):
     with tempfile.TemporaryDirectory() as tmp:
         init_file, result = os.path.join(tmp, "init"), os.path.join(tmp, "result")
-        mp.start_processes(_worker, args=(world, init_file, result, mismatch), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(_worker, args=(world, init_file, result, mismatch, accumulate),
+                           nprocs=world, start_method="spawn")
         return [torch.load(f"{result}.{r}", weights_only=False) for r in range(world)]
 
 
@@ -186,6 +198,29 @@ def test_two_ranks_train_as_one_process_with_the_whole_batch():
     # Each rank's loss is its half's mean; together they average to the whole batch's loss.
     mean = (results[0]["losses"] + results[1]["losses"]) / 2
     torch.testing.assert_close(mean, torch.stack(losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0]["model"].values(), results[1]["model"].values()):
+        assert torch.equal(a, b)  # identical replicas
+
+
+def test_accumulating_ranks_train_as_one_process_with_the_whole_batch():
+    """2 ranks x 2 micro-batches of 8 per update: one process with batches of 32, and the
+    gradients are all-reduced only in the calls that update (DDP's no_sync)."""
+    results = _launch(2, accumulate=2)
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = classification_batches(8, PER_RANK * 2, seed=5)
+    whole = [(torch.cat([batches[i][0], batches[i + 1][0]]),
+              torch.cat([batches[i][1], batches[i + 1][1]])) for i in range(0, 8, 2)]
+    eager_loop(model, opt, torch.nn.CrossEntropyLoss(reduction="none"), whole)
+    for result in results:
+        assert result["stats"]["updates"] == 4
+        assert result["all_reduces"] == [0, 1] * 4, result["all_reduces"]
+        trained = MLP()
+        trained.load_state_dict(result["model"])
+        trained_opt = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)
+        trained_opt.load_state_dict(result["optimizer"])
+        assert_same_training(trained, trained_opt, model, opt, rtol=1e-5, atol=1e-6)
     for a, b in zip(results[0]["model"].values(), results[1]["model"].values()):
         assert torch.equal(a, b)  # identical replicas
 

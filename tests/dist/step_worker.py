@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=N step_worker.py CASE
 
-CASE: equivalence, clipped, unfused, sharded, syncbn, overlap or mismatch.
+CASE: equivalence, clipped, unfused, sharded, accumulating, syncbn, overlap or mismatch.
 
 Prints "rank R/N ok <wall time>" (or "rank R/N error: ...") as its last line before it leaves
 the process group; the test checks the lines and how soon the job exits after them.
@@ -133,6 +133,50 @@ def unfused(info):
     assert stats["buckets"] == 0, stats
 
 
+def accumulating(info):
+    """Two micro-batches per update on every rank train as one GPU with the whole window, plain
+    and sharded; the buckets are all-reduced only in the calls that update (DDP's no_sync)."""
+    rank, world, device = info.rank, info.world_size, info.device
+    per_rank, k = 8, 2
+    for shard in (False, True):
+        torch.manual_seed(0)
+        model = MLP(features=32, hidden=256, classes=7).to(device)
+        start = copy.deepcopy(model)
+        make = lambda params: torch.optim.AdamW(params, lr=1e-3)  # noqa: E731
+        opt = make(model.parameters())
+        step = nt.Step(model, opt, per_sample, warmup=2, accumulate=k, bucket_mb=0.05,
+                       shard_optimizer=shard)
+        batches = classification_batches(8 * k, per_rank * world, features=32, classes=7,
+                                         seed=3, device=device)
+        outside = []  # bucket collectives launched (or captured) by calls that do not update
+        real_launch = step._gradsync._launch
+
+        def launch(bucket, real_launch=real_launch, step=step, outside=outside):
+            if step.stats()["micro_batch"] != k - 1:
+                outside.append(step.stats()["micro_batch"])
+            real_launch(bucket)
+        step._gradsync._launch = launch
+        for x, y in batches:
+            step((x[rank * per_rank:(rank + 1) * per_rank],
+                  y[rank * per_rank:(rank + 1) * per_rank]))
+        torch.cuda.synchronize()
+        stats = step.stats()
+        assert stats["captured"] and stats["updates"] == 8 and stats["graphs"] == 2, stats
+        assert not outside, f"micro-batch calls launched collectives: {outside}"
+        sums = [torch.zeros(len(list(model.parameters())), dtype=torch.float64)
+                for _ in range(world)]
+        dist.all_gather(sums, checksum(model))
+        for other in sums[1:]:
+            assert torch.equal(other, sums[0]), "replicas differ after training"
+        whole = [(torch.cat([batches[i][0], batches[i + 1][0]]),
+                  torch.cat([batches[i][1], batches[i + 1][1]])) for i in range(0, 8 * k, k)]
+        eager_loop(start, make(start.parameters()), per_sample, whole)
+        for (name, a), b in zip(model.named_parameters(), start.parameters()):
+            torch.testing.assert_close(a, b, rtol=2e-4, atol=2e-5,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        step.close()
+
+
 def syncbn(info):
     """SyncBatchNorm inside the captured step: its statistics span every rank's samples, so N
     ranks of batch b train as one process with plain BatchNorm and batch N*b, running
@@ -213,7 +257,7 @@ def main():
     prefix = f"rank {info.rank}/{info.world_size}"
     try:
         cases = {"equivalence": equivalence, "clipped": clipped, "unfused": unfused,
-                 "sharded": sharded,
+                 "sharded": sharded, "accumulating": accumulating,
                  "syncbn": syncbn, "overlap": overlap, "mismatch": mismatch}
         cases[case](info)
         print(f"{prefix} ok {time.time():.3f}", flush=True)

@@ -50,6 +50,11 @@ def test_a_sharded_optimizer_trains_as_one_gpu_with_1_nth_of_the_state_per_rank(
     assert code == 0 and all(s == "ok" for s in status), output
 
 
+def test_accumulating_ranks_train_as_one_gpu_and_all_reduce_only_when_updating():
+    code, output, status, _ = torchrun("accumulating")
+    assert code == 0 and all(s == "ok" for s in status), output
+
+
 def test_sync_batchnorm_in_the_graph_trains_as_one_gpu_with_the_whole_batch():
     code, output, status, exit_after = torchrun("syncbn")
     assert code == 0 and all(s == "ok" for s in status), output

@@ -31,6 +31,13 @@ def _dense(p: torch.Tensor) -> bool:
     return True
 
 
+def segment_like(seg: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A 1-d segment of a flat buffer viewed as `p` is laid out (channels_last kept)."""
+    if p.is_contiguous() or not _dense(p):
+        return seg.view(p.shape)
+    return seg.as_strided(p.shape, p.stride())
+
+
 @dataclass
 class FlatBuffers:
     """The flat buffers of one dtype: params, grads and state, segments 256-byte aligned."""
@@ -56,10 +63,7 @@ class FlatBuffers:
         before. Parameter, gradient and state share the layout, so the update stays
         elementwise over the segment."""
         p = self.params[i]
-        seg = flat[self.offsets[i]: self.offsets[i] + p.numel()]
-        if p.is_contiguous() or not _dense(p):
-            return seg.view(p.shape)
-        return seg.as_strided(p.shape, p.stride())
+        return segment_like(flat[self.offsets[i]: self.offsets[i] + p.numel()], p)
 
 
 @dataclass

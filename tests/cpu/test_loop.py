@@ -1,0 +1,222 @@
+"""Real training loops on the CPU: gradient accumulation and an EMA of the weights, against the
+plain eager loops a user would write."""
+
+import copy
+
+import pytest
+import torch
+
+import nimble_train as nt
+from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
+                            eager_accumulation_loop, hand_written_ema, twin)
+
+per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+mean_loss = torch.nn.CrossEntropyLoss()
+
+
+def run_accumulating(model, optimizer, loss_fn, batches, k, *, scheduler=None, **options):
+    step = nt.Step(model, optimizer, loss_fn, accumulate=k, warmup=2, **options)
+    losses, stepped = [], []
+    for batch in batches:
+        losses.append(step(batch).clone())
+        stepped.append(step.stepped)
+        if scheduler is not None and step.stepped:
+            scheduler.step()
+    return step, losses, stepped
+
+
+OPTIMIZERS = {
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
+}
+
+
+def with_short(batches, where, size):
+    """The batches with batch `where` cut to `size` samples (a short micro-batch)."""
+    out = list(batches)
+    x, y = out[where]
+    out[where] = (x[:size], y[:size])
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_accumulation_equals_the_eager_accumulation_loop(k, name):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP(), OPTIMIZERS[name])
+    s1 = torch.optim.lr_scheduler.LinearLR(o1, start_factor=0.2, total_iters=3)
+    s2 = torch.optim.lr_scheduler.LinearLR(o2, start_factor=0.2, total_iters=3)
+    # A short micro-batch in the middle of the second window, padded and masked.
+    batches = with_short(classification_batches(4 * k, 16, seed=3), k + k // 2, 9)
+    step, losses, stepped = run_accumulating(m1, o1, per_sample, batches, k, scheduler=s1,
+                                             grad_clip=0.5)
+    expected = eager_accumulation_loop(m2, o2, per_sample, batches, k, grad_clip=0.5,
+                                       scheduler=s2)
+    assert stepped == [(i + 1) % k == 0 for i in range(4 * k)]
+    assert step.stats()["updates"] == 4 and step.stats()["steps"] == 4 * k
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2)
+    assert o1.param_groups[0]["lr"] == o2.param_groups[0]["lr"]
+
+
+def test_a_scalar_loss_is_divided_by_k_as_in_the_plain_loop():
+    torch.manual_seed(1)
+    (m1, o1), (m2, o2) = twin(MLP(), OPTIMIZERS["sgd-momentum"])
+    batches = classification_batches(9, 16, seed=4)  # ends inside a window: no update for it
+    _, losses, stepped = run_accumulating(m1, o1, mean_loss, batches, 3)
+    expected = eager_accumulation_loop(m2, o2, mean_loss, batches, 3)
+    assert stepped == [False, False, True] * 3
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_a_window_left_open_keeps_its_gradients_for_the_next_calls():
+    torch.manual_seed(2)
+    (m1, o1), (m2, o2) = twin(MLP(), OPTIMIZERS["adamw"])
+    batches = classification_batches(6, 8, seed=5)
+    step = nt.Step(m1, o1, per_sample, accumulate=3, warmup=1)
+    for b in batches[:4]:
+        step(b)
+    # Mid-window: the gradients hold the window's first micro-batch, weighted 1/3.
+    eager_accumulation_loop(m2, o2, per_sample, batches[:3], 3)
+    o2.zero_grad()
+    x, y = batches[3]
+    (per_sample(m2(x), y).mean() / 3).backward()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    for b in batches[4:]:
+        step(b)
+    eager_accumulation_loop(m2, o2, per_sample, batches[3:], 3)
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_a_short_batchnorm_micro_batch_runs_eagerly_with_its_weight():
+    torch.manual_seed(3)
+    (m1, o1), (m2, o2) = twin(SmallCNN(), OPTIMIZERS["sgd-momentum"])
+    batches = with_short(classification_batches(6, 8, image=True, seed=6), 4, 5)
+    step, _, _ = run_accumulating(m1, o1, per_sample, batches, 2)
+    eager_accumulation_loop(m2, o2, per_sample, batches, 2)
+    assert step.stats()["eager_steps"] == 6
+    assert_same_training(m1, o1, m2, o2)  # BatchNorm statistics included
+
+
+def test_fp16_overflow_skips_the_whole_accumulated_update():
+    torch.manual_seed(4)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1))
+    batches = classification_batches(4, 8, seed=7)
+    x, y = batches[2]
+    batches[2] = (x.clone().fill_(float("inf")), y)  # an overflow in the second window
+    step = nt.Step(m1, o1, per_sample, accumulate=2, amp="fp16", capture=False)
+    scaler = torch.amp.GradScaler("cpu")
+    for i, (x, y) in enumerate(batches):
+        step((x, y))
+        if i % 2 == 0:
+            o2.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = per_sample(m2(x), y).float().mean()
+        scaler.scale(loss * 0.5).backward()
+        if i % 2 == 1:
+            scaler.step(o2)
+            scaler.update()
+        if i == 1:
+            after_first = copy.deepcopy(m2.state_dict())
+    for name, value in m1.state_dict().items():
+        torch.testing.assert_close(value, after_first[name], msg=name)  # the window skipped
+        torch.testing.assert_close(value, m2.state_dict()[name], msg=name)
+
+
+# ---------------------------------------------------------------------- EMA
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_ema_equals_a_hand_written_ema(k):
+    torch.manual_seed(5)
+    (m1, o1), (m2, o2) = twin(SmallCNN(), OPTIMIZERS["sgd-momentum"])
+    batches = classification_batches(8, 8, image=True, seed=8)
+    step = nt.Step(m1, o1, per_sample, ema=0.9, accumulate=k, warmup=2)
+    for b in batches:
+        step(b)
+    averages = hand_written_ema(m2, o2, per_sample, batches, 0.9, k)
+    ema_state = step.ema_state_dict()
+    assert ema_state.keys() == m1.state_dict().keys()
+    for name, value in ema_state.items():
+        if name in averages:
+            torch.testing.assert_close(value, averages[name], rtol=1e-5, atol=1e-6, msg=name)
+        else:  # num_batches_tracked: the model's own
+            assert torch.equal(value, m1.state_dict()[name]), name
+    assert_same_training(m1, o1, m2, o2)  # the EMA does not touch the training
+
+
+def test_ema_weights_swap_in_and_back_and_training_waits():
+    torch.manual_seed(6)
+    model = SmallCNN()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    step = nt.Step(model, opt, per_sample, ema=0.5)
+    batches = classification_batches(3, 8, image=True, seed=9)
+    for b in batches:
+        step(b)
+    trained = copy.deepcopy(model.state_dict())
+    ema_state = step.ema_state_dict()
+    with step.ema_weights() as swapped:
+        assert swapped is model
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, ema_state[name]), name
+        with pytest.raises(nt.NimbleError, match="EMA weights are in the model"):
+            step(batches[0])
+        with pytest.raises(nt.NimbleError, match="do not nest"):
+            with step.ema_weights():
+                pass
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name]), name
+    step(batches[0])  # trains again
+
+
+def test_ema_state_dict_round_trips_and_checks_what_it_loads():
+    torch.manual_seed(7)
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample, ema=0.9)
+    for b in classification_batches(3, 8, seed=10):
+        step(b)
+    saved = step.ema_state_dict()
+    for b in classification_batches(2, 8, seed=11):
+        step(b)
+    assert not torch.equal(step.ema_state_dict()["net.0.weight"], saved["net.0.weight"])
+    step.load_ema_state_dict(saved)
+    for name, value in step.ema_state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    bad = dict(saved)
+    bad["net.0.weight"] = bad["net.0.weight"][:3]
+    with pytest.raises(nt.NimbleError, match=r"net.0.weight has shape \(32, 12\)"):
+        step.load_ema_state_dict(bad)
+    with pytest.raises(nt.NimbleError, match=r"missing \['net.0.bias'\]"):
+        step.load_ema_state_dict({k: v for k, v in saved.items() if k != "net.0.bias"})
+    with pytest.raises(nt.NimbleError, match=r"unexpected \['head.weight'\]"):
+        step.load_ema_state_dict({**saved, "head.weight": torch.zeros(1)})
+    for name, value in step.ema_state_dict().items():  # a refused state changed nothing
+        assert torch.equal(value, saved[name]), name
+
+
+def test_ema_calls_without_an_ema_say_how_to_get_one():
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample)
+    with pytest.raises(nt.NimbleError, match=r"keeps no EMA; build it with nt.Step\(\.\.\., "
+                                             r"ema=0.999\)"):
+        step.ema_state_dict()
+
+
+@pytest.mark.parametrize("value,match", [
+    (0, "accumulate must be an int >= 1"), (-2, "accumulate must be an int >= 1"),
+    (2.0, "accumulate must be an int >= 1"), (True, "accumulate must be an int >= 1"),
+])
+def test_bad_accumulate_is_refused(value, match):
+    model = MLP()
+    with pytest.raises(ValueError, match=match):
+        nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample,
+                accumulate=value)
+
+
+@pytest.mark.parametrize("value", [0, 1, 1.5, -0.1, True, "0.99"])
+def test_bad_ema_is_refused(value):
+    model = MLP()
+    with pytest.raises(ValueError, match="ema must be None or a decay strictly between 0 and 1"):
+        nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample, ema=value)
