@@ -129,6 +129,31 @@ def eager_accumulation_loop(model, optimizer, loss_fn, batches, k, *, grad_clip=
     return losses
 
 
+def grad_scaler_accumulation_loop(model, optimizer, loss_fn, batches, k):
+    """The eager fp16 accumulation loop: autocast, GradScaler over (loss / k) per micro-batch,
+    step and update every k (an overflow anywhere in a window skips its update)."""
+    device = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device)
+    for i, (x, y) in enumerate(batches):
+        if i % k == 0:
+            optimizer.zero_grad()
+        with torch.autocast(device, dtype=torch.float16):
+            loss = loss_fn(model(x), y).float().mean()
+        scaler.scale(loss / k).backward()
+        if i % k == k - 1:
+            scaler.step(optimizer)
+            scaler.update()
+    return scaler
+
+
+def with_short(batches, where, size):
+    """The batches with batch `where` cut to its first `size` samples (a short micro-batch)."""
+    out = list(batches)
+    x, y = out[where]
+    out[where] = (x[:size], y[:size])
+    return out
+
+
 def hand_written_ema(model, optimizer, loss_fn, batches, decay, k=1):
     """EMA the usual way: after each optimizer step, avg = decay * avg + (1 - decay) * value
     for every floating-point parameter and buffer."""

@@ -8,7 +8,8 @@ import torch
 
 import nimble_train as nt
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
-                            eager_accumulation_loop, hand_written_ema, twin)
+                            eager_accumulation_loop, grad_scaler_accumulation_loop,
+                            hand_written_ema, twin, with_short)
 
 per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 mean_loss = torch.nn.CrossEntropyLoss()
@@ -29,14 +30,6 @@ OPTIMIZERS = {
     "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
     "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05),
 }
-
-
-def with_short(batches, where, size):
-    """The batches with batch `where` cut to `size` samples (a short micro-batch)."""
-    out = list(batches)
-    x, y = out[where]
-    out[where] = (x[:size], y[:size])
-    return out
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
@@ -107,19 +100,11 @@ def test_fp16_overflow_skips_the_whole_accumulated_update():
     x, y = batches[2]
     batches[2] = (x.clone().fill_(float("inf")), y)  # an overflow in the second window
     step = nt.Step(m1, o1, per_sample, accumulate=2, amp="fp16", capture=False)
-    scaler = torch.amp.GradScaler("cpu")
-    for i, (x, y) in enumerate(batches):
-        step((x, y))
-        if i % 2 == 0:
-            o2.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = per_sample(m2(x), y).float().mean()
-        scaler.scale(loss * 0.5).backward()
-        if i % 2 == 1:
-            scaler.step(o2)
-            scaler.update()
-        if i == 1:
-            after_first = copy.deepcopy(m2.state_dict())
+    for b in batches:
+        step(b)
+    grad_scaler_accumulation_loop(m2, o2, per_sample, batches[:2], 2)
+    after_first = copy.deepcopy(m2.state_dict())
+    grad_scaler_accumulation_loop(m2, o2, per_sample, batches[2:], 2)
     for name, value in m1.state_dict().items():
         torch.testing.assert_close(value, after_first[name], msg=name)  # the window skipped
         torch.testing.assert_close(value, m2.state_dict()[name], msg=name)

@@ -1,7 +1,6 @@
 """Real training loops on the GPU: eager steps after capture, gradient accumulation and EMA in
 the graph, each against the plain eager loop."""
 
-import copy
 import warnings
 
 import pytest
@@ -9,7 +8,8 @@ import torch
 
 import nimble_train as nt
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
-                            eager_accumulation_loop, hand_written_ema, twin)
+                            eager_accumulation_loop, grad_scaler_accumulation_loop,
+                            hand_written_ema, twin, with_short)
 
 pytestmark = pytest.mark.cuda
 
@@ -75,13 +75,6 @@ def test_a_short_batchnorm_batch_after_capture_equals_eager(loss_fn, partial_bat
 # ---------------------------------------------------------------------- accumulation
 
 
-def with_short(batches, where, size):
-    out = list(batches)
-    x, y = out[where]
-    out[where] = (x[:size], y[:size])
-    return out
-
-
 def run_accumulating(model, optimizer, loss_fn, batches, k, *, scheduler=None, **options):
     step = nt.Step(model, optimizer, loss_fn, accumulate=k, **options)
     losses, stepped = [], []
@@ -142,16 +135,7 @@ def test_fp16_overflow_in_the_graph_skips_the_whole_accumulated_update():
     batches[11] = (torch.full_like(x, float("inf")), y)  # an overflow in the 6th window
     step, losses, _ = run_accumulating(m1, o1, per_sample, batches, 2, amp="fp16", warmup=2,
                                        streams=1)
-    scaler = torch.amp.GradScaler("cuda")
-    for i, (x, y) in enumerate(batches):
-        if i % 2 == 0:
-            o2.zero_grad()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = per_sample(m2(x), y).float().mean()
-        scaler.scale(loss * 0.5).backward()
-        if i % 2 == 1:
-            scaler.step(o2)
-            scaler.update()
+    scaler = grad_scaler_accumulation_loop(m2, o2, per_sample, batches, 2)
     assert step.stats()["replays"] == 14
     assert step._update.scaler.state_dict()["scale"] == scaler.get_scale()  # backed off once
     assert_same_training(m1, o1, m2, o2, **TOL)
