@@ -26,9 +26,10 @@ class Window:
         self.samples = 0     # valid samples of the window's calls so far
         self.stepped = False  # whether the last call completed a window (updated)
 
-    def kind(self) -> tuple[bool, bool]:
-        """(zero, update) of the next call."""
-        return self.micro == 0, self.micro == self.k - 1
+    def kind(self, micro: int | None = None) -> tuple[bool, bool]:
+        """(zero, update) of the next call (or of the call at place `micro`)."""
+        micro = self.micro if micro is None else micro
+        return micro == 0, micro == self.k - 1
 
     def scales(self, samples: int, batch_size: int, per_sample: bool | None) -> tuple[float, float]:
         """The next call's loss weight and gradient correction (see the module's note)."""

@@ -225,7 +225,7 @@ class Step:
         if self._window.advance(samples):
             self._counts["updates"] += 1
 
-    def _call_scales(self, samples: int) -> Call:
+    def _eager_call(self, samples: int) -> Call:
         """The Call of an eager step: the scales as floats, or, when the step has a staging
         ring (CUDA), as the device values it staged."""
         zero, update = self._window.kind()
@@ -246,8 +246,7 @@ class Step:
     def _refresh_launch_entries(self) -> None:
         graph = self._graph.graph
         for micro in range(self.accumulate):
-            kind = (micro == 0, micro == self.accumulate - 1)
-            entry = self._entry_of.get(kind, -1)
+            entry = self._entry_of.get(self._window.kind(micro), -1)
             self._launch_entry[micro] = entry if entry >= 0 and graph.captured(entry) else -1
 
     def _enter(self, phase: Phase) -> None:
@@ -293,7 +292,7 @@ class Step:
                 self._graph.graph.stage_eager(samples, self._call_values(samples))
             captured = self._graph is not None and self._graph.captured
             loss = self._iteration.step(batch, samples, None, captured,
-                                        self._call_scales(samples))
+                                        self._eager_call(samples))
         self._counts["eager_steps"] += 1
         return loss
 
@@ -306,7 +305,7 @@ class Step:
         static = self._template.unflatten(self._inputs.buffers)
         valid = torch.tensor(float(samples), device=self._device)
         loss = self._iteration.step(static, self._template.batch_size, valid, captured=False,
-                                    call=self._call_scales(samples))
+                                    call=self._eager_call(samples))
         self._counts["eager_steps"] += 1
         return loss
 
