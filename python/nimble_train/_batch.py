@@ -39,12 +39,16 @@ class BatchTemplate:
     def __init__(self, batch: Any):
         flat, self.treedef = pytree.tree_flatten_with_path(batch)
         tensors = [leaf for _, leaf in flat if isinstance(leaf, torch.Tensor)]
-        if not tensors or tensors[0].dim() == 0:
+        self.batch_size = batch_size_of(tensors)
+        if self.batch_size is None:
             raise TypeError(
                 "a batch must contain tensors whose leading dimension is the batch size, as "
                 f"(inputs, target) or a dict of tensors; got {type(batch).__name__} whose first "
                 f"tensor is {describe(tensors[0]) if tensors else 'missing'}")
-        self.batch_size = tensors[0].shape[0]
+        if self.batch_size == 0:
+            raise ShapeError(
+                "the first batch is empty (0 samples along dimension 0); the first batch fixes "
+                "the step's shapes and must be a full one. Skip empty batches.")
         self.leaves = []
         for key_path, leaf in flat:
             path = "batch" + pytree.keystr(key_path)
@@ -113,6 +117,15 @@ class BatchTemplate:
         return pytree.tree_unflatten(flat, self.treedef)
 
 
+def batch_size_of(tensors: list[torch.Tensor]) -> int | None:
+    """The batch size: the leading size most tensors (of at least one dimension) share, the
+    larger on a tie, so that a broadcast leaf such as position_ids [1, L] does not set it."""
+    sizes = [t.shape[0] for t in tensors if t.dim() >= 1]
+    if not sizes:
+        return None
+    return max(set(sizes), key=lambda n: (sizes.count(n), n))
+
+
 class _Mismatch(Exception):
     """The batch is not shaped like the template (the fast path hands over to pytree)."""
 
@@ -128,9 +141,10 @@ def _flattener(template: Any) -> Callable[[Any], list[Any]] | None:
         children = [_flattener(template[k]) for k in keys]
         if any(c is None for c in children):
             return None
-        shape = _shape(template)
+        shape = frozenset(template) if kind is dict else len(template)
 
         def flatten(batch):
+            # A dict's keys may come in another order: its leaves are taken in the template's.
             if type(batch) is not kind or _shape(batch) != shape:
                 raise _Mismatch
             out = []
@@ -145,9 +159,9 @@ def _flattener(template: Any) -> Callable[[Any], list[Any]] | None:
 
 
 def _shape(container: Any) -> Any:
-    """What must match between a plain container and its template: dict keys in order, or a
-    sequence's length."""
-    return list(container) if type(container) is dict else len(container)
+    """What must match between a plain container and its template: the dict's keys (in any
+    order: a key view equals the template's frozenset), or the sequence's length."""
+    return container.keys() if type(container) is dict else len(container)
 
 
 def _leaf(item: Any) -> list[Any]:

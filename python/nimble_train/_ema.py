@@ -31,7 +31,7 @@ class EMA:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 self.params.append(p)
-        self.buffers = [b for b in _unique(model.buffers()) if b.is_floating_point()]
+        self.buffers = [b for b in unique_tensors(model.buffers()) if b.is_floating_point()]
         with torch.no_grad():
             self.averages = [p.detach().clone() for p in self.params]
             self.buffer_averages = [b.detach().clone() for b in self.buffers]
@@ -144,7 +144,7 @@ class EMA:
         return {id(t): average for t, average in pairs}
 
 
-def _unique(tensors) -> list[torch.Tensor]:
+def unique_tensors(tensors) -> list[torch.Tensor]:
     seen, out = set(), []
     for t in tensors:
         if id(t) not in seen:

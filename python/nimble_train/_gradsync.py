@@ -40,6 +40,18 @@ class Bucket:
     params: list = field(default_factory=list)  # the parameters themselves (GradientSync)
 
 
+def hyperparameters(group: dict) -> dict:
+    """A param group's settings, for the ranks' agreement (tensors as their values)."""
+    out = {}
+    for key, value in sorted(group.items()):
+        if key == "params":
+            continue
+        if isinstance(value, torch.Tensor):
+            value = value.tolist()
+        out[key] = repr(value)
+    return out
+
+
 def plan_buckets(offsets: Sequence[int], ready_rank: Sequence[int], element_size: int,
                  bucket_bytes: int, dtype: torch.dtype = torch.float32,
                  last_bucket_bytes: int = LAST_BUCKET_BYTES) -> list[Bucket]:
@@ -74,6 +86,7 @@ class GradientSync:
         self._active = False
         self._checked_first = False
         self._order: dict[int, int] | None = None  # id(param) -> place in the arrival order
+        self.joined = False
 
     # ---------------------------------------------------------------- set-up
 
@@ -89,11 +102,44 @@ class GradientSync:
                           f"digest {fingerprint(shapes)}",
             "optimizer": f"{type(optimizer).__qualname__} with "
                          f"{len(optimizer.param_groups)} param group(s)",
+            **{f"param_groups[{g}]": hyperparameters(group)
+               for g, group in enumerate(optimizer.param_groups)},
             "batch": batch,
             "options": {**options, "bucket_mb": self.bucket_mb, "shard_optimizer": self.sharded,
                         "device": self.device.type},
         })
         self.connect()
+        self.joined = True
+
+    def broadcast_from_rank0(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Every rank starts from rank 0's values of `tensors` (the model's parameters and
+        buffers, as DDP does when it is built): one broadcast per dtype and device."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            groups.setdefault((str(t.dtype), str(t.device)), []).append(t)
+        with torch.no_grad():
+            for key in sorted(groups):  # the same order on every rank
+                group = groups[key]
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                self.world.collective("the broadcast of rank 0's parameters and buffers",
+                                      lambda flat=flat: dist.broadcast(flat, src=0))
+                offset = 0
+                for t in group:
+                    t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def used_anywhere(self, params: Sequence[torch.Tensor]) -> list[bool]:
+        """Whether each parameter has a gradient on some rank (eager: synchronises)."""
+        device = self.device if self.comm is not None else torch.device("cpu")
+        counts = torch.tensor([float(p.grad is not None) for p in params], device=device)
+        self._sum_eager(counts, "the check of which parameters got gradients")
+        return [c > 0 for c in counts.tolist()]
+
+    def _sum_eager(self, t: torch.Tensor, what: str) -> None:
+        if self.comm is not None:
+            self.comm.all_reduce_(t, 0, t.numel(), "sum")
+        else:
+            self.world.collective(what, lambda: dist.all_reduce(t))
 
     def connect(self) -> None:
         """Makes the NCCL communicator (CUDA): rank 0's unique id through the store."""
@@ -242,23 +288,37 @@ class GradientSync:
         self.comm.all_reduce_(t, 0, t.numel(), "sum")
 
     def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Averages the gradients of `params` (one concatenation per dtype); capturable."""
+        """Averages the gradients of every trainable parameter of `params` (one concatenation
+        per dtype), the same fixed set on every rank: a parameter without a gradient here
+        contributes zeros, and gets the average when another rank gave it one (as DDP with
+        find_unused_parameters). Eagerly, a parameter no rank gave a gradient keeps None, so
+        that the optimizer skips it as one process would; captured, every one gets the average.
+        """
+        trainable = [p for p in params if p.requires_grad]
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        used = [True] * len(trainable) if capturing else self.used_anywhere(trainable)
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
-            if p.grad is not None:
-                by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+        for p, anywhere in zip(trainable, used):
+            if anywhere:
+                by_dtype.setdefault(p.dtype, []).append(p)
         for dtype in sorted(by_dtype, key=str):  # the same order on every rank
-            grads = by_dtype[dtype]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            group = by_dtype[dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in group])
             if self.comm is not None:
                 self.comm.all_reduce_(flat, 0, flat.numel(), "avg")
             else:
-                dist.all_reduce(flat)
+                self.world.collective("the gradient all-reduce", lambda flat=flat:
+                                      dist.all_reduce(flat))
                 flat.div_(self.world.size)
             offset = 0
-            for g in grads:
-                g.copy_(flat[offset: offset + g.numel()].view_as(g))
-                offset += g.numel()
+            for p in group:
+                average = flat[offset: offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = average.clone()
+                else:
+                    p.grad.copy_(average)
+                offset += p.numel()
         self._check_first()
 
     def _check_first(self) -> None:

@@ -64,6 +64,11 @@ class Iteration:
         # where, not a product: a padded row's loss may be inf or NaN, and 0 * NaN is NaN.
         return torch.where(keep, losses, 0.0).sum() / valid
 
+    def sample_losses(self, batch: Any) -> torch.Tensor:
+        """The per-sample losses of `batch` (the padding check's forward)."""
+        with self._autocast():
+            return self._forward(batch, self.model)
+
     def _autocast(self):
         dtype = AMP_DTYPES[self.amp]
         if dtype is None:
@@ -142,11 +147,12 @@ class Iteration:
             (scaler.scale(loss) if scaler else loss).backward()
         if not call.update:
             return
-        if sync is not None:
-            sync.all_reduce_grads(self.params)  # (scaled) gradients, before clip and update
         optimizer = self.update.optimizer
-        # The update is ours, not the user's code: its syncs (GradScaler's) are not recorded.
+        # The all-reduce and the update are ours, not the user's code: their syncs (the check
+        # of which parameters got gradients, GradScaler's) are not recorded.
         with self.sync.paused() if self.sync else contextlib.nullcontext():
+            if sync is not None:
+                sync.all_reduce_grads(self.params)  # (scaled) gradients, before clip and update
             correction = call.correction
             if correction is not None and not (isinstance(correction, float)
                                                and correction == 1.0):

@@ -22,6 +22,11 @@ def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer; got {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "LBFGS re-evaluates the model through a closure inside step(), which a training "
+            "step of one forward and one backward cannot give it; train it with its own loop, "
+            "or use SGD, Adam, AdamW or another optimizer whose step() needs no closure")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {type(loss_fn).__name__}")
     if not (streams == "auto" or (isinstance(streams, int) and not isinstance(streams, bool)
@@ -33,8 +38,11 @@ def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial
             f"and pick cuDNN algorithms); got {warmup!r}")
     if amp not in AMP_DTYPES:
         raise ValueError(f'amp must be None, "bf16" or "fp16"; got {amp!r}')
-    if grad_clip is not None and not (isinstance(grad_clip, (int, float)) and grad_clip > 0):
-        raise ValueError(f"grad_clip must be None or a positive number; got {grad_clip!r}")
+    if grad_clip is not None and (isinstance(grad_clip, bool)
+                                  or not isinstance(grad_clip, (int, float)) or not grad_clip > 0
+                                  or grad_clip == float("inf")):
+        raise ValueError(f"grad_clip must be None or a positive number (finite: the max "
+                         f"global gradient norm, e.g. 1.0); got {grad_clip!r}")
     if partial_batch not in PARTIAL_BATCH:
         raise ValueError(f'partial_batch must be "pad", "eager" or "error"; got {partial_batch!r}')
     if not isinstance(capture, bool):
@@ -71,7 +79,7 @@ def single_device(model: torch.nn.Module, params: list[torch.Tensor]) -> torch.d
     return devices.pop()
 
 
-def first_template(batch: Any, device: torch.device) -> BatchTemplate:
+def first_template(batch: Any, device: torch.device, loss_fn=None) -> BatchTemplate:
     """The template of the first batch, after checking its form and device."""
     if not isinstance(batch, (tuple, list, dict)):
         raise TypeError(
@@ -81,6 +89,11 @@ def first_template(batch: Any, device: torch.device) -> BatchTemplate:
         raise TypeError(
             f"a tuple/list batch must be (inputs, target); got {len(batch)} items. Wrap "
             "several inputs in a tuple: ((x1, x2), target).")
+    if not isinstance(batch, dict) and loss_fn is None:
+        raise TypeError(
+            "a tuple/list batch (inputs, target) needs a loss_fn, loss_fn(outputs, target), and "
+            "this Step has none; pass one to nt.Step, or give dict batches to a model that "
+            "returns its own loss (outputs.loss)")
     template = BatchTemplate(batch)
     for leaf in template.tensor_leaves:
         if leaf.tensor.device != device:

@@ -33,6 +33,8 @@ class Update:
         self.grad_scaler = None   # fp16 in eager steps: torch's GradScaler
         self.staged_lr: list[bool] = []
         self._baked: list[dict] | None = None
+        self._groups = len(optimizer.param_groups)
+        self._params = sum(len(group["params"]) for group in optimizer.param_groups)
         if amp == "fp16":
             self.grad_scaler = torch.amp.GradScaler(device.type)
         self.fuse_reason = FusedOptimizer.why_unsupported(optimizer) if will_capture else None
@@ -69,17 +71,21 @@ class Update:
             return FusedOptimizer.num_staged_values(self.optimizer)
         return sum(self.staged_lr)
 
-    def fuse(self, params: list[torch.Tensor], staged: torch.Tensor, shards: int) -> None:
+    def fuse(self, params: list[torch.Tensor], staged: torch.Tensor, shards: int,
+             used: list[bool] | None = None) -> None:
         """Moves the update to FusedOptimizer (before the last warm-up step).
 
-        Parameters that got no gradient in warm-up are left out, as torch.optim skips them;
+        Parameters that got no gradient in warm-up (`used`: on any rank) are left out, as
+        torch.optim skips them;
         state made by the eager warm-up steps is carried into the flat buffers, and the fp16
         loss scale from torch's GradScaler into the device-side scaler. `staged` is the device
         tensor the step's staging ring fetches this update's values into.
         """
         from .optim import DeviceLossScaler, FusedOptimizer
 
-        unused = frozenset(id(p) for p in params if p.grad is None)
+        if used is None:  # one process: the gradients it has
+            used = [p.grad is not None for p in params]
+        unused = frozenset(id(p) for p, u in zip(params, used) if not u)
         self.fused = FusedOptimizer(self.optimizer, exclude=unused, shard_world=shards,
                                     staged=staged)
         if self.grad_scaler is not None:
@@ -118,8 +124,24 @@ class Update:
         if self.fused is None:
             self._baked = _capturable.hyperparameters(self.optimizer, self.staged_lr)
 
+    def check_groups(self) -> None:
+        """The optimizer's parameters are those the Step was built for: a param group added
+        since would be left out of the all-reduce, clipping and the flat buffers."""
+        groups = self.optimizer.param_groups
+        params = sum(len(group["params"]) for group in groups)
+        if (len(groups), params) != (self._groups, self._params):
+            raise ValueError(
+                f"the optimizer's parameters changed after nt.Step was built: it had "
+                f"{self._groups} param group(s) of {self._params} tensors, now {len(groups)} of "
+                f"{params} (add_param_group, or params edited). Step plans gradient averaging, "
+                "clipping and its flat buffers once; add every group before building the Step, "
+                "or build a new Step (step.close() first).")
+
     def changed(self) -> bool:
-        """Whether a hyper-parameter the graph baked in changed since (a recapture is due)."""
+        """Whether a hyper-parameter the graph baked in changed since (a recapture is due), or
+        a param group was added (the slow path says so)."""
+        if len(self.optimizer.param_groups) != self._groups:
+            return True
         if self.fused is not None or self._baked is None:
             return False  # the fused update reads every hyper-parameter on the device
         now = _capturable.hyperparameters(self.optimizer, self.staged_lr)

@@ -36,7 +36,7 @@ import itertools
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,7 @@ DEFAULT_BUCKET_MB = 25.0
 DEFAULT_TIMEOUT_S = 300.0
 _TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _step_numbers = itertools.count()  # Steps are made in the same order on every rank
+FAILURE_KEY = "nimble_train/failure"  # the first rank whose step failed says why
 
 
 @dataclass(frozen=True)
@@ -97,15 +98,21 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = 
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if cuda else None)
+    global _job_timeout_s
+    _job_timeout_s = float(timeout_s)
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def current_world(timeout_s: float = DEFAULT_TIMEOUT_S) -> World | None:
-    """The initialised torch.distributed world when it has several ranks, else None."""
+_job_timeout_s = DEFAULT_TIMEOUT_S  # every wait across ranks: init_distributed(timeout_s=...)
+
+
+def current_world(timeout_s: float | None = None) -> World | None:
+    """The initialised torch.distributed world when it has several ranks, else None. Its
+    waits end after `timeout_s`, by default init_distributed's."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
     return World(dist.get_rank(), dist.get_world_size(), _torch_private.default_store(),
-                 timeout_s)
+                 _job_timeout_s if timeout_s is None else timeout_s)
 
 
 class World:
@@ -123,8 +130,9 @@ class World:
         except Exception as exc:  # the store raises its own timeout / connection errors
             raise DistributedError(
                 f"rank {self.rank} of {self.size}: waited {self.timeout_s:.0f} s for every rank "
-                f"to reach {what}, and some did not ({exc}). A rank crashed, stopped early, or "
-                "makes fewer nt.Step objects than the others.") from exc
+                f"to reach {what}, and some did not ({exc}).{self.peer_failure()} A rank "
+                "crashed, stopped early, or makes fewer nt.Step objects than the others "
+                "(the wait is init_distributed's timeout_s).") from exc
 
     def agree(self, what: str, facts: dict[str, Any]) -> None:
         """Every rank publishes `facts`; each compares all ranks against rank 0 and raises
@@ -142,6 +150,35 @@ class World:
                         f"rank {rank} and {seen[0].get(field)!r} on rank 0. Every rank must build "
                         "the same model and optimizer, pass the same Step options and feed "
                         "batches of the same shape (raised on every rank).")
+
+    def collective(self, what: str, run: Callable[[], Any]) -> Any:
+        """Runs a torch.distributed collective; its failure (a peer that crashed, or none that
+        came within the process group's timeout) becomes a DistributedError naming this rank,
+        the phase and, when a peer said so, the rank that failed first."""
+        try:
+            return run()
+        except (RuntimeError, ValueError) as exc:  # gloo and NCCL raise these
+            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise DistributedError(
+                f"rank {self.rank} of {self.size}: {what} failed ({cause}).{self.peer_failure()} "
+                "Every rank must keep stepping together; the job cannot go on.") from exc
+
+    def tell_peers(self, error: BaseException) -> None:
+        """Publishes why this rank's step failed, for the peers' errors (best effort: the store
+        may be gone with the process that served it)."""
+        try:
+            self.store.set(FAILURE_KEY, f"rank {self.rank}: {type(error).__name__}: "
+                                        f"{str(error).splitlines()[0] if str(error) else ''}")
+        except Exception:
+            pass
+
+    def peer_failure(self) -> str:
+        try:
+            if self.store.check([FAILURE_KEY]):
+                return f" First failure: {self.store.get(FAILURE_KEY).decode()}."
+        except Exception:
+            pass
+        return ""
 
     def share(self, what: str, value: bytes | None) -> bytes:
         """Rank 0's `value`, on every rank."""

@@ -30,15 +30,16 @@ import torch
 
 from . import _options
 from ._capture import ENTRY, CapturedStep
-from ._ema import EMA, check_decay
+from ._ema import EMA, check_decay, unique_tensors
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration
+from ._padding import mixing_reason
 from ._sync import SyncRecorder
 from ._update import Update
 from ._window import Window
 from .distributed import DEFAULT_BUCKET_MB, current_world
-from .errors import NimbleError
+from .errors import DistributedError, NimbleError
 
 
 class Phase(enum.Enum):
@@ -87,6 +88,8 @@ class Step:
         ema: None, or a decay in (0, 1): after each update the graph moves an exponential
             moving average of the weights (and floating-point buffers) towards them; see
             :meth:`ema_weights`, :meth:`ema_state_dict`.
+        init_sync: data parallel: at the first step every rank takes rank 0's parameters and
+            buffers (as DDP does when it is built); False keeps each rank's own.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -95,15 +98,18 @@ class Step:
                  grad_clip: float | None = None, partial_batch: str = "pad",
                  capture: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
                  shard_optimizer: bool = False, accumulate: int = 1,
-                 ema: float | None = None):
+                 ema: float | None = None, init_sync: bool = True):
         _options.validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                           partial_batch, capture, bucket_mb, shard_optimizer)
         _options.check_accumulate(accumulate)
         check_decay(ema)
+        if not isinstance(init_sync, bool):
+            raise TypeError(f"init_sync must be True or False; got {init_sync!r}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.streams, self.warmup, self.amp, self.grad_clip = streams, warmup, amp, grad_clip
         self.partial_batch, self.capture = partial_batch, capture
         self.shard_optimizer, self.accumulate, self.ema = shard_optimizer, accumulate, ema
+        self.init_sync = init_sync
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _options.single_device(model, self._params)
         cuda = self._device.type == "cuda"
@@ -130,6 +136,7 @@ class Step:
         self._template = None
         self._inputs = None    # _C.StaticInputs when nothing is captured (checks, CPU padding)
         self._padded = 0       # padded eager steps so far
+        self._padding: str | None = None  # "proven" or "refused: why", once checked
         self._graph: CapturedStep | None = None
         self._stream = torch.cuda.Stream(self._device) if self._will_capture else None
         self._capture_error: BaseException | None = None
@@ -168,6 +175,14 @@ class Step:
         return self._call(batch)
 
     def _call(self, batch: Any) -> torch.Tensor:
+        try:
+            return self._run(batch)
+        except BaseException as error:
+            if self._gradsync is not None and not isinstance(error, DistributedError):
+                self._gradsync.world.tell_peers(error)  # their errors then name this one
+            raise
+
+    def _run(self, batch: Any) -> torch.Tensor:
         if self._phase is Phase.CLOSED:
             raise NimbleError("this Step was closed (Step.close() released its graph and "
                               "communicator); make a new nt.Step to train further")
@@ -175,7 +190,8 @@ class Step:
             raise NimbleError("a Step cannot train while its EMA weights are in the model; "
                               "call it after the `with step.ema_weights():` block")
         if self._phase is Phase.TEMPLATE:
-            self._start(batch)
+            return self._first_call(batch)
+        self._update.check_groups()
         tensors = self._template.tensors(batch)
         samples = self._samples(tensors)
         short = samples < self._template.batch_size
@@ -189,11 +205,11 @@ class Step:
             if self._counts["steps"] + 1 >= self._warmup_steps:
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
-            if short and not self._will_capture and self._iteration.can_pad(self.partial_batch):
+            if short and not self._will_capture and self._pads(tensors, samples):
                 loss = self._padded_eager_step(tensors, samples)
             else:
                 loss = self._eager_step(batch, samples)
-        elif short and not self._iteration.can_pad(self.partial_batch):
+        elif short and not self._pads(tensors, samples):
             loss = self._eager_step(batch, samples)
         else:
             zero, update = self._window.kind()
@@ -205,6 +221,31 @@ class Step:
             loss = self._graph.losses[entry]
         self._advance(samples)
         return loss
+
+    def _pads(self, tensors: list, samples: int) -> bool:
+        """Whether this short batch is padded: the loss is per sample, no layer keeps batch
+        statistics, and (checked once, _padding.py) the model does not mix samples."""
+        if not self._iteration.can_pad(self.partial_batch):
+            return False
+        if self._padding is None:
+            reason = mixing_reason(self._iteration.sample_losses, self.model, self._template,
+                                   tensors, samples)
+            self._padding = "proven" if reason is None else f"refused: {reason}"
+        return self._padding == "proven"
+
+    def _first_call(self, batch: Any) -> torch.Tensor:
+        """TEMPLATE: the first batch fixes the template, but only once its step completed: a
+        first call that fails (a batch of the wrong dtype) leaves the Step as it was built."""
+        self._start(batch)
+        try:
+            return self._run(batch)
+        except BaseException:
+            if self._phase is not Phase.CLOSED and self._counts["steps"] == 0:
+                if self._graph is not None:
+                    self._graph.release()
+                self._template = self._graph = self._inputs = None
+                self._enter(Phase.TEMPLATE)
+            raise
 
     # ------------------------------------------------------------------ accumulation
 
@@ -255,12 +296,16 @@ class Step:
 
     def _start(self, batch: Any) -> None:
         """TEMPLATE: the first batch fixes the template; ranks agree; buffers are made."""
-        template = _options.first_template(batch, self._device)
-        if self._gradsync is not None:
+        template = _options.first_template(batch, self._device, self.loss_fn)
+        sync = self._gradsync
+        if sync is not None and not sync.joined:
             options = {key: getattr(self, key) for key in (
                 "streams", "warmup", "amp", "grad_clip", "partial_batch", "capture",
-                "accumulate", "ema")}
-            self._gradsync.join(self._params, self.optimizer, template, options)
+                "accumulate", "ema", "init_sync")}
+            sync.join(self._params, self.optimizer, template, options)
+            if self.init_sync:  # every replica starts from rank 0's weights, as with DDP
+                sync.broadcast_from_rank0(unique_tensors(list(self.model.parameters())
+                                                         + list(self.model.buffers())))
         self._template = template
         self._lead = next(i for i, leaf in enumerate(template.tensor_leaves) if leaf.batched)
         if self._will_capture:
@@ -316,7 +361,9 @@ class Step:
         be autotuned inside a capture)."""
         sync = self._gradsync
         shards = sync.world.size if sync is not None and sync.sharded else 1
-        self._update.fuse(self._params, self._graph.update_values, shards)
+        # Data parallel: the ranks' flat buffers must hold the same parameters.
+        used = sync.used_anywhere(self._params) if sync is not None else None
+        self._update.fuse(self._params, self._graph.update_values, shards, used)
         if sync is not None:
             sync.use_buckets(self._update.fused)
         if self._ema is not None:
@@ -384,6 +431,7 @@ class Step:
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),
             "host_syncs_in_warmup": [str(r) for r in self._sync.records] if self._sync else [],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
+            "padding": self._padding,
             "world_size": sync.world.size if sync else 1,
             "buckets": sync.num_buckets if sync else 0,
             "optimizer_shards": sync.world.size if sync and sync.sharded else 1,

@@ -215,7 +215,8 @@ def test_accumulating_ranks_train_as_one_process_with_the_whole_batch():
     eager_loop(model, opt, torch.nn.CrossEntropyLoss(reduction="none"), whole)
     for result in results:
         assert result["stats"]["updates"] == 4
-        assert result["all_reduces"] == [0, 1] * 4, result["all_reduces"]
+        calls = result["all_reduces"]  # micro-batch calls none; updating calls theirs
+        assert calls[0::2] == [0] * 4 and min(calls[1::2]) >= 1, calls
         trained = MLP()
         trained.load_state_dict(result["model"])
         trained_opt = torch.optim.SGD(trained.parameters(), lr=0.1, momentum=0.9)

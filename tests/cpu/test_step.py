@@ -287,8 +287,9 @@ def test_a_batch_of_another_structure_is_refused_by_either_path():
 
     Pair = collections.namedtuple("Pair", "x y")
     x, y = torch.randn(4, 3), torch.arange(4)
-    for first, other in [((x, y), [x, y]), ((x, y), (x, y, y)), ({"a": x, "b": y}, {"b": y, "a": x}),
-                         ((x, y), ((x,), y)), (Pair(x, y), (x, y))]:
+    for first, other in [((x, y), [x, y]), ((x, y), (x, y, y)), ({"a": x, "b": y}, {"a": x}),
+                         ({"a": x, "b": y}, {"a": x, "c": y}), ((x, y), ((x,), y)),
+                         (Pair(x, y), (x, y))]:
         template = BatchTemplate(first)
         with pytest.raises(nt.ShapeError, match="structure differs"):
             template.flatten(other)
