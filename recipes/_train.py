@@ -5,14 +5,23 @@ A recipe (cifar10.py, bert.py) supplies the model, optimizer, scheduler, the bat
 epoch and an evaluation; ``fit`` runs the epochs. Losses stay on the device: they are summed
 there and read back only every --log-every steps (each read is one host sync), so the
 captured step is never held up by the host.
+
+A checkpoint holds everything the next steps depend on: the weights, the optimizer, the
+scheduler, the steps done (which fix the data order), every rank's random-number state
+(dropout) and the fp16 loss scale; a resumed run therefore continues exactly as one that never
+stopped.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import pickle
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
@@ -67,7 +76,9 @@ def base_parser(doc: str, *, batch: int, epochs: int, amp_help: str,
                    help="never capture: same semantics, eager (debugging)")
     p.add_argument("--amp", choices=list(_AMP), default=None, help=amp_help)
     p.add_argument("--grad-clip", type=float, default=None, help="max global gradient norm")
-    p.add_argument("--save", metavar="PATH", help="checkpoint here after every epoch and at the end")
+    p.add_argument("--save", metavar="PATH",
+                   help="checkpoint here after every epoch and at the end (weights, optimizer, "
+                        "schedule, random-number states, fp16 loss scale)")
     p.add_argument("--resume", metavar="PATH", help="continue from this checkpoint")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if present)")
     p.add_argument("--seed", type=int, default=0)
@@ -91,6 +102,9 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"{args.mode} leave it out (--mode compile is the plain loop, compiled)")
     if args.grad_clip is not None and not args.grad_clip > 0:
         parser.error(f"--grad-clip must be positive; got {args.grad_clip}")
+    if getattr(args, "eval_samples", None) is not None and args.eval_samples < 0:
+        parser.error(f"--eval-samples must be >= 0 (0 skips the evaluation); got "
+                     f"{args.eval_samples}")
 
 
 @dataclass
@@ -142,6 +156,34 @@ def finish(recipe: str, args, model_name: str, result: Result, train_step, job: 
         torch.distributed.destroy_process_group()
 
 
+def check_save_path(args, job: Job) -> None:
+    """--save PATH, before anything is trained: its folder is made (as the save would make it)
+    and a file written there and removed, so that a path that cannot take a checkpoint fails
+    now, not after the first epoch. Rank 0 alone saves, and alone checks."""
+    if not args.save or not job.main:
+        return
+    path = args.save
+    if os.path.isdir(path):
+        raise SystemExit(f"--save {path}: is a folder; give a file path for the checkpoint, "
+                         f"e.g. --save {os.path.join(path, 'ckpt.pt')}")
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise SystemExit(f"--save {path}: {existing} is a file, not a folder; choose a path "
+                         "in a folder")
+    probe = _temporary(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.remove(probe)
+    except OSError as exc:
+        raise SystemExit(f"--save {path}: cannot write a checkpoint there ({exc.strerror or exc}: "
+                         f"{exc.filename or folder}); choose a writable folder") from None
+
+
 def pick_device(name: str | None) -> torch.device:
     device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -158,13 +200,13 @@ def amp_of(args, device: torch.device, default_on_cuda: str | None) -> str | Non
 # ---------------------------------------------------------------------- the schedule
 
 
-def planned_steps(args, steps_per_epoch: int) -> int:
+def planned_steps(args, steps_per_epoch: int, recipe: str) -> int:
     """Length of the learning-rate schedule: all --epochs (--steps only stops a run early, so
     a run stopped and resumed equals one that never stopped). A resumed run
     keeps the plan of the run that wrote the checkpoint."""
     planned = args.epochs * steps_per_epoch
     if args.resume:
-        saved = checkpoint_config(args.resume).get("planned_steps", planned)
+        saved = checkpoint_config(args.resume, recipe).get("planned_steps", planned)
         if saved != planned:
             print(f"the checkpoint planned its learning-rate schedule over {saved} steps; "
                   f"keeping that (these options would plan {planned})")
@@ -216,27 +258,50 @@ def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.devic
         return nt.Step(forward, optimizer, loss_fn, streams=1 if compile_model else streams,
                        warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture)
     forward = torch.compile(model) if mode == "compile" else model
-    scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
-    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return PlainStep(forward, optimizer, loss_fn, device=device, amp=amp, grad_clip=grad_clip)
 
-    def step(batch):
+
+class PlainStep:
+    """The plain loop's step: zero_grad, forward, backward, clip, step; under fp16 through
+    torch's GradScaler (`scaler`, None otherwise)."""
+
+    def __init__(self, forward, optimizer, loss_fn, *, device: torch.device, amp: str | None,
+                 grad_clip: float | None):
+        self.forward, self.optimizer, self.loss_fn = forward, optimizer, loss_fn
+        self.device, self.amp, self.grad_clip = device, amp, grad_clip
+        self.scaler = torch.amp.GradScaler(device.type) if amp == "fp16" else None
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+
+    def __call__(self, batch) -> torch.Tensor:
+        optimizer, scaler, clip = self.optimizer, self.scaler, self.grad_clip
         optimizer.zero_grad(set_to_none=True)
-        with autocast(device, amp):
-            loss = forward_loss(forward, loss_fn, batch)
+        with autocast(self.device, self.amp):
+            loss = forward_loss(self.forward, self.loss_fn, batch)
         if scaler is None:
             loss.backward()
-            if grad_clip is not None:
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(self.params, clip)
             optimizer.step()
         else:
             scaler.scale(loss).backward()
-            if grad_clip is not None:
+            if clip is not None:
                 scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(params, grad_clip)
+                torch.nn.utils.clip_grad_norm_(self.params, clip)
             scaler.step(optimizer)
             scaler.update()
         return loss.detach()
-    return step
+
+
+def loss_scaler(train_step):
+    """The fp16 loss scaler of a train step, None without one: the plain loop's GradScaler, or
+    nt.Step's (torch's GradScaler in its eager steps until the update is fused, a
+    DeviceLossScaler after). Both keep GradScaler's state_dict format."""
+    if isinstance(train_step, nt.Step):
+        # nt.Step offers no public accessor for its loss scaler; this is the one place that
+        # reaches inside it.
+        update = train_step._update
+        return update.scaler if update.scaler is not None else update.grad_scaler
+    return getattr(train_step, "scaler", None)
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -245,45 +310,198 @@ def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.devic
 # Execution choices of an optimizer's param groups (not training state): a checkpoint written
 # by a captured Step (fused SGD, capturable Adam) resumes in any mode and on any device.
 _EXECUTION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+# What every recipe checkpoint holds ("rng" and "loss_scale" came later: older checkpoints lack
+# them).
+_CHECKPOINT_KEYS = ("recipe", "config", "step", "epoch", "model", "optimizer", "scheduler")
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random-number state: the CPU generator's and, training on a GPU, that
+    GPU's (dropout draws from the generator of the device it runs on)."""
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def gather_rng_states(job: Job, device: torch.device) -> list[dict]:
+    """Every rank's random-number state, in rank order. Under torchrun this is a collective:
+    every rank calls it, and rank 0 saves the list."""
+    mine = rng_state(device)
+    if job.world_size == 1:
+        return [mine]
+    states = [None] * job.world_size
+    torch.distributed.all_gather_object(states, mine)
+    return states
+
+
+def restore_rng(states: list[dict], job: Job, device: torch.device) -> None:
+    """Sets this rank's generators to the state its rank saved. A job of another size cannot
+    continue exactly anyway (each rank's share of the data changes): a rank the checkpoint
+    has no state for takes rank 0's."""
+    if len(states) != job.world_size:
+        print(f"the checkpoint holds the random-number states of {len(states)} process(es), "
+              f"this run has {job.world_size}: dropout does not continue exactly")
+    state = states[job.rank] if job.rank < len(states) else states[0]
+    torch.set_rng_state(state["cpu"].cpu())
+    if device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def loss_scale_state(train_step) -> dict | None:
+    """The fp16 loss scale and its growth tracker (GradScaler's format; one host sync), or
+    None without fp16. Gradients are averaged before the overflow check, so every rank holds
+    the same scale and rank 0's stands for all."""
+    scaler = loss_scaler(train_step)
+    return (scaler.state_dict() or None) if scaler is not None else None
+
+
+def _temporary(path: str) -> str:
+    return f"{path}.tmp{os.getpid()}"
+
+
+class _Terminated(BaseException):
+    """SIGTERM arrived while a checkpoint was being written."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """Inside the block, SIGTERM (how torchrun and batch schedulers stop a job) raises instead
+    of killing the process outright, so that the block's cleanup runs; the process then dies
+    of it as it would have. Only where SIGTERM has its default action, and only in the main
+    thread (the one that may set handlers): a program's own handler is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise _Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except _Terminated:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def write_atomically(state: dict, path: str) -> None:
+    """torch.save to PATH.tmpPID, then a rename over PATH: a save that fails or is stopped
+    (an exception, Ctrl-C, SIGTERM) leaves the previous checkpoint as it was and removes its
+    temporary file. Only SIGKILL, which no process can catch, leaves the file behind."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = _temporary(path)
+    with _sigterm_raises():
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(tmp)
+            raise
 
 
 def save_checkpoint(path: str, *, recipe: str, model, optimizer, scheduler, step: int,
-                    steps_per_epoch: int, config: dict) -> None:
-    """Model, optimizer, scheduler and the steps done (epochs done: step // steps_per_epoch);
-    written atomically, so an interrupted save leaves the previous checkpoint intact."""
+                    steps_per_epoch: int, config: dict, rng: list[dict],
+                    loss_scale: dict | None) -> None:
+    """Model, optimizer, scheduler, the steps done (epochs done: step // steps_per_epoch), every
+    rank's random-number state (`rng`, by rank) and the fp16 loss scale (None without fp16)."""
     state = {"recipe": recipe, "config": config, "step": step,
              "epoch": step // steps_per_epoch, "model": model.state_dict(),
-             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "rng": rng, "loss_scale": loss_scale}
+    write_atomically(state, path)
 
 
-def checkpoint_config(path: str) -> dict:
+def _why_unreadable(path: str, exc: BaseException) -> str:
+    """Why torch.load could not read `path`, in a few words. torch's own messages advise
+    weights_only=False or saving again with other options, neither of which fits here."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        return f"cannot be read ({err.strerror or err})"
+    if not head:
+        return "the file is empty"
+    if head != b"PK\x03\x04":  # torch.save writes a zip archive
+        return "not a file written by torch.save (it is no zip archive)"
+    if isinstance(exc, pickle.UnpicklingError):
+        return "it holds Python objects other than tensors and plain values"
+    return "truncated or corrupt (torch cannot read its zip archive; a save cut short?)"
+
+
+def _describe(value) -> str:
+    """What a loaded file holds, in a few words: `a dict with the keys ['a', 'b']`, or the first
+    few of many (a bare model state_dict has hundreds)."""
+    if not isinstance(value, dict):
+        return f"a {type(value).__name__}"
+    keys = sorted(str(k) for k in value)
+    if len(keys) <= 8:
+        return f"a dict with the keys {keys}"
+    return f"a dict of {len(keys)} keys ({', '.join(keys[:3])}, ...)"
+
+
+def read_checkpoint(path: str, recipe: str, **load_options) -> dict:
+    """A checkpoint of `recipe`, checked: a readable torch.save file holding what
+    save_checkpoint writes, written by this recipe. Anything else ends the run with one line
+    that names the file and says what was expected."""
+    expected = f"expected a checkpoint written by recipes/{recipe}.py --save"
+    if not os.path.exists(path):
+        raise SystemExit(f"--resume {path}: no such file")
+    if os.path.isdir(path):
+        raise SystemExit(f"--resume {path}: is a folder; {expected}")
+    try:
+        state = torch.load(path, weights_only=True, **load_options)
+    except Exception as exc:  # a foreign file fails in the zip reader or the unpickler, any type
+        raise SystemExit(f"--resume {path}: {_why_unreadable(path, exc)}; {expected}") from None
+    if (not isinstance(state, dict) or not all(key in state for key in _CHECKPOINT_KEYS)
+            or not isinstance(state["config"], dict)):
+        raise SystemExit(f"--resume {path}: holds {_describe(state)}, not a recipe checkpoint "
+                         f"({', '.join(_CHECKPOINT_KEYS)}); {expected}")
+    if state["recipe"] != recipe:
+        raise SystemExit(f"--resume {path}: a checkpoint of recipes/{state['recipe']}.py, not of "
+                         f"recipes/{recipe}.py; {expected}")
+    return state
+
+
+def checkpoint_config(path: str, recipe: str) -> dict:
     """The options a checkpoint was written with (memory-mapped: nothing else is read)."""
-    if not os.path.exists(path):
-        raise SystemExit(f"--resume {path}: no such file")
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
+    return read_checkpoint(path, recipe, map_location="cpu", mmap=True)["config"]
 
 
-def load_checkpoint(path: str, *, recipe: str, model, optimizer, scheduler, config: dict,
-                    device: torch.device) -> int:
-    """Restores a checkpoint in place; returns the steps done."""
-    if not os.path.exists(path):
-        raise SystemExit(f"--resume {path}: no such file")
-    state = torch.load(path, map_location=device, weights_only=True)
-    if state.get("recipe") != recipe:
-        raise SystemExit(f"--resume {path}: a checkpoint of the {state.get('recipe')!r} recipe, "
-                         f"not of {recipe!r}")
+@contextlib.contextmanager
+def _must_fit(path: str, what: str):
+    """A checkpoint of the right recipe and options whose `what` still does not load (edited,
+    or damaged inside) ends the run with one line, not torch's multi-line report."""
+    try:
+        yield
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        detail = " ".join(str(exc).split())
+        detail = detail if len(detail) <= 200 else detail[:197] + "..."
+        raise SystemExit(f"--resume {path}: its {what} does not fit this run "
+                         f"({type(exc).__name__}: {detail}); expected a checkpoint of the same "
+                         "recipe and options, unmodified") from None
+
+
+def load_checkpoint(path: str, *, recipe: str, model, optimizer, scheduler, train_step,
+                    config: dict, device: torch.device, job: Job) -> int:
+    """Restores a checkpoint in place (this rank's random-number state, and the loss scale
+    into the train step's scaler); returns the steps done."""
+    state = read_checkpoint(path, recipe, map_location=device)
     for key, value in config.items():
         if state["config"].get(key) != value:
             saved = state["config"].get(key)
             raise SystemExit(f"--resume {path}: the checkpoint has {key}={saved!r} but this run "
                              f"asks for {key}={value!r}; pass the same options")
-    model.load_state_dict(state["model"])
+    with _must_fit(path, "model"):
+        model.load_state_dict(state["model"])
     chosen = [{k: g[k] for k in _EXECUTION_KEYS if k in g} for g in optimizer.param_groups]
-    optimizer.load_state_dict(state["optimizer"])
+    with _must_fit(path, "optimizer state"):
+        optimizer.load_state_dict(state["optimizer"])
     for group, keep in zip(optimizer.param_groups, chosen):
         group.update(keep)
         if not (group.get("capturable") or group.get("fused")):
@@ -293,7 +511,20 @@ def load_checkpoint(path: str, *, recipe: str, model, optimizer, scheduler, conf
                 step = optimizer.state.get(p, {}).get("step")
                 if isinstance(step, torch.Tensor) and step.device.type != "cpu":
                     optimizer.state[p]["step"] = step.cpu()
-    scheduler.load_state_dict(state["scheduler"])
+    with _must_fit(path, "scheduler state"):
+        scheduler.load_state_dict(state["scheduler"])
+    if state.get("rng") is None:
+        print(f"{path} holds no random-number state (an older checkpoint): dropout does not "
+              "continue exactly")
+    else:
+        with _must_fit(path, "random-number state"):
+            restore_rng(state["rng"], job, device)
+    scaler, saved_scale = loss_scaler(train_step), state.get("loss_scale")
+    if scaler is not None and saved_scale is not None:
+        # Before the step's first call this is torch's GradScaler, whose scale nt.Step carries
+        # into its device-side scaler when it fuses the update.
+        with _must_fit(path, "loss scale"):
+            scaler.load_state_dict(saved_scale)
     return state["step"]
 
 
@@ -386,29 +617,35 @@ class Result:
     epochs_done: float  # 1.5: one epoch and half of the next
     steps_done: int
     train_loss: float
-    accuracy: float
+    accuracy: float | None  # None: evaluation skipped (--eval-samples 0)
     samples_per_s: float
 
 
-
-
-def resume(args, *, recipe: str, model, optimizer, scheduler, config: dict,
-           device: torch.device, steps_per_epoch: int) -> int:
-    """--resume: restores the checkpoint and says where training goes on; returns the steps
-    already done (0 without --resume)."""
+def resume(args, *, recipe: str, model, optimizer, scheduler, train_step, config: dict,
+           device: torch.device, steps_per_epoch: int, job: Job | None = None) -> int:
+    """--resume: restores the checkpoint (after the train step is made: its loss scaler takes
+    the saved scale) and says where training goes on; returns the steps already done (0
+    without --resume)."""
     if not args.resume:
         return 0
     step = load_checkpoint(args.resume, recipe=recipe, model=model, optimizer=optimizer,
-                           scheduler=scheduler, config=config, device=device)
+                           scheduler=scheduler, train_step=train_step, config=config,
+                           device=device, job=job or Job())
     print(f"resumed {args.resume} at step {step} (epoch {step / steps_per_epoch:.3g})")
     return step
 
+
+def _accuracy_text(accuracy: float | None) -> str:
+    return "skipped (--eval-samples 0)" if accuracy is None else f"{accuracy:.4f}"
+
+
 def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
         epoch_batches: Callable[[int], Iterable], steps_per_epoch: int,
-        evaluate: Callable[[], float], device: torch.device, start_step: int,
+        evaluate: Callable[[], float] | None, device: torch.device, start_step: int,
         config: dict, job: Job | None = None) -> Result:
     """Trains from step `start_step` to the end of args.epochs (or for args.steps steps),
-    evaluating and checkpointing after every epoch and where --steps stops the run.
+    evaluating (unless `evaluate` is None) and checkpointing after every epoch and where
+    --steps stops the run.
 
     Every epoch has `steps_per_epoch` batches in an order fixed by its number, so the step
     count alone says where training stands: a run resumed in the middle of an epoch skips the
@@ -417,7 +654,7 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
     job = job or Job()
     progress = Progress(device=device, batch=args.batch * job.world_size, every=args.log_every,
                         skip=max(5, args.warmup + 2))
-    step_count, accuracy = start_step, float("nan")
+    step_count, accuracy = start_step, None
     cap = args.steps if args.steps is not None else math.inf
     while step_count < args.epochs * steps_per_epoch and progress.steps < cap:
         epoch, seen = divmod(step_count, steps_per_epoch)
@@ -434,22 +671,25 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
                                            f"  lr {optimizer.param_groups[0]['lr']:.3g}"))
         progress.pause()
         train_loss = progress.read_back()
-        accuracy = evaluate()
+        accuracy = evaluate() if evaluate is not None else None
         done = step_count - epoch * steps_per_epoch
         where = f"epoch {epoch + 1}/{args.epochs}"
         if done < steps_per_epoch:
             where += f" (stopped by --steps after {done}/{steps_per_epoch} steps)"
         print(f"{where}: train loss {train_loss:.4f} (mean of the last {progress.last_count} "
-              f"steps)  test accuracy {accuracy:.4f}", flush=True)
-        if args.save and job.main:
-            save_checkpoint(args.save, recipe=recipe, model=model, optimizer=optimizer,
-                            scheduler=scheduler, step=step_count,
-                            steps_per_epoch=steps_per_epoch, config=config)
-            print(f"saved {args.save} (step {step_count}, epoch "
-                  f"{step_count / steps_per_epoch:.3g})")
+              f"steps)  test accuracy {_accuracy_text(accuracy)}", flush=True)
+        if args.save:
+            rng = gather_rng_states(job, device)  # every rank takes part
+            if job.main:
+                save_checkpoint(args.save, recipe=recipe, model=model, optimizer=optimizer,
+                                scheduler=scheduler, step=step_count,
+                                steps_per_epoch=steps_per_epoch, config=config, rng=rng,
+                                loss_scale=loss_scale_state(train_step))
+                print(f"saved {args.save} (step {step_count}, epoch "
+                      f"{step_count / steps_per_epoch:.3g})")
         progress.resume_clock()
-    if progress.steps == 0:  # nothing left to train (a resumed, finished run): still evaluate
-        accuracy = evaluate()
+    if progress.steps == 0 and evaluate is not None:
+        accuracy = evaluate()  # nothing left to train (a resumed, finished run): still evaluate
     return Result(epochs_done=step_count / steps_per_epoch, steps_done=step_count,
                   train_loss=progress.last_mean, accuracy=accuracy,
                   samples_per_s=progress.samples_per_s())
@@ -470,9 +710,10 @@ def describe_step(train_step) -> str | None:
 
 def summary(recipe: str, args, model_name: str, result: Result, extra: str = "") -> str:
     """The run's one-line result; samples/s is the steady-state training rate."""
+    accuracy = "skipped" if result.accuracy is None else f"{result.accuracy:.4f}"
     return (f"summary: {recipe} mode={args.mode} model={model_name} "
             f"epochs={result.epochs_done:.3g} steps={result.steps_done} "
-            f"train_loss={result.train_loss:.4f} test_accuracy={result.accuracy:.4f} "
+            f"train_loss={result.train_loss:.4f} test_accuracy={accuracy} "
             f"samples_per_s={result.samples_per_s:.0f}" + (f" {extra}" if extra else ""))
 
 

@@ -10,7 +10,9 @@ loss_fn=None on dict batches. The data is synthetic with static shapes: each seq
 random motif of Zipf-distributed tokens, 15% of the positions are masked (80% [MASK], 10%
 random, 10% kept), so the loss has something to learn. bf16 autocast on the GPU, AdamW (or
 nimble_train's LAMB, --optimizer lamb) with no decay on biases and LayerNorm, linear warm-up
-then linear decay. The reported accuracy is masked-token accuracy on held-out sequences.
+then linear decay. The reported accuracy is masked-token accuracy on held-out sequences
+(--eval-samples 0 skips it). Dropout is on (BERT's 0.1); a checkpoint carries the
+random-number states it draws from, so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=32768,
                    help="synthetic training sequences; an epoch is one pass (default 32768)")
     p.add_argument("--eval-samples", type=int, default=512,
-                   help="held-out sequences for the masked-token accuracy (default 512)")
+                   help="held-out sequences for the masked-token accuracy (default 512; "
+                        "0 skips the evaluation)")
     p.add_argument("--optimizer", choices=("adamw", "lamb"), default="adamw",
                    help="adamw (default) or lamb (nimble_train.optim.LAMB, where present)")
     args = p.parse_args(argv)
@@ -64,6 +67,7 @@ def main(argv=None) -> int:
     job = _train.join_job(RECIPE, args)
     if job is None:
         return 2
+    _train.check_save_path(args, job)
     try:
         workloads.require_transformers()
     except ImportError as exc:
@@ -76,20 +80,17 @@ def main(argv=None) -> int:
     model = workloads.bert_model(args.size, device)
     vocab = model.config.vocab_size
     train = workloads.synthetic_mlm(args.samples, args.seq, vocab, device=device, seed=args.seed)
-    held_out = workloads.synthetic_mlm(args.eval_samples, args.seq, vocab, device=device,
-                                       seed=args.seed + 10_000)
+    held_out = (workloads.synthetic_mlm(args.eval_samples, args.seq, vocab, device=device,
+                                        seed=args.seed + 10_000) if args.eval_samples else None)
     # Under torchrun every rank takes its own share of each epoch's shuffled samples.
     batches_per_epoch = args.samples // (args.batch * job.world_size)
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.size]
     optimizer = workloads.bert_optimizer(model, lr, kind=args.optimizer)
-    planned = _train.planned_steps(args, batches_per_epoch)
+    planned = _train.planned_steps(args, batches_per_epoch, RECIPE)
     scheduler = _train.make_scheduler(optimizer, args, planned, decay="linear")
     config = {"size": args.size, "seq": args.seq, "batch": args.batch,
               "optimizer": args.optimizer, "steps_per_epoch": batches_per_epoch,
               "planned_steps": planned}
-    start_step = _train.resume(args, recipe=RECIPE, model=model, optimizer=optimizer,
-                               scheduler=scheduler, config=config, device=device,
-                               steps_per_epoch=batches_per_epoch)
 
     print(f"SYNTHETIC masked-LM data: {args.samples} sequences of {args.seq} tokens "
           "(repeated Zipf motifs, 15% masked)")
@@ -106,6 +107,9 @@ def main(argv=None) -> int:
     except NotImplementedError as exc:
         print(f"--mode {args.mode} --amp {args.amp}: {exc}", file=sys.stderr)
         return 2
+    start_step = _train.resume(args, recipe=RECIPE, model=model, optimizer=optimizer,
+                               scheduler=scheduler, train_step=train_step, config=config,
+                               device=device, steps_per_epoch=batches_per_epoch, job=job)
 
     def epoch_batches(epoch: int):
         g = torch.Generator(device=device).manual_seed(args.seed * 1000 + epoch)
@@ -119,7 +123,8 @@ def main(argv=None) -> int:
 
     result = _train.fit(args, recipe=RECIPE, model=model, optimizer=optimizer,
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
-                        steps_per_epoch=batches_per_epoch, evaluate=evaluate, device=device,
+                        steps_per_epoch=batches_per_epoch,
+                        evaluate=evaluate if held_out is not None else None, device=device,
                         start_step=start_step, config=config, job=job)
     _train.finish(RECIPE, args, f"bert-{args.size}", result, train_step, job,
                   extra=f"seq={args.seq} data=synthetic")

@@ -60,7 +60,12 @@ def read_batch_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     import numpy as np  # unpickling the arrays needs numpy; torch already depends on it
 
     with open(path, "rb") as f:
-        entry = pickle.load(f, encoding="bytes")
+        try:
+            entry = pickle.load(f, encoding="bytes")
+        except Exception as exc:  # unpickling foreign bytes can fail with almost any type
+            raise ValueError(f"{path}: not a pickle of the python CIFAR-10 format (unpickling "
+                             f"failed: {type(exc).__name__}); the file is truncated, corrupt "
+                             "or another dataset's: extract cifar-10-python.tar.gz again") from exc
     if not isinstance(entry, dict) or b"data" not in entry or b"labels" not in entry:
         found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
         raise ValueError(f"{path}: expected a dict with b'data' and b'labels' (the python "
@@ -68,8 +73,8 @@ def read_batch_file(path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     data = np.asarray(entry[b"data"])
     labels = np.asarray(entry[b"labels"], dtype=np.int64)
     if data.dtype != np.uint8 or data.ndim != 2 or data.shape[1] != 3072:
-        raise ValueError(f"{path}: b'data' must be an (N, 3072) uint8 array; got {data.shape} "
-                         f"{data.dtype}")
+        raise ValueError(f"{path}: b'data' must be an (N, 3072) uint8 array (N images of "
+                         f"3 x 32 x 32: the python CIFAR-10 format); got {data.shape} {data.dtype}")
     in_range = labels.size == 0 or 0 <= labels.min() <= labels.max() < 10
     if labels.shape != (data.shape[0],) or not in_range:
         raise ValueError(f"{path}: b'labels' must be {data.shape[0]} ints in [0, 10); got "
@@ -174,7 +179,8 @@ def parse_args(argv=None):
     p.add_argument("--synthetic-size", type=int, default=50000,
                    help="training images of the synthetic data (test: a fifth)")
     p.add_argument("--eval-samples", type=int, default=None,
-                   help="evaluate on the first N test images (default: all)")
+                   help="evaluate on the first N test images (default: all; 0 skips the "
+                        "evaluation)")
     p.add_argument("--keep-last-batch", action="store_true",
                    help="train on the short last batch of each epoch too (Step pads it, or "
                         "runs it eagerly for BatchNorm models); default: drop it")
@@ -191,6 +197,7 @@ def main(argv=None) -> int:
     job = _train.join_job(RECIPE, args)
     if job is None:
         return 2
+    _train.check_save_path(args, job)
     device = _train.pick_device(args.device)
     amp = _train.amp_of(args, device, default_on_cuda=None)
     torch.manual_seed(args.seed)
@@ -199,7 +206,11 @@ def main(argv=None) -> int:
 
     folder = find_cifar10(args.data)
     if folder is not None:
-        data, source = load_cifar10(folder), f"CIFAR-10 from {folder}"
+        try:
+            data = load_cifar10(folder)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"--data {args.data}: {exc}") from None
+        source = f"CIFAR-10 from {folder}"
     else:
         if args.data:
             print(f"no CIFAR-10 in {args.data} (expected cifar-10-batches-py/ with "
@@ -222,13 +233,10 @@ def main(argv=None) -> int:
     model = workloads.cifar_model(args.model, device, width=args.width)
     lr = args.lr if args.lr is not None else 0.1 * span / 128  # linear scaling from 0.1
     optimizer = workloads.cifar_optimizer(model, lr)
-    planned = _train.planned_steps(args, batches_per_epoch)
+    planned = _train.planned_steps(args, batches_per_epoch, RECIPE)
     scheduler = _train.make_scheduler(optimizer, args, planned, decay="cosine")
     config = {"model": args.model, "batch": args.batch, "width": args.width,
               "steps_per_epoch": batches_per_epoch, "planned_steps": planned}
-    start_step = _train.resume(args, recipe=RECIPE, model=model, optimizer=optimizer,
-                               scheduler=scheduler, config=config, device=device,
-                               steps_per_epoch=batches_per_epoch)
 
     print(source)
     print(_train.describe_run(device, args, amp))
@@ -244,6 +252,9 @@ def main(argv=None) -> int:
     except NotImplementedError as exc:
         print(f"--mode {args.mode} --amp {args.amp}: {exc}", file=sys.stderr)
         return 2
+    start_step = _train.resume(args, recipe=RECIPE, model=model, optimizer=optimizer,
+                               scheduler=scheduler, train_step=train_step, config=config,
+                               device=device, steps_per_epoch=batches_per_epoch, job=job)
 
     def epoch_batches(epoch: int):
         x, y = dataset.epoch(seed=args.seed * 1000 + epoch)  # the same order on every rank
@@ -256,7 +267,8 @@ def main(argv=None) -> int:
 
     result = _train.fit(args, recipe=RECIPE, model=model, optimizer=optimizer,
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
-                        steps_per_epoch=batches_per_epoch, evaluate=evaluate, device=device,
+                        steps_per_epoch=batches_per_epoch,
+                        evaluate=evaluate if args.eval_samples != 0 else None, device=device,
                         start_step=start_step, config=config, job=job)
     data_kind = "real" if folder is not None else "synthetic"
     _train.finish(RECIPE, args, args.model, result, train_step, job, extra=f"data={data_kind}")

@@ -102,6 +102,27 @@ def test_malformed_batch_file_says_what_was_expected(tmp_path):
         cifar10.read_batch_file(path)
 
 
+@pytest.mark.parametrize("damage", ["first-100-bytes", "random-bytes", "a-list", "wrong-shape"])
+def test_damaged_data_file_gives_one_line_naming_it(damage, cifar_dir, capsys):
+    root, written = cifar_dir
+    path = root / "cifar-10-batches-py" / "data_batch_2"
+    if damage == "first-100-bytes":
+        path.write_bytes(path.read_bytes()[:100])
+    elif damage == "random-bytes":
+        path.write_bytes(np.random.default_rng(1).integers(0, 256, 4096, np.uint8).tobytes())
+    elif damage == "a-list":
+        path.write_bytes(pickle.dumps([1, 2, 3]))
+    else:
+        path.write_bytes(pickle.dumps({b"data": written["data_batch_2"][0][:, :1000],
+                                       b"labels": [1] * 8}))
+    with pytest.raises(SystemExit) as raised:
+        cifar10.main(TINY_CIFAR + ["--data", str(root), "--steps", "1"])
+    message = str(raised.value)
+    assert message.startswith(f"--data {root}: {path}: ") and "\n" not in message, message
+    assert "CIFAR-10" in message  # what was expected
+    assert "train loss" not in capsys.readouterr().out
+
+
 def test_epoch_augmentation_is_a_crop_and_flip_of_each_image():
     x = torch.randint(0, 256, (6, 3, 32, 32), dtype=torch.uint8)
     y = torch.arange(6)
@@ -176,6 +197,19 @@ def test_cifar_resume_equals_an_uninterrupted_run(stop, tmp_path, capsys):
         torch.testing.assert_close(state["momentum_buffer"],
                                    b["optimizer"]["state"][p]["momentum_buffer"], rtol=0, atol=0)
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 10
+
+
+@pytest.mark.parametrize("recipe", ["cifar10", pytest.param("bert", marks=needs_transformers)])
+def test_eval_samples_zero_skips_the_evaluation_and_says_so(recipe, capsys):
+    # No accuracy is measured, so none is printed (not a 0.0000 from no samples).
+    main, tiny = (cifar10.main, TINY_CIFAR) if recipe == "cifar10" else (bert.main, TINY_BERT)
+    assert main(tiny + ["--steps", "2", "--eval-samples", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "test accuracy skipped (--eval-samples 0)" in out
+    assert summary_of(out)["test_accuracy"] == "skipped"
+    with pytest.raises(SystemExit):
+        main(tiny + ["--steps", "2", "--eval-samples", "-1"])
+    assert "--eval-samples must be >= 0 (0 skips the evaluation); got -1" in capsys.readouterr().err
 
 
 def test_resume_refuses_a_checkpoint_of_other_options(tmp_path, capsys):
