@@ -146,6 +146,23 @@ def grad_scaler_accumulation_loop(model, optimizer, loss_fn, batches, k):
     return scaler
 
 
+def run_accumulating(model, optimizer, loss_fn, batches, k, *, scheduler=None, **options):
+    """nt.Step(accumulate=k) over `batches`, the scheduler stepped when the step updated;
+    returns the step, its losses and which calls updated."""
+    import nimble_train as nt
+
+    step = nt.Step(model, optimizer, loss_fn, accumulate=k, **options)
+    losses, stepped = [], []
+    for batch in batches:
+        losses.append(step(batch).clone())
+        stepped.append(step.stepped)
+        if scheduler is not None and step.stepped:
+            scheduler.step()
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+    return step, losses, stepped
+
+
 def with_short(batches, where, size):
     """The batches with batch `where` cut to its first `size` samples (a short micro-batch)."""
     out = list(batches)

@@ -9,21 +9,10 @@ import torch
 import nimble_train as nt
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
                             eager_accumulation_loop, grad_scaler_accumulation_loop,
-                            hand_written_ema, twin, with_short)
+                            hand_written_ema, run_accumulating, twin, with_short)
 
 per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 mean_loss = torch.nn.CrossEntropyLoss()
-
-
-def run_accumulating(model, optimizer, loss_fn, batches, k, *, scheduler=None, **options):
-    step = nt.Step(model, optimizer, loss_fn, accumulate=k, warmup=2, **options)
-    losses, stepped = [], []
-    for batch in batches:
-        losses.append(step(batch).clone())
-        stepped.append(step.stepped)
-        if scheduler is not None and step.stepped:
-            scheduler.step()
-    return step, losses, stepped
 
 
 OPTIMIZERS = {

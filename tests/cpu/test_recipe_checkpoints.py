@@ -15,26 +15,14 @@ import torch
 
 from nimble_train.bench import workloads
 
-from recipe_reference import bert, cifar10, needs_transformers
+from recipe_reference import (RECIPES, TINY_CIFAR, bert, cifar10,  # noqa: F401
+                              needs_transformers, one_thread)
+from recipe_reference import TINY_BERT as TINY_BERT_ONE_EPOCH
 
 import _train  # recipes/, on the path through recipe_reference
 
-RECIPES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "recipes"))
-
-TINY_CIFAR = ["--device", "cpu", "--model", "branchy", "--width", "0.25", "--batch", "8",
-              "--synthetic-size", "40", "--eval-samples", "16", "--log-every", "2"]
 # 8 samples of batch 2: 4 steps per epoch; two epochs.
-TINY_BERT = ["--size", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16",
-             "--samples", "8", "--eval-samples", "4", "--log-every", "2", "--epochs", "2"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny models; one thread avoids oversubscription and keeps CPU results reproducible.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+TINY_BERT = TINY_BERT_ONE_EPOCH + ["--epochs", "2"]
 
 
 def load(path):

@@ -16,22 +16,8 @@ import nimble_train as nt
 from nimble_train.bench import MODES, add_ratios, busy_fraction, format_table, plot, write_json
 from nimble_train.bench import workloads
 
-from recipe_reference import bert, cifar10, needs_transformers
-
-RECIPES = os.path.join(os.path.dirname(__file__), "..", "..", "recipes")
-TINY_CIFAR = ["--device", "cpu", "--model", "branchy", "--width", "0.25", "--batch", "8",
-              "--synthetic-size", "40", "--eval-samples", "16", "--log-every", "2"]
-TINY_BERT = ["--size", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16",
-             "--samples", "8", "--eval-samples", "4", "--log-every", "2"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # These models are tiny; one thread avoids OpenMP oversubscription on busy CI machines.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+from recipe_reference import (RECIPES, TINY_BERT, TINY_CIFAR, bert, cifar10,  # noqa: F401
+                              needs_transformers, one_thread)
 
 
 # ---------------------------------------------------------------------- CIFAR-10 files

@@ -9,7 +9,7 @@ import torch
 import nimble_train as nt
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
                             eager_accumulation_loop, grad_scaler_accumulation_loop,
-                            hand_written_ema, twin, with_short)
+                            hand_written_ema, run_accumulating, twin, with_short)
 
 pytestmark = pytest.mark.cuda
 
@@ -73,18 +73,6 @@ def test_a_short_batchnorm_batch_after_capture_equals_eager(loss_fn, partial_bat
 
 
 # ---------------------------------------------------------------------- accumulation
-
-
-def run_accumulating(model, optimizer, loss_fn, batches, k, *, scheduler=None, **options):
-    step = nt.Step(model, optimizer, loss_fn, accumulate=k, **options)
-    losses, stepped = [], []
-    for batch in batches:
-        losses.append(step(batch).clone())
-        stepped.append(step.stepped)
-        if scheduler is not None and step.stepped:
-            scheduler.step()
-    torch.cuda.synchronize()
-    return step, losses, stepped
 
 
 @pytest.mark.parametrize("k", [1, 2, 4])
