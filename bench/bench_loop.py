@@ -37,6 +37,7 @@ import sys
 import torch
 
 import nimble_train as nt
+from nimble_train.bench.timing import time_ms
 from nimble_train.bench.workloads import forward_loss, make_workload
 
 WORKLOADS = {"resnet18": 32, "bert": 8}
@@ -176,19 +177,9 @@ def ema_alone(step):
     src = torch.empty(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
 
-    def timed(fn, n=20):
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(n):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / n
-
-    copy_ms = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(5))
+    copy_ms = time_ms(lambda: dst.copy_(src), repeats=5, iters=20)
     bandwidth = 2 * nbytes / copy_ms  # bytes per ms, read + write
-    ema_ms = statistics.median(timed(ema.update) for _ in range(5))
+    ema_ms = time_ms(ema.update, repeats=5, iters=20)
     bound_ms = 3 * nbytes / bandwidth  # read weights and average, write average
     return (f"EMA alone: {nbytes / 2**20:.0f} MiB of weights; bound 3x bytes / copy "
             f"bandwidth {bandwidth / 1e6:.0f} GB/s = {bound_ms:.3f} ms", ema_ms, bound_ms)

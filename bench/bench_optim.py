@@ -14,10 +14,10 @@ nt.Step runs it; torch's as eager calls (their own fastest way to run).
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from nimble_train.bench.timing import time_ms
 from nimble_train.optim import LAMB, FusedOptimizer
 
 
@@ -49,22 +49,6 @@ def param_groups(params, **decay):
     flags = [d for _, d in bert_base_shapes()]
     return [{"params": [p for p, d in zip(params, flags) if d], **decay},
             {"params": [p for p, d in zip(params, flags) if not d], "weight_decay": 0.0}]
-
-
-def time_ms(fn, repeats: int, iters: int) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls, CUDA events."""
-    fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / iters)
-    return statistics.median(samples)
 
 
 def copy_bandwidth(repeats: int) -> float:

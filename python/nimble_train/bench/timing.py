@@ -12,6 +12,22 @@ import torch
 StepFn = Callable[[Any], Any]
 
 
+def time_ms(fn, repeats: int, iters: int) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls, CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / iters)
+    return statistics.median(samples)
+
+
 def time_to_first_fast_step(build: Callable[[], StepFn], batches: Sequence,
                             calls: int | Callable[[StepFn], int]) -> tuple[float, StepFn]:
     """Seconds from building a mode (model and optimizer included) to the end of its first
