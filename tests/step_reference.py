@@ -108,16 +108,22 @@ def eager_accumulation_loop(model, optimizer, loss_fn, batches, k, *, grad_clip=
     """The eager loop Step(accumulate=k) must equal: windows of k micro-batches, each loss
     weighted by the micro-batch's samples over the window's (per-sample losses; with full
     micro-batches that is loss / k), then clip, step, schedule."""
+    def forward(batch):  # (inputs, target), or a dict with labels: (loss, samples)
+        if isinstance(batch, dict):
+            return loss_fn(model(**batch), batch), len(batch["labels"])
+        x, y = batch
+        return loss_fn(model(x), y), len(y)
+
     losses = []
     for start in range(0, len(batches) - k + 1, k):
         window = batches[start: start + k]
-        total = sum(len(y) for _, y in window)
+        total = sum(forward_samples(b) for b in window)
         optimizer.zero_grad()
-        for x, y in window:
-            loss = loss_fn(model(x), y)
+        for batch in window:
+            loss, samples = forward(batch)
             if loss.dim():
                 loss = loss.mean()
-                (loss * (len(y) / total)).backward()
+                (loss * (samples / total)).backward()
             else:
                 (loss / k).backward()  # a scalar loss: the DESIGN's loop
             losses.append(loss.detach())
@@ -127,6 +133,10 @@ def eager_accumulation_loop(model, optimizer, loss_fn, batches, k, *, grad_clip=
         if scheduler is not None:
             scheduler.step()
     return losses
+
+
+def forward_samples(batch) -> int:
+    return len(batch["labels"]) if isinstance(batch, dict) else len(batch[1])
 
 
 def grad_scaler_accumulation_loop(model, optimizer, loss_fn, batches, k):

@@ -9,6 +9,7 @@ build compiled in; ``cmake_prefix_path`` is where a LibTorch program finds the l
 import torch  # noqa: F401  (loads libtorch and the CUDA libraries that _C links against)
 
 from ._extension import _C, build_info, cmake_prefix_path, describe_build, has_cuda, has_nccl
+from ._buckets import Buckets
 from .distributed import DistInfo, init_distributed
 from .errors import CaptureError, DistributedError, NimbleError, ShapeError, SyncError
 from . import optim
@@ -18,6 +19,7 @@ from .step import Step
 __version__ = build_info()["version"]
 
 __all__ = [
+    "Buckets",
     "CaptureError",
     "DistInfo",
     "DistributedError",

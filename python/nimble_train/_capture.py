@@ -15,30 +15,26 @@ from typing import Callable
 
 import torch
 
-from ._batch import BatchTemplate
 from ._extension import _C
 from ._multistream import build_multistream, warn_single_stream
 from .errors import CaptureError, NimbleError, SyncError
 
-ENTRY = 0  # the template's entry; the other graphs of its batch layout share its inputs
-
-
 class CapturedStep:
-    """The C++ step graph of one Step: the template's static inputs as entry 0, and further
-    entries over the same inputs (the micro-batch and update graphs of accumulation).
+    """The C++ step graph of one Step: per shape bucket (one without buckets) an entry with the
+    bucket's static inputs, further entries over the same inputs (the micro-batch and update
+    graphs of accumulation), and the entries of evaluators, with inputs of their own.
 
-    Each launch stages [valid samples, *extra, *update values]: `extra` values of the Step's
-    own (accumulation's loss weight and gradient correction), then the update's."""
+    Each training launch stages [valid samples, *extra, *update values]: `extra` values of the
+    Step's own (accumulation's loss weight and gradient correction), then the update's."""
 
-    def __init__(self, device: torch.device, extra: int, update_values: int,
-                 template: BatchTemplate):
+    def __init__(self, device: torch.device, extra: int, update_values: int, layout):
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.graph = _C.StepGraph(torch.device("cuda", index), extra + update_values)
-        entry = self.graph.add_entry(template.specs())
-        assert entry == ENTRY
-        self.inputs = self.graph.inputs(ENTRY)
-        self.batch = template.unflatten(self.inputs)  # the static batch the capture reads
-        self.losses: dict[int, torch.Tensor] = {}  # each captured entry's loss output
+        # bucket b's inputs are entry bases[b]; batches[b] is the static batch its capture reads
+        self.bases = [self.graph.add_entry(layout.specs(b)) for b in range(len(layout.sizes))]
+        self.batches = [layout.template.unflatten(self.graph.inputs(e)) for e in self.bases]
+        self.outputs: dict[int, object] = {}  # each captured entry's output (a training loss)
+        self.unplanned: set[int] = set()  # entries of evaluation graphs
         self.current = self.graph.current  # [1 + extra + update_values]
         self.update_values = self.current[1 + extra:]
         # Accumulation's loss weight (0-dim) and gradient correction ([1]), as launches stage.
@@ -56,9 +52,15 @@ class CapturedStep:
         """Whether any graph is captured."""
         return any(self.graph.captured(e) for e in range(self.graph.num_entries))
 
-    def new_entry(self) -> int:
-        """Another graph over entry 0's static inputs."""
-        return self.graph.add_entry_sharing_inputs(ENTRY)
+    def new_entry(self, bucket: int) -> int:
+        """Another graph over bucket `bucket`'s static inputs."""
+        return self.graph.add_entry_sharing_inputs(self.bases[bucket])
+
+    def add_unplanned_entry(self, specs: list) -> int:
+        """An evaluation graph's entry, with static inputs of its own."""
+        entry = self.graph.add_entry(specs)
+        self.unplanned.add(entry)
+        return entry
 
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device) -> None:
         """Traces and plans the forward on several streams, once, before the first capture."""
@@ -84,21 +86,27 @@ class CapturedStep:
             self.multistream = None
             self.single_stream_reason = f"capture on several streams failed ({cause})"
             warn_single_stream(self.single_stream_reason)
-            for other in range(self.graph.num_entries):  # every graph on one stream alike
-                if other != entry and self.graph.captured(other):
+            for other in list(self.outputs):  # every training graph on one stream alike
+                if other != entry and other not in self.unplanned:
                     self.graph.drop(other)
-                    self.losses.pop(other, None)
+                    self.outputs.pop(other, None)
             self._capture_once(entry, body, stream, sync_records)
 
+    def capture_unplanned(self, entry: int, body: Callable, stream: torch.cuda.Stream,
+                          sync_records: list) -> None:
+        """Captures `body()`, a graph that reads no staged value (an evaluation step), on one
+        stream; its output is outputs[entry]. Failures as capture()'s."""
+        self._capture_once(entry, lambda forward: body(), stream, sync_records, planned=False)
+
     def _capture_once(self, entry: int, body: Callable, stream: torch.cuda.Stream,
-                      sync_records: list) -> None:
-        forward = self.multistream
+                      sync_records: list, planned: bool = True) -> None:
+        forward = self.multistream if planned else None
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
         with torch.cuda.stream(stream):
             try:
-                self.graph.begin_capture(entry)
+                self.graph.begin_capture(entry, staged=planned)
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
@@ -116,11 +124,11 @@ class CapturedStep:
             result = self.graph.end_capture()
         if not result.ok:
             raise failure(result.invalidated, result.error.splitlines()[0], sync_records)
-        self.losses[entry] = loss.detach()
+        self.outputs[entry] = _detached(loss)
 
     def stats(self) -> dict:
         nodes = [self.graph.node_count(e) for e in range(self.graph.num_entries)
-                 if self.graph.captured(e)]
+                 if self.graph.captured(e)]  # training and evaluation graphs
         return {"graph_nodes": sum(nodes) if nodes and min(nodes) >= 0 else None,
                 "graphs": len(nodes), "pool_bytes": self.pool_bytes()}
 
@@ -132,8 +140,14 @@ class CapturedStep:
         return sum(seg["total_size"] for seg in segments) if segments else None
 
     def release(self) -> None:
-        self.losses = {}
+        self.outputs = {}
         self.graph.release()
+
+
+def _detached(output):
+    if isinstance(output, torch.Tensor):
+        return output.detach()
+    return {key: value.detach() for key, value in output.items()}
 
 
 def failure(invalidated: bool, cause: str, sync_records: list) -> NimbleError:

@@ -91,11 +91,12 @@ class GradientSync:
     # ---------------------------------------------------------------- set-up
 
     def join(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer, template,
-             options: dict) -> None:
+             options: dict, vary_dim: int | None = None) -> None:
         """At the first step: checks that every rank runs the same step (parameters,
-        optimizer, the batch template's tensor leaves, Step options), then connects them."""
+        optimizer, the batch template's tensor leaves, Step options), then connects them.
+        With shape buckets (`vary_dim`) the first batches' lengths may differ."""
         shapes = [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in params]
-        batch = [(leaf.path, tuple(leaf.tensor.shape), str(leaf.tensor.dtype))
+        batch = [(leaf.path, _shape_text(leaf.tensor, vary_dim), str(leaf.tensor.dtype))
                  for leaf in template.tensor_leaves]
         self.world.agree("model, optimizer and Step options", {
             "parameters": f"{len(shapes)} tensors, {sum(p.numel() for p in params)} elements, "
@@ -339,3 +340,10 @@ class GradientSync:
             if self._stream is not None:
                 self._stream.synchronize()
             self.comm = None  # the communicator finalizes and is destroyed with its last reference
+
+
+def _shape_text(t: torch.Tensor, vary_dim: int | None) -> tuple:
+    """A leaf's shape as ranks compare it: a bucketed length is any ("L")."""
+    if vary_dim is None or t.dim() <= vary_dim:
+        return tuple(t.shape)
+    return tuple("L" if d == vary_dim else n for d, n in enumerate(t.shape))

@@ -94,7 +94,11 @@ def first_template(batch: Any, device: torch.device, loss_fn=None) -> BatchTempl
             "a tuple/list batch (inputs, target) needs a loss_fn, loss_fn(outputs, target), and "
             "this Step has none; pass one to nt.Step, or give dict batches to a model that "
             "returns its own loss (outputs.loss)")
-    template = BatchTemplate(batch)
+    return check_devices(BatchTemplate(batch), device)
+
+
+def check_devices(template: BatchTemplate, device: torch.device) -> BatchTemplate:
+    """The template, once its tensors are known to be on the model's device."""
     for leaf in template.tensor_leaves:
         if leaf.tensor.device != device:
             raise ShapeError(

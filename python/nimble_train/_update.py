@@ -147,14 +147,14 @@ class Update:
         now = _capturable.hyperparameters(self.optimizer, self.staged_lr)
         return not _capturable.same_hyperparameters(now, self._baked)
 
-    def warn_if_recapturing_often(self, captures: int, steps: int, warmup: int) -> None:
-        if captures == 4 and steps < 4 * (warmup + 20):
+    def warn_if_recapturing_often(self, recaptures: int, steps: int, warmup: int) -> None:
+        if recaptures == 3 and steps < 4 * (warmup + 20):
             warnings.warn(
-                f"Step has captured its graph {captures} times in {steps} steps: optimizer "
+                f"Step has captured its graph {recaptures + 1} times in {steps} steps: optimizer "
                 "hyper-parameters other than lr (momentum, betas, weight decay, ...) changed "
                 f"between steps, and {type(self.optimizer).__name__} bakes them into the graph. "
                 "Keep them fixed (e.g. OneCycleLR(cycle_momentum=False)); each change costs a "
-                "capture.", stacklevel=5)
+                "capture.", stacklevel=7)
 
     def close(self) -> None:
         if self.fused is not None:

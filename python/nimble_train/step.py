@@ -18,6 +18,14 @@ that cannot be padded (BatchNorm, a scalar loss) runs eagerly in any phase.
 With ``accumulate=K`` the calls of a window of K differ (see _iteration.Call): the first zeroes
 the gradients, the last all-reduces, clips and updates; each kind is a graph of its own over
 the same static inputs, captured the first time it is needed, all in one pool.
+
+With ``buckets`` (_buckets.py) every bucket has static inputs of its own and a graph per kind
+of call; every step, eager ones included, runs on the batch padded to its bucket. When a kind
+is first captured it is captured for every bucket at once, largest first: the pool then grows
+to the largest bucket's working memory and the others reuse it, and a bucket's first batch is
+already a replay. A bucket no eager step has met whose capture fails (cuDNN autotuning a shape
+it has not seen, a compiler meeting a new shape) is deferred: its next batch runs eagerly and
+the one after captures it.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from typing import Any, Callable
 import torch
 
 from . import _options
-from ._capture import ENTRY, CapturedStep
+from ._buckets import BucketLayout, Buckets, check_buckets
+from ._capture import CapturedStep
 from ._ema import EMA, check_decay, unique_tensors
+from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration
@@ -85,6 +95,11 @@ class Step:
             micro-batches that is ``loss / K``; with a short (padded or eager) one and
             per-sample losses, the update equals one step on the window's samples together.
             A scalar loss is weighted 1/K, as ``(loss / K).backward()``.
+        buckets: None, or nt.Buckets(sizes=(64, 128, 256, 512), dim=1, pad_values={"labels":
+            -100}): a batch whose length along `dim` fits a bucket is padded to the smallest
+            that fits and runs on that bucket's graph (all in one pool). Exact when the model
+            masks padded positions (attention mask 0, labels -100). Longer than the largest
+            bucket: ShapeError. :meth:`stats` has each bucket's captures and replays.
         ema: None, or a decay in (0, 1): after each update the graph moves an exponential
             moving average of the weights (and floating-point buffers) towards them; see
             :meth:`ema_weights`, :meth:`ema_state_dict`.
@@ -97,11 +112,12 @@ class Step:
                  streams: str | int = "auto", warmup: int = 3, amp: str | None = None,
                  grad_clip: float | None = None, partial_batch: str = "pad",
                  capture: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
-                 shard_optimizer: bool = False, accumulate: int = 1,
-                 ema: float | None = None, init_sync: bool = True):
+                 shard_optimizer: bool = False, buckets: Buckets | None = None,
+                 accumulate: int = 1, ema: float | None = None, init_sync: bool = True):
         _options.validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                           partial_batch, capture, bucket_mb, shard_optimizer)
         _options.check_accumulate(accumulate)
+        check_buckets(buckets)
         check_decay(ema)
         if not isinstance(init_sync, bool):
             raise TypeError(f"init_sync must be True or False; got {init_sync!r}")
@@ -109,6 +125,7 @@ class Step:
         self.streams, self.warmup, self.amp, self.grad_clip = streams, warmup, amp, grad_clip
         self.partial_batch, self.capture = partial_batch, capture
         self.shard_optimizer, self.accumulate, self.ema = shard_optimizer, accumulate, ema
+        self.buckets = buckets
         self.init_sync = init_sync
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _options.single_device(model, self._params)
@@ -129,12 +146,19 @@ class Step:
                                     accumulate)
         self._window = Window(accumulate)
         self._swapped = False  # the EMA weights are in the model (ema_weights())
-        # The graph each call of a window launches, by its place in the window (-1: none yet).
-        self._launch_entry = [-1] * accumulate
-        self._entry_of: dict[tuple[bool, bool], int] = {}
+        # The graph each call launches, by bucket and place in the window (-1: none yet).
+        self._launch_entry: list[list[int]] = []
+        self._entry_of: dict[tuple[int, tuple[bool, bool]], int] = {}  # (bucket, kind) -> entry
         self._phase = Phase.TEMPLATE
         self._template = None
-        self._inputs = None    # _C.StaticInputs when nothing is captured (checks, CPU padding)
+        self._layout: BucketLayout | None = None
+        self._inputs = None    # per bucket _C.StaticInputs when nothing is captured (CPU)
+        self._filled: set[int] = set()    # buckets whose padding rows hold data
+        self._met: set[int] = set()       # buckets an eager step ran on
+        self._deferred: dict[int, str] = {}  # buckets whose capture waits for an eager step
+        self._bucket_counts: list[list[int]] = []  # per bucket [replays, eager steps]
+        self._evaluators: list[Evaluator] = []
+        self._captured_entries: set[int] = set()  # entries captured at least once
         self._padded = 0       # padded eager steps so far
         self._padding: str | None = None  # "proven" or "refused: why", once checked
         self._graph: CapturedStep | None = None
@@ -159,19 +183,22 @@ class Step:
             try:
                 tensors = self._template.tensors(batch)
                 full = tensors[self._lead].shape[0] == self._template.batch_size
+                bucket = self._bucket_of(tensors)
             except (AttributeError, IndexError, TypeError):
                 full = False  # the slow path says what is wrong with the batch
-            entry = self._launch_entry[self._window.micro]
-            if full and entry >= 0 and not self._swapped and not self._update.changed():
-                samples = self._template.batch_size
-                try:
-                    self._graph.graph.launch(entry, tensors, self._call_values(samples))
-                except TypeError:
-                    self._template.explain_non_tensors(tensors)
-                    raise
-                self._counts["replays"] += 1
-                self._advance(samples)
-                return self._graph.losses[entry]
+            if full:
+                entry = self._launch_entry[bucket][self._window.micro]
+                if entry >= 0 and not self._swapped and not self._update.changed():
+                    samples = self._template.batch_size
+                    try:
+                        self._graph.graph.launch(entry, tensors, self._call_values(samples))
+                    except TypeError:
+                        self._template.explain_non_tensors(tensors)
+                        raise
+                    self._counts["replays"] += 1
+                    self._bucket_counts[bucket][0] += 1
+                    self._advance(samples)
+                    return self._graph.outputs[entry]
         return self._call(batch)
 
     def _call(self, batch: Any) -> torch.Tensor:
@@ -193,7 +220,8 @@ class Step:
             return self._first_call(batch)
         self._update.check_groups()
         tensors = self._template.tensors(batch)
-        samples = self._samples(tensors)
+        bucket = self._layout.bucket(tensors)
+        samples = self._samples(tensors, bucket)
         short = samples < self._template.batch_size
         if short and self.partial_batch == "error":
             raise _options.short_batch_error(samples, self._template.batch_size)
@@ -201,24 +229,32 @@ class Step:
         if phase is Phase.WARMUP:
             if self._counts["steps"] == self._fuse_at:
                 self._fuse()
-            loss = self._eager_step(batch, samples, warmup=True)
+            loss = self._eager_step(batch, tensors, bucket, samples, warmup=True)
             if self._counts["steps"] + 1 >= self._warmup_steps:
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
             if short and not self._will_capture and self._pads(tensors, samples):
-                loss = self._padded_eager_step(tensors, samples)
+                loss = self._padded_eager_step(tensors, bucket, samples)
             else:
-                loss = self._eager_step(batch, samples)
+                loss = self._eager_step(batch, tensors, bucket, samples)
         elif short and not self._pads(tensors, samples):
-            loss = self._eager_step(batch, samples)
+            loss = self._eager_step(batch, tensors, bucket, samples)
         else:
-            zero, update = self._window.kind()
-            entry = self._entry((zero, update))
-            if not self._graph.graph.captured(entry) or (update and self._update.changed()):
-                self._capture(entry, (zero, update), tensors, samples)
-            self._graph.graph.launch(entry, tensors, self._call_values(samples))
-            self._counts["replays"] += 1
-            loss = self._graph.losses[entry]
+            kind = self._window.kind()
+            if kind[1] and self._update.changed():
+                self._drop_update_graphs()  # they baked the old hyper-parameters
+            entry = self._entry(bucket, kind)
+            if not self._graph.graph.captured(entry):
+                self._capture_buckets(kind, bucket, tensors, samples)
+            if self._graph.graph.captured(entry):
+                if short and bucket not in self._filled:
+                    self._copy_in(bucket, tensors, samples)  # its padding rows get data
+                self._graph.graph.launch(entry, tensors, self._call_values(samples))
+                self._counts["replays"] += 1
+                self._bucket_counts[bucket][0] += 1
+                loss = self._graph.outputs[entry]
+            else:  # a deferred bucket meets its shapes eagerly first
+                loss = self._eager_step(batch, tensors, bucket, samples)
         self._advance(samples)
         return loss
 
@@ -243,7 +279,8 @@ class Step:
             if self._phase is not Phase.CLOSED and self._counts["steps"] == 0:
                 if self._graph is not None:
                     self._graph.release()
-                self._template = self._graph = self._inputs = None
+                self._template = self._graph = self._inputs = self._layout = None
+                self._filled, self._met = set(), set()
                 self._enter(Phase.TEMPLATE)
             raise
 
@@ -277,18 +314,61 @@ class Step:
             return Call(zero, update, weight, correction)
         return Call(zero, update, *self._scales(samples))
 
-    def _entry(self, kind: tuple[bool, bool]) -> int:
-        entry = self._entry_of.get(kind)
+    def _entry(self, bucket: int, kind: tuple[bool, bool]) -> int:
+        """The entry of a bucket's graph of one kind: the bucket's first kind takes the entry
+        of its static inputs, the others share them."""
+        entry = self._entry_of.get((bucket, kind))
         if entry is None:
-            entry = ENTRY if not self._entry_of else self._graph.new_entry()
-            self._entry_of[kind] = entry
+            first = not any(b == bucket for b, _ in self._entry_of)
+            entry = self._graph.bases[bucket] if first else self._graph.new_entry(bucket)
+            self._entry_of[(bucket, kind)] = entry
         return entry
 
     def _refresh_launch_entries(self) -> None:
         graph = self._graph.graph
-        for micro in range(self.accumulate):
-            entry = self._entry_of.get(self._window.kind(micro), -1)
-            self._launch_entry[micro] = entry if entry >= 0 and graph.captured(entry) else -1
+        for bucket, entries in enumerate(self._launch_entry):
+            for micro in range(self.accumulate):
+                entry = self._entry_of.get((bucket, self._window.kind(micro)), -1)
+                entries[micro] = entry if entry >= 0 and graph.captured(entry) else -1
+
+    def _drop_update_graphs(self) -> None:
+        for (_, kind), entry in self._entry_of.items():
+            if kind[1] and self._graph.graph.captured(entry):
+                self._graph.graph.drop(entry)
+                self._graph.outputs.pop(entry, None)
+        self._refresh_launch_entries()
+
+    # ------------------------------------------------------------------ buckets
+
+    def _bucket_of(self, tensors: list) -> int:
+        """The replay path's bucket lookup: IndexError for a batch the slow path must explain."""
+        layout = self._layout
+        if layout.buckets is None:
+            return 0
+        return layout.by_length[tensors[layout.lead].shape[layout.buckets.dim]]
+
+    def _copy_in(self, bucket: int, tensors: list, samples: int) -> None:
+        """Copies a checked batch into its bucket's static inputs (padded along the bucket's
+        dimension); the first short batch a bucket sees fills its padding rows too."""
+        fill = samples < self._template.batch_size and bucket not in self._filled
+        if fill or samples == self._template.batch_size:
+            self._filled.add(bucket)
+        if self._graph is not None:
+            self._graph.graph.copy_in(self._graph.bases[bucket], tensors, samples,
+                                      fill_padding=fill)
+        else:
+            self._inputs[bucket].copy_in(tensors, samples, fill_padding=fill)
+
+    def _static_batch(self, tensors: list, bucket: int, samples: int) -> Any:
+        """An eager step's batch with buckets: the batch padded to its bucket, in the bucket's
+        static inputs, its first `samples` rows (what the bucket's graph computes on)."""
+        self._copy_in(bucket, tensors, samples)
+        buffers = (self._graph.graph.inputs(self._graph.bases[bucket]) if self._graph is not None
+                   else self._inputs[bucket].buffers)
+        if samples < self._template.batch_size:
+            buffers = [b.narrow(0, 0, samples) if leaf.batched else b
+                       for b, leaf in zip(buffers, self._template.tensor_leaves)]
+        return self._template.unflatten(buffers)
 
     def _enter(self, phase: Phase) -> None:
         """The one place the phase changes."""
@@ -302,33 +382,43 @@ class Step:
             options = {key: getattr(self, key) for key in (
                 "streams", "warmup", "amp", "grad_clip", "partial_batch", "capture",
                 "accumulate", "ema", "init_sync")}
-            sync.join(self._params, self.optimizer, template, options)
+            options["buckets"] = repr(self.buckets)
+            sync.join(self._params, self.optimizer, template, options,
+                      vary_dim=self.buckets.dim if self.buckets is not None else None)
             if self.init_sync:  # every replica starts from rank 0's weights, as with DDP
                 sync.broadcast_from_rank0(unique_tensors(list(self.model.parameters())
                                                          + list(self.model.buffers())))
-        self._template = template
+        layout = BucketLayout(template, self.buckets)
+        self._template, self._layout = template, layout
         self._lead = next(i for i, leaf in enumerate(template.tensor_leaves) if leaf.batched)
+        buckets = range(len(layout.sizes))
+        self._launch_entry = [[-1] * self.accumulate for _ in buckets]
+        self._bucket_counts = [[0, 0] for _ in buckets]
+        self._entry_of, self._deferred = {}, {}
         if self._will_capture:
             extra = 2 if self.accumulate > 1 else 0
-            self._graph = CapturedStep(self._device, extra, self._update.num_values(), template)
+            self._graph = CapturedStep(self._device, extra, self._update.num_values(), layout)
             self._enter(Phase.WARMUP)
         else:
-            self._inputs = _C.StaticInputs(template.specs())
+            self._inputs = [_C.StaticInputs(layout.specs(b)) for b in buckets]
             self._enter(Phase.EAGER)
 
-    def _samples(self, tensors: list) -> int:
-        """The batch's sample count, checked against the template (ShapeError)."""
+    def _samples(self, tensors: list, bucket: int) -> int:
+        """The batch's sample count, checked against its bucket's inputs (ShapeError)."""
         try:
             if self._graph is not None:
-                return self._graph.graph.check(ENTRY, tensors)
-            return self._inputs.check(tensors)
+                return self._graph.graph.check(self._graph.bases[bucket], tensors)
+            return self._inputs[bucket].check(tensors)
         except TypeError:
             self._template.explain_non_tensors(tensors)
             raise
 
     # ------------------------------------------------------------------ eager steps
 
-    def _eager_step(self, batch: Any, samples: int, warmup: bool = False) -> torch.Tensor:
+    def _eager_step(self, batch: Any, tensors: list, bucket: int, samples: int,
+                    warmup: bool = False) -> torch.Tensor:
+        if self.buckets is not None:
+            batch = self._static_batch(tensors, bucket, samples)
         with (self._sync.recording_on(self._stream) if warmup and self._stream is not None
               else contextlib.nullcontext()):
             if self._graph is not None and (self._update.fused is not None
@@ -339,19 +429,21 @@ class Step:
             loss = self._iteration.step(batch, samples, None, captured,
                                         self._eager_call(samples))
         self._counts["eager_steps"] += 1
+        self._bucket_counts[bucket][1] += 1
+        self._met.add(bucket)
         return loss
 
-    def _padded_eager_step(self, tensors: list, samples: int) -> torch.Tensor:
+    def _padded_eager_step(self, tensors: list, bucket: int, samples: int) -> torch.Tensor:
         """The padded, masked computation the graph would run, done eagerly: on the CPU and
         with capture=False a short batch sees the semantics of the captured step."""
-        # The first copy fills the padding rows with the first sample: they hold nothing yet.
-        self._inputs.copy_in(tensors, samples, fill_padding=self._padded == 0)
+        self._copy_in(bucket, tensors, samples)  # the first fills the padding rows
         self._padded += 1
-        static = self._template.unflatten(self._inputs.buffers)
+        static = self._template.unflatten(self._inputs[bucket].buffers)
         valid = torch.tensor(float(samples), device=self._device)
         loss = self._iteration.step(static, self._template.batch_size, valid, captured=False,
                                     call=self._eager_call(samples))
         self._counts["eager_steps"] += 1
+        self._bucket_counts[bucket][1] += 1
         return loss
 
     def _fuse(self) -> None:
@@ -371,42 +463,66 @@ class Step:
 
     # ------------------------------------------------------------------ capture
 
-    def _capture(self, entry: int, kind: tuple[bool, bool], tensors: list,
-                 samples: int) -> None:
-        """CAPTURE of the graph of one kind of call (or a recapture of an optimizer captured as
-        it is): on success the phase is REPLAY; on failure EAGER, with the error raised and
-        nothing changed."""
+    def _capture_buckets(self, kind: tuple[bool, bool], bucket: int, tensors: list,
+                         samples: int) -> None:
+        """CAPTURE of the graphs of one kind of call (or a recapture of an optimizer captured
+        as it is), for every bucket not captured yet, largest first (see the module's
+        docstring), the current batch's `bucket` among them. On success the phase is REPLAY.
+        A failure raises, with nothing changed, and the phase becomes EAGER; except for a
+        bucket no eager step has met, which is deferred."""
         graph = self._graph
-        graph.graph.copy_in(entry, tensors, samples, fill_padding=self._counts["captures"] == 0)
+        self._copy_in(bucket, tensors, samples)
         graph.plan_streams(self.model, self.streams, self._device)
+        sizes = self._layout.sizes
+        order = sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0))
+        for b in order:
+            entry = self._entry(b, kind)
+            if graph.graph.captured(entry) or (b in self._deferred
+                                               and (b != bucket or b not in self._met)):
+                continue  # a deferred bucket is captured once met, as the current bucket
+            try:
+                self._capture(entry, b, kind)
+            except NimbleError as failure:
+                if b not in self._met and self.buckets is not None:
+                    self._deferred[b] = str(failure).splitlines()[0]
+                    continue
+                self._capture_error = failure
+                for entries in self._launch_entry:
+                    entries[:] = [-1] * self.accumulate
+                self._enter(Phase.EAGER)
+                raise
+            self._deferred.pop(b, None)
+        self._refresh_launch_entries()
+        self._enter(Phase.REPLAY)
+
+    def _capture(self, entry: int, bucket: int, kind: tuple[bool, bool]) -> None:
+        """Captures one graph; on failure raises SyncError or CaptureError with the gradients
+        as they were (a capture runs nothing: the model and optimizer are unchanged)."""
+        graph = self._graph
         saved_grads = [p.grad for p in self._params]
         try:
             with self._update.lr_on_device(graph.update_values):
-                graph.capture(entry, lambda forward: self._capture_body(kind, forward),
+                graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
                               self._stream, self._sync.records)
-        except NimbleError as failure:
+        except NimbleError:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
-            self._capture_error = failure
-            self._launch_entry = [-1] * self.accumulate
-            self._enter(Phase.EAGER)
             raise
         if kind[1]:
             self._update.bake()
         self._counts["captures"] += 1
-        self._update.warn_if_recapturing_often(self._counts["captures"], self._counts["steps"],
-                                               self.warmup)
-        self._refresh_launch_entries()
-        self._enter(Phase.REPLAY)
+        self._captured_entries.add(entry)
+        recaptures = self._counts["captures"] - len(self._captured_entries)
+        self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)
 
-    def _capture_body(self, kind: tuple[bool, bool], forward) -> torch.Tensor:
+    def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
         zero, update = kind
         if zero and self._update.fused is not None:
             self._update.fused.zero_grad()  # inside: replays never accumulate gradients
         elif zero:
             # backward makes them in the graph; the graphs of a window share them
             self.optimizer.zero_grad(set_to_none=self.accumulate == 1)
-        loss = self._iteration.loss(self._graph.batch, self._template.batch_size,
+        loss = self._iteration.loss(self._graph.batches[bucket], self._template.batch_size,
                                     self._graph.valid, forward)
         weight, correction = self._graph.scales
         self._iteration.backward_and_update(loss, Call(zero, update, weight, correction))
@@ -432,6 +548,8 @@ class Step:
             "host_syncs_in_warmup": [str(r) for r in self._sync.records] if self._sync else [],
             "capture_error": None if self._capture_error is None else str(self._capture_error),
             "padding": self._padding,
+            "shape_buckets": self._bucket_stats(),
+            "evaluators": [e.stats() for e in self._evaluators],
             "world_size": sync.world.size if sync else 1,
             "buckets": sync.num_buckets if sync else 0,
             "optimizer_shards": sync.world.size if sync and sync.sharded else 1,
@@ -443,6 +561,23 @@ class Step:
             "ema_bytes": self._ema.nbytes if self._ema else None,
             **self._counts,
         }
+
+    def _bucket_stats(self) -> dict | None:
+        """Per bucket length: whether its graphs are captured, its replays and eager steps,
+        and why its capture waits, if it does. None without buckets."""
+        if self.buckets is None:
+            return None
+        sizes = self.buckets.sizes
+        graph = self._graph
+        out = {}
+        for b, size in enumerate(sizes):
+            replays, eager = self._bucket_counts[b] if self._bucket_counts else (0, 0)
+            entries = [e for (bucket, _), e in self._entry_of.items() if bucket == b]
+            out[size] = {
+                "captured": graph is not None and any(graph.graph.captured(e) for e in entries),
+                "replays": replays, "eager_steps": eager,
+                "deferred": self._deferred.get(b)}
+        return out
 
     @property
     def stepped(self) -> bool:
@@ -474,6 +609,29 @@ class Step:
     def load_ema_state_dict(self, state: dict) -> None:
         """Restores the EMA from ``ema_state_dict()`` (resuming a run)."""
         self._require_ema("load_ema_state_dict").load_state_dict(state)
+
+    def evaluator(self, fn: Callable[[torch.nn.Module, Any], Any]) -> Evaluator:
+        """An evaluation step: ``ev = step.evaluator(fn)``, then ``out = ev(batch)`` runs
+        ``fn(model, batch)`` (a tensor or a dict of tensors, e.g. the number of correct
+        predictions and the summed loss) with the model in eval mode, autograd off and the
+        Step's autocast; the model's modes are restored after each call. Once the Step replays,
+        it is captured into the Step's pool (a graph per bucket) and replayed; the outputs are
+        new device tensors (sum them on the device: no host sync per batch). The weights are
+        the training ones, by address (no copies): inside :meth:`ema_weights`, the EMA's.
+        A short batch, calls before capture and the CPU run eagerly, with the same semantics."""
+        self._require_open("evaluator")
+        evaluator = Evaluator(self, fn)
+        self._evaluators.append(evaluator)
+        return evaluator
+
+    def _require_open(self, what: str) -> None:
+        if self._phase is Phase.CLOSED:
+            raise NimbleError(f"Step.{what}: this Step was closed (Step.close() released its "
+                              "graphs); make a new nt.Step")
+
+    def _replaying_graph(self) -> CapturedStep | None:
+        """The step graph while the Step replays (its parameters keep their addresses)."""
+        return self._graph if self._phase is Phase.REPLAY else None
 
     def _require_ema(self, what: str) -> EMA:
         if self._ema is None:

@@ -3,8 +3,11 @@
 //
 // A batch with fewer samples than the first (a short last batch) fills the leading rows of the
 // batched leaves (dimension 0); the other rows keep an earlier batch's samples, which are real,
-// finite data, and the step masks them out of the loss. Checks raise BatchMismatch with a
-// message that names the leaf, what was expected, what was seen and the fix.
+// finite data, and the step masks them out of the loss. A leaf with a varying dimension (a
+// shape bucket's sequence length) may be shorter there than its buffer: it fills the leading
+// positions and the rest of each row is set to the leaf's pad value (attention mask 0, label
+// -100), which the model masks. Checks raise BatchMismatch with a message that names the leaf,
+// what was expected, what was seen and the fix.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -30,6 +33,8 @@ struct LeafSpec {
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
   bool batched = false;          // dimension 0 is the batch
+  int64_t vary_dim = -1;         // a dimension that may be shorter than `sizes` (-1: none)
+  double pad_value = 0;          // what fills the rest of `vary_dim`
 };
 
 class StaticInputs {
@@ -37,10 +42,12 @@ class StaticInputs {
   explicit StaticInputs(std::vector<LeafSpec> specs);  // allocates the buffers
 
   // The number of samples in `leaves` (the tensor leaves of a batch, in template order), or
-  // BatchMismatch. A batch without batched leaves has batch_size() samples.
+  // BatchMismatch. A batch without batched leaves has batch_size() samples. Every leaf with a
+  // varying dimension must have the same length there, at least 1 and at most the buffer's.
   int64_t check(const std::vector<at::Tensor>& leaves) const;
   // Copies checked leaves in on the current stream. fill_padding: rows past `samples` get
-  // copies of the first sample (for the first batch, whose padding holds nothing yet).
+  // copies of the first sample (for the first batch, whose padding holds nothing yet). Leaves
+  // shorter along their varying dimension are padded with their pad value there.
   void copy_in(const std::vector<at::Tensor>& leaves, int64_t samples, bool fill_padding = false);
 
   const std::vector<at::Tensor>& buffers() const { return buffers_; }

@@ -19,6 +19,7 @@ struct StepGraph::Entry {
   StaticInputs& inputs;
   std::unique_ptr<TorchGraph> graph;  // set while capturing and once captured
   bool captured = false;
+  bool staged = true;  // the graph fetches a slot of the ring first
   int64_t nodes = -1;
 };
 
@@ -116,7 +117,7 @@ void StepGraph::stage_eager(int64_t samples, const std::vector<float>& values) {
   ring_.launched();
 }
 
-void StepGraph::begin_capture(int64_t index) {
+void StepGraph::begin_capture(int64_t index, bool staged) {
   Entry& e = entry(index);
   NT_CHECK(capturing_ < 0, "StepGraph.begin_capture: entry ", capturing_,
            " is being captured already");
@@ -127,6 +128,7 @@ void StepGraph::begin_capture(int64_t index) {
   e.graph.reset();
   e.captured = false;
   e.nodes = -1;
+  e.staged = staged;
   e.graph = std::make_unique<TorchGraph>();
   try {
     e.graph->capture_begin(pool_->id(), cudaStreamCaptureModeThreadLocal);
@@ -136,6 +138,7 @@ void StepGraph::begin_capture(int64_t index) {
     throw;
   }
   capturing_ = index;
+  if (!staged) return;
   try {
     ring_.fetch();  // the graph's first node: every replay fetches its own slot
   } catch (...) {
@@ -186,6 +189,14 @@ void StepGraph::launch(int64_t index, const std::vector<at::Tensor>& leaves,
   Entry& e = entry(index);
   NT_CHECK(e.captured, "StepGraph.launch: entry ", index, " has no captured graph");
   const int64_t samples = e.inputs.check(leaves);  // before staging: nothing to undo
+  if (!e.staged) {
+    NT_CHECK(values.empty(), "StepGraph.launch: entry ", index, " reads no staged values; got ",
+             values.size());
+    const c10::cuda::CUDAGuard guard(device_);
+    e.inputs.copy_in(leaves, samples);
+    e.graph->replay();
+    return;
+  }
   ring_.stage(slot_values(samples, values));
   try {
     inject(LaunchFault::kAfterStaging);

@@ -71,11 +71,13 @@ class StepGraph {
 
   // Capture of `entry`'s graph on the current stream (not the default stream), thread-local
   // mode, into the shared pool; the fetch is its first node. The step's work goes between.
-  void begin_capture(int64_t entry);
+  // staged=false: a graph that reads no staged value (an evaluation step) has no fetch, and
+  // its launches leave the ring alone (their `values` must be empty).
+  void begin_capture(int64_t entry, bool staged = true);
   CaptureResult end_capture();      // on failure the capture is abandoned
   CaptureResult abandon_capture();  // the step's own code failed while capturing
 
-  // The replay path (see above). values: [num_values].
+  // The replay path (see above). values: [num_values], or [] for an entry captured unstaged.
   void launch(int64_t entry, const std::vector<at::Tensor>& leaves,
               const std::vector<float>& values);
 

@@ -22,31 +22,39 @@ namespace {
 
 using capture::LeafSpec;
 
-// (path, example tensor, strides, batched) per tensor leaf: the example gives sizes, dtype and
-// device (the first batch's leaf), strides the static buffer's layout.
-using LeafTuple = std::tuple<std::string, at::Tensor, std::vector<int64_t>, bool>;
+// (path, example tensor, strides, batched[, vary_dim, pad_value]) per tensor leaf: the example
+// gives sizes, dtype and device (the first batch's leaf), strides the static buffer's layout.
+using LeafTuple = py::tuple;
 
 std::vector<LeafSpec> leaf_specs(const std::vector<LeafTuple>& leaves) {
   std::vector<LeafSpec> specs;
   specs.reserve(leaves.size());
-  for (const auto& [path, example, strides, batched] : leaves) {
+  for (const py::tuple& leaf : leaves) {
+    NT_CHECK(leaf.size() == 4 || leaf.size() == 6, "a leaf spec is (path, example, strides, "
+             "batched[, vary_dim, pad_value]); got a tuple of ", leaf.size());
+    const auto example = leaf[1].cast<at::Tensor>();
     LeafSpec spec;
-    spec.path = path;
+    spec.path = leaf[0].cast<std::string>();
     spec.sizes = example.sizes().vec();
-    spec.strides = strides;
+    spec.strides = leaf[2].cast<std::vector<int64_t>>();
     spec.dtype = example.scalar_type();
     spec.device = example.device();
-    spec.batched = batched;
+    spec.batched = leaf[3].cast<bool>();
+    if (leaf.size() == 6) {
+      spec.vary_dim = leaf[4].cast<int64_t>();
+      spec.pad_value = leaf[5].cast<double>();
+    }
     specs.push_back(std::move(spec));
   }
   return specs;
 }
 
 const char* const kLeavesDoc =
-    "leaves: one (path, example, strides, batched) per tensor leaf of the batch, in flattening "
-    "order: path names it in messages (\"batch[0]\"), example is the first batch's tensor (its "
-    "sizes, dtype and device), strides the static buffer's layout, batched whether dimension 0 "
-    "is the batch.";
+    "leaves: one (path, example, strides, batched[, vary_dim, pad_value]) per tensor leaf of the "
+    "batch, in flattening order: path names it in messages (\"batch[0]\"), example is a tensor "
+    "of the buffer's sizes, dtype and device, strides the static buffer's layout, batched whether "
+    "dimension 0 is the batch, vary_dim a dimension along which a batch may be shorter (padded "
+    "with pad_value; -1: none).";
 
 void bind_staging(py::module_& m) {
   using capture::StagingRing;
@@ -152,9 +160,9 @@ void bind_step_graph(py::module_& m) {
            "For an eager step that reads current: stages [samples, values...] and fetches it "
            "now, on the current stream.")
       .def("begin_capture", &StepGraph::begin_capture, py::arg("entry"),
-           py::call_guard<py::gil_scoped_release>(),
+           py::arg("staged") = true, py::call_guard<py::gil_scoped_release>(),
            "Starts capturing the entry's graph on the current (side) stream; the fetch is its "
-           "first node.")
+           "first node (staged=False: none, for a graph that reads no staged value).")
       .def("end_capture", &StepGraph::end_capture, py::call_guard<py::gil_scoped_release>(),
            "Ends and instantiates the capture; a failed one is abandoned. Returns a "
            "CaptureResult.")

@@ -117,6 +117,57 @@ TEST(StaticInputs, NamesDtypesAsPythonPrintsThem) {
   EXPECT_EQ(torch_dtype_name(at::kBool), "torch.bool");
 }
 
+// A shape bucket: ids and labels [4, 8] that may be shorter along dimension 1 (labels padded
+// with -100), and per-sample scores [4] that do not vary.
+StaticInputs bucket_inputs() {
+  LeafSpec ids = spec("batch['ids']", {4, 8}, at::kLong, true);
+  LeafSpec labels = spec("batch['labels']", {4, 8}, at::kLong, true);
+  ids.vary_dim = labels.vary_dim = 1;
+  labels.pad_value = -100;
+  return StaticInputs({ids, labels, spec("batch['score']", {4}, at::kFloat, true)});
+}
+
+TEST(StaticInputs, ABucketTakesAnyLengthUpToItsOwn) {
+  const StaticInputs inputs = bucket_inputs();
+  EXPECT_EQ(inputs.check({at::ones({4, 3}, at::kLong), at::ones({4, 3}, at::kLong),
+                          at::ones({4})}), 4);
+  EXPECT_EQ(inputs.check({at::ones({2, 8}, at::kLong), at::ones({2, 8}, at::kLong),
+                          at::ones({2})}), 2);
+  EXPECT_EQ(mismatch_of(inputs, {at::ones({4, 9}, at::kLong), at::ones({4, 9}, at::kLong),
+                                 at::ones({4})}),
+            "batch['ids'] has length 9 along dimension 1; this bucket holds 1 to 8 (got a tensor "
+            "of shape (4, 9), torch.int64, on cpu).");
+  EXPECT_EQ(mismatch_of(inputs, {at::ones({4, 3}, at::kLong), at::ones({4, 5}, at::kLong),
+                                 at::ones({4})}),
+            "batch['labels'] has length 5 along dimension 1 but batch['ids'] has 3; every entry "
+            "that varies along dimension 1 must have the same length (pad them together).");
+  EXPECT_NE(mismatch_of(inputs, {at::ones({4}, at::kLong), at::ones({4, 5}, at::kLong),
+                                 at::ones({4})}).find("must be a tensor of shape (N<=4, L<=8)"),
+            std::string::npos);
+}
+
+TEST(StaticInputs, AShorterBatchIsPaddedWithEachLeafsPadValue) {
+  StaticInputs inputs = bucket_inputs();
+  const at::Tensor ids = at::arange(1, 13, at::kLong).view({4, 3});
+  inputs.copy_in({ids, ids + 100, at::ones({4})}, 4);
+  const auto& buffers = inputs.buffers();
+  EXPECT_TRUE(buffers[0].narrow(1, 0, 3).equal(ids));
+  EXPECT_TRUE(buffers[0].narrow(1, 3, 5).eq(0).all().item<bool>());
+  EXPECT_TRUE(buffers[1].narrow(1, 0, 3).equal(ids + 100));
+  EXPECT_TRUE(buffers[1].narrow(1, 3, 5).eq(-100).all().item<bool>());
+  // A short batch of another length: its rows padded, the other rows as they were.
+  inputs.copy_in({ids.narrow(0, 0, 2).narrow(1, 0, 2), ids.narrow(0, 0, 2).narrow(1, 0, 2),
+                  at::zeros({2})}, 2);
+  EXPECT_TRUE(buffers[1].narrow(0, 0, 2).narrow(1, 2, 6).eq(-100).all().item<bool>());
+  EXPECT_TRUE(buffers[0].narrow(0, 2, 2).narrow(1, 0, 3).equal(ids.narrow(0, 2, 2)));
+}
+
+TEST(StaticInputs, RefusesAVaryingDimensionALeafLacks) {
+  LeafSpec ids = spec("batch['ids']", {4, 8}, at::kLong, true);
+  ids.vary_dim = 2;
+  EXPECT_THROW(StaticInputs({ids}), std::exception);
+}
+
 TEST(StagingRingCpu, FetchesEachLaunchsValuesAndRollsBack) {
   StagingRing ring(3, at::Device(at::kCPU), 4);
   for (int64_t launch = 0; launch < 9; ++launch) {

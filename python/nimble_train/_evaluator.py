@@ -1,0 +1,190 @@
+"""step.evaluator(fn): an evaluation step, captured into the Step's pool and replayed.
+
+``ev = step.evaluator(fn)``; ``out = ev(batch)`` runs ``fn(model, batch)`` with the model in
+eval mode (every module's own mode restored after), autograd off and the Step's autocast, and
+returns its tensor or dict of tensors. Once the Step replays its training graphs (its
+parameters then keep their addresses: flat buffers or the user's tensors), the evaluator
+captures ``fn`` into the Step's private pool, a graph per bucket (all of them at its first
+call, largest first, as training does), and each later full batch is a copy-in and one replay.
+The graph reads the weights where training writes them: no copies, and inside
+``step.ema_weights()`` it evaluates the EMA weights.
+
+The outputs are fresh device tensors (copies of the graph's outputs, which the next replay
+overwrites), so they can be summed on the device or kept; nothing waits for the device. A
+batch with fewer samples than the evaluator's first (the last one of a validation set), the
+calls before the Step replays, and the CPU run eagerly with the same semantics (with buckets,
+on the batch padded to its bucket). A bucket whose capture fails runs eagerly once (cuDNN or a
+compiler meets its shapes) and is captured again; failing then, it stays eager, with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable
+
+import torch
+
+from . import _options
+from ._batch import BatchTemplate
+from ._buckets import BucketLayout
+from ._extension import _C
+from .errors import NimbleError
+
+
+class Evaluator:
+    """An evaluation step of a Step's model (see the module's docstring)."""
+
+    def __init__(self, step, fn: Callable[[torch.nn.Module, Any], Any]):
+        if not callable(fn):
+            raise TypeError(f"step.evaluator(fn): fn must be callable as fn(model, batch) and "
+                            f"return a tensor or a dict of tensors; got {fn!r}")
+        self._step, self.fn = step, fn
+        self._template: BatchTemplate | None = None
+        self._layout: BucketLayout | None = None
+        self._inputs: list | None = None   # per bucket _C.StaticInputs for eager calls
+        self._entries: list[int | None] = []  # per bucket its graph's entry in the Step's graph
+        self._met: set[int] = set()          # buckets an eager call ran on
+        self._failed: dict[int, str] = {}    # buckets whose capture failed: why
+        self.counts = {"replays": 0, "eager": 0, "captures": 0}
+
+    def __call__(self, batch: Any) -> Any:
+        step = self._step
+        step._require_open("evaluator")
+        if self._template is None:
+            self._start(batch)
+        template = self._template
+        tensors = template.tensors(batch)
+        bucket = self._layout.bucket(tensors)
+        samples = self._check(tensors, bucket)
+        graph = step._replaying_graph()
+        if graph is not None and samples == template.batch_size:
+            entry = self._captured_entry(graph, bucket)
+            if entry is not None:
+                graph.graph.launch(entry, tensors, [])
+                self.counts["replays"] += 1
+                return _copied(graph.outputs[entry])
+        return self._eager(batch, tensors, bucket, samples)
+
+    def stats(self) -> dict:
+        sizes = self._layout.sizes if self._layout else ()
+        graph = self._step._graph
+        captured = [sizes[b] for b, e in enumerate(self._entries)
+                    if e is not None and graph is not None and graph.graph.captured(e)]
+        return {**self.counts, "graphs": len(captured), "captured_buckets": captured,
+                "eager_buckets": {sizes[b]: why for b, why in self._failed.items()}}
+
+    # ------------------------------------------------------------------ internals
+
+    def _start(self, batch: Any) -> None:
+        if not isinstance(batch, (tuple, list, dict)):
+            raise TypeError("an evaluation batch must be a tuple/list or a dict of tensors, "
+                            f"as fn(model, batch) takes it; got {type(batch).__name__}")
+        template = _options.check_devices(BatchTemplate(batch), self._step._device)
+        layout = BucketLayout(template, self._step.buckets)
+        self._template, self._layout = template, layout
+        self._inputs = [_C.StaticInputs(layout.specs(b)) for b in range(len(layout.sizes))]
+        self._entries = [None] * len(layout.sizes)
+
+    def _check(self, tensors: list, bucket: int) -> int:
+        try:
+            return self._inputs[bucket].check(tensors)
+        except TypeError:
+            self._template.explain_non_tensors(tensors)
+            raise
+
+    def _eager(self, batch: Any, tensors: list, bucket: int, samples: int) -> Any:
+        if self._step.buckets is not None:  # the padded batch the bucket's graph sees
+            inputs = self._inputs[bucket]
+            inputs.copy_in(tensors, samples)
+            buffers = inputs.buffers
+            if samples < self._template.batch_size:
+                buffers = [b.narrow(0, 0, samples) if leaf.batched else b
+                           for b, leaf in zip(buffers, self._template.tensor_leaves)]
+            batch = self._template.unflatten(buffers)
+        out = self._run(batch)
+        self.counts["eager"] += 1
+        self._met.add(bucket)
+        return out
+
+    def _run(self, batch: Any) -> Any:
+        step = self._step
+        with evaluating(step.model), torch.no_grad(), step._iteration._autocast():
+            out = self.fn(step.model, batch)
+        return _checked(out)
+
+    def _captured_entry(self, graph, bucket: int) -> int | None:
+        """The bucket's captured graph, capturing every bucket's not yet tried (largest
+        first) when this one has none; None when the bucket runs eagerly for now."""
+        entry = self._entries[bucket]
+        if entry is not None and graph.graph.captured(entry):
+            return entry
+        sizes = self._layout.sizes
+        for b in sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0)):
+            e = self._entries[b]
+            if (e is not None and graph.graph.captured(e)) or (
+                    b in self._failed and (b != bucket or b not in self._met
+                                           or self._failed[b].startswith("eager:"))):
+                continue
+            self._capture(graph, b)
+        entry = self._entries[bucket]
+        return entry if entry is not None and graph.graph.captured(entry) else None
+
+    def _capture(self, graph, bucket: int) -> None:
+        step = self._step
+        if self._entries[bucket] is None:
+            self._entries[bucket] = graph.add_unplanned_entry(self._layout.specs(bucket))
+        entry = self._entries[bucket]
+        static = self._template.unflatten(graph.graph.inputs(entry))
+        try:
+            graph.capture_unplanned(entry, lambda: self._run(static), step._stream,
+                                    step._sync.records)
+        except NimbleError as failure:
+            cause = str(failure).splitlines()[0]
+            if bucket in self._met:  # it failed after an eager call met its shapes too
+                self._failed[bucket] = "eager: " + cause
+                size = self._layout.sizes[bucket]
+                warnings.warn(
+                    "step.evaluator: capturing fn failed" + (f" for bucket {size}" if size
+                                                             else "") +
+                    f", so it runs eagerly (correct, at eager speed). Keep fn free of host "
+                    f"synchronisations (.item(), printing) to have it captured. {cause}",
+                    stacklevel=4)
+            else:
+                self._failed[bucket] = cause  # an eager call first, then once more
+            return
+        self._failed.pop(bucket, None)
+        self.counts["captures"] += 1
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module):
+    """The model in eval mode for the block; every module's own mode back after it."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _checked(out: Any) -> Any:
+    tensors = out.values() if isinstance(out, dict) else [out]
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(
+            "step.evaluator(fn): fn(model, batch) must return a tensor or a dict of tensors "
+            f"(e.g. {{'correct': ..., 'loss_sum': ...}}); got {_kind(out)}")
+    return out
+
+
+def _kind(out: Any) -> str:
+    if isinstance(out, dict):
+        return "a dict with " + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in out.items())
+    return type(out).__name__
+
+
+def _copied(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    return {key: value.clone() for key, value in out.items()}
