@@ -95,8 +95,8 @@ def bert_config(size: str = "base", **overrides):
         raise ValueError(f"BERT size must be one of {BERT_SIZES}; got {size!r}")
     # pad_token_id=None: the synthetic sequences have no padding, and without a pad id
     # transformers never inspects input_ids on the host to warn about a missing mask.
-    return transformers.BertConfig(max_position_embeddings=512, pad_token_id=None,
-                                   **{**shape, **overrides})
+    return transformers.BertConfig(**{"max_position_embeddings": 512, "pad_token_id": None,
+                                      **shape, **overrides})
 
 
 def bert_model(size: str = "base", device: torch.device | str = "cpu", **overrides):
