@@ -4,7 +4,9 @@ lines, checkpoints and the one-line summary.
 A recipe (cifar10.py, bert.py) supplies the model, optimizer, scheduler, the batches of an
 epoch and an evaluation; ``fit`` runs the epochs. Losses stay on the device: they are summed
 there and read back only every --log-every steps (each read is one host sync), so the
-captured step is never held up by the host.
+captured step is never held up by the host. Evaluation does the same: an evaluation step
+(``step.evaluator`` under nt.Step, the plain eager one otherwise) returns device counts, which
+are summed on the device and read back once.
 
 A checkpoint holds everything the next steps depend on: the weights, the optimizer, the
 scheduler, the steps done (which fix the data order), every rank's random-number state
@@ -24,7 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -245,18 +247,20 @@ def autocast(device: torch.device, amp: str | None):
 
 def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.device,
                     amp: str | None, streams, warmup: int, grad_clip: float | None,
-                    capture: bool, compile_model: bool = False
-                    ) -> Callable[[Any], torch.Tensor]:
+                    capture: bool, compile_model: bool = False,
+                    buckets: nt.Buckets | None = None) -> Callable[[Any], torch.Tensor]:
     """One training step in `mode`; returns the mean loss of the batch as a device tensor.
 
     eager and compile run the plain loop (zero_grad, forward, backward, clip, step) with the
     model itself or torch.compile(model); fp16 there uses torch's GradScaler. step is nt.Step,
-    over torch.compile(model) with compile_model.
+    over torch.compile(model) with compile_model, padding variable-length batches to `buckets`
+    (the plain loop takes each batch as it comes).
     """
     if mode == "step":
         forward = torch.compile(model) if compile_model else model
         return nt.Step(forward, optimizer, loss_fn, streams=1 if compile_model else streams,
-                       warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture)
+                       warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture,
+                       buckets=buckets)
     forward = torch.compile(model) if mode == "compile" else model
     return PlainStep(forward, optimizer, loss_fn, device=device, amp=amp, grad_clip=grad_clip)
 
@@ -302,6 +306,54 @@ def loss_scaler(train_step):
         update = train_step._update
         return update.scaler if update.scaler is not None else update.grad_scaler
     return getattr(train_step, "scaler", None)
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+class EagerEvaluator:
+    """The plain loop's evaluation step (--mode eager, compile): ``fn(model, batch)`` in eval
+    mode, without autograd, under the run's autocast; every module's own mode back after. It
+    keeps the contract of nt.Step's ``step.evaluator(fn)``, which captures the same call."""
+
+    def __init__(self, model, fn: Callable[[Any, Any], dict], *, device: torch.device,
+                 amp: str | None):
+        self.model, self.fn, self.device, self.amp = model, fn, device, amp
+
+    def __call__(self, batch) -> dict:
+        modes = [(m, m.training) for m in self.model.modules()]
+        self.model.eval()
+        try:
+            with torch.no_grad(), autocast(self.device, self.amp):
+                return self.fn(self.model, batch)
+        finally:
+            for m, training in modes:
+                m.training = training
+
+
+def make_evaluator(train_step, model, fn: Callable[[Any, Any], dict], *, device: torch.device,
+                   amp: str | None) -> Callable[[Any], dict]:
+    """An evaluation step running ``fn(model, batch) -> {name: device count}``: nt.Step's
+    ``evaluator`` (captured into the step's pool once the step replays, each batch padded to its
+    bucket), or the eager one for the plain loop (which evaluates the model itself, not
+    torch.compile's wrapper, as it always has)."""
+    if isinstance(train_step, nt.Step):
+        return train_step.evaluator(fn)
+    return EagerEvaluator(model, fn, device=device, amp=amp)
+
+
+def evaluate_counts(evaluator: Callable[[Any], dict], batches: Iterable) -> dict[str, float]:
+    """The evaluator's outputs summed over `batches`: the sums stay on the device and are read
+    back together at the end (one host sync); empty when there are no batches."""
+    sums: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        for name, value in evaluator(batch).items():
+            sums[name] = sums[name] + value if name in sums else value
+    if not sums:
+        return {}
+    # float64 holds every count below 2^53 exactly
+    values = torch.stack([v.to(torch.float64) for v in sums.values()]).tolist()
+    return dict(zip(sums, values))
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -488,13 +540,16 @@ def _must_fit(path: str, what: str):
 
 
 def load_checkpoint(path: str, *, recipe: str, model, optimizer, scheduler, train_step,
-                    config: dict, device: torch.device, job: Job) -> int:
+                    config: dict, device: torch.device, job: Job,
+                    config_defaults: dict | None = None) -> int:
     """Restores a checkpoint in place (this rank's random-number state, and the loss scale
-    into the train step's scaler); returns the steps done."""
+    into the train step's scaler); returns the steps done. `config_defaults`: the values of
+    options that older checkpoints do not record (they were written before the option)."""
     state = read_checkpoint(path, recipe, map_location=device)
+    defaults = config_defaults or {}
     for key, value in config.items():
-        if state["config"].get(key) != value:
-            saved = state["config"].get(key)
+        saved = state["config"].get(key, defaults.get(key))
+        if saved != value:
             raise SystemExit(f"--resume {path}: the checkpoint has {key}={saved!r} but this run "
                              f"asks for {key}={value!r}; pass the same options")
     with _must_fit(path, "model"):
@@ -537,7 +592,8 @@ class Progress:
 
     Throughput counts only training time (evaluation and checkpoints excluded). The summary's
     steady-state rate starts after the first `skip` steps of the run, which hold the warm-up,
-    the capture or the compilation.
+    the capture or the compilation. Variable-length batches also count their real tokens
+    (padding excluded), which the host gives with each step.
     """
 
     device: torch.device
@@ -552,9 +608,13 @@ class Progress:
     last_count: int = 0                 # steps in that interval
     interval_start: float = 0.0
     interval_steps: int = 0
+    interval_tokens: int = 0
     train_seconds: float = 0.0          # all training time of this run
+    train_tokens: int = 0
     steady_seconds: float = 0.0         # after the first `skip` steps
     steady_steps: int = 0
+    steady_tokens: int = 0
+    counts_tokens: bool = False         # whether the steps give their tokens
 
     def __post_init__(self):
         self.total = torch.zeros((), dtype=torch.float64, device=self.device)  # no drift
@@ -567,28 +627,42 @@ class Progress:
     def resume_clock(self) -> None:
         self._sync()
         self.interval_start = time.perf_counter()
-        self.interval_steps = 0
+        self.interval_steps = self.interval_tokens = 0
 
-    def _close_interval(self) -> float:
+    def _close_interval(self) -> tuple[float, float]:
+        """Ends the timed interval; its samples/s and real tokens/s."""
         self._sync()
         now = time.perf_counter()
         seconds = now - self.interval_start
         self.train_seconds += seconds
+        self.train_tokens += self.interval_tokens
         if self.steps - self.interval_steps >= self.skip:  # the interval is past the skip
             self.steady_seconds += seconds
             self.steady_steps += self.interval_steps
+            self.steady_tokens += self.interval_tokens
         self.interval_start = now
-        elapsed_steps, self.interval_steps = self.interval_steps, 0
-        return elapsed_steps / seconds * self.batch if seconds > 0 else float("nan")
+        steps, tokens = self.interval_steps, self.interval_tokens
+        self.interval_steps = self.interval_tokens = 0
+        if seconds <= 0:
+            return float("nan"), float("nan")
+        return steps / seconds * self.batch, tokens / seconds
 
-    def update(self, loss: torch.Tensor, describe: Callable[[], str]) -> None:
+    def update(self, loss: torch.Tensor, describe: Callable[[], str],
+               tokens: int | None = None) -> None:
+        """One step's loss (a device tensor) and, for variable-length batches, its real tokens
+        over every rank (a host int)."""
         self.total += loss.detach().float()  # a device add: no host sync
         self.steps += 1
         self.interval_steps += 1
+        if tokens is not None:
+            self.counts_tokens = True
+            self.interval_tokens += tokens
         if self.steps % self.every == 0:
-            rate = self._close_interval()
+            rate, token_rate = self._close_interval()
             mean = self.read_back()
-            print(f"{describe()}  loss {mean:.4f}  {rate:,.0f} samples/s", flush=True)
+            rates = f"{rate:,.0f} samples/s" + (f"  {token_rate:,.0f} real tokens/s"
+                                               if self.counts_tokens else "")
+            print(f"{describe()}  loss {mean:.4f}  {rates}", flush=True)
         elif self.steps == self.skip:
             self._close_interval()  # a silent boundary: what follows is steady state
 
@@ -605,11 +679,23 @@ class Progress:
         """Before evaluation or a checkpoint: closes the timed interval."""
         self._close_interval()
 
+    def _steady(self) -> tuple[float, int, int]:
+        """Seconds, steps and tokens of the steady state; of the whole run when it was too
+        short to have one."""
+        if self.steady_steps == 0:
+            return self.train_seconds, self.steps, self.train_tokens
+        return self.steady_seconds, self.steady_steps, self.steady_tokens
+
     def samples_per_s(self) -> float:
-        seconds, steps = self.steady_seconds, self.steady_steps
-        if steps == 0:  # a run too short to have a steady state: all of it
-            seconds, steps = self.train_seconds, self.steps
+        seconds, steps, _ = self._steady()
         return steps * self.batch / seconds if seconds > 0 else float("nan")
+
+    def tokens_per_s(self) -> float | None:
+        """Real (non-padding) tokens per second, None when the steps count no tokens."""
+        if not self.counts_tokens:
+            return None
+        seconds, _, tokens = self._steady()
+        return tokens / seconds if seconds > 0 else float("nan")
 
 
 @dataclass
@@ -619,10 +705,12 @@ class Result:
     train_loss: float
     accuracy: float | None  # None: evaluation skipped (--eval-samples 0)
     samples_per_s: float
+    tokens_per_s: float | None = None  # real tokens (padding excluded); None: not counted
 
 
 def resume(args, *, recipe: str, model, optimizer, scheduler, train_step, config: dict,
-           device: torch.device, steps_per_epoch: int, job: Job | None = None) -> int:
+           device: torch.device, steps_per_epoch: int, job: Job | None = None,
+           config_defaults: dict | None = None) -> int:
     """--resume: restores the checkpoint (after the train step is made: its loss scaler takes
     the saved scale) and says where training goes on; returns the steps already done (0
     without --resume)."""
@@ -630,7 +718,7 @@ def resume(args, *, recipe: str, model, optimizer, scheduler, train_step, config
         return 0
     step = load_checkpoint(args.resume, recipe=recipe, model=model, optimizer=optimizer,
                            scheduler=scheduler, train_step=train_step, config=config,
-                           device=device, job=job or Job())
+                           device=device, job=job or Job(), config_defaults=config_defaults)
     print(f"resumed {args.resume} at step {step} (epoch {step / steps_per_epoch:.3g})")
     return step
 
@@ -642,14 +730,17 @@ def _accuracy_text(accuracy: float | None) -> str:
 def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
         epoch_batches: Callable[[int], Iterable], steps_per_epoch: int,
         evaluate: Callable[[], float] | None, device: torch.device, start_step: int,
-        config: dict, job: Job | None = None) -> Result:
+        config: dict, job: Job | None = None,
+        epoch_tokens: Callable[[int], Sequence[int]] | None = None) -> Result:
     """Trains from step `start_step` to the end of args.epochs (or for args.steps steps),
     evaluating (unless `evaluate` is None) and checkpointing after every epoch and where
     --steps stops the run.
 
     Every epoch has `steps_per_epoch` batches in an order fixed by its number, so the step
     count alone says where training stands: a run resumed in the middle of an epoch skips the
-    batches already seen and continues exactly.
+    batches already seen and continues exactly. `epoch_tokens(epoch)`, for variable-length
+    batches: the real tokens of each of the epoch's steps over every rank, known on the host
+    (counting them on the device would cost a sync a step); the rates then count tokens too.
     """
     job = job or Job()
     progress = Progress(device=device, batch=args.batch * job.world_size, every=args.log_every,
@@ -658,6 +749,7 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
     cap = args.steps if args.steps is not None else math.inf
     while step_count < args.epochs * steps_per_epoch and progress.steps < cap:
         epoch, seen = divmod(step_count, steps_per_epoch)
+        tokens = epoch_tokens(epoch) if epoch_tokens is not None else None
         model.train()
         for i, batch in enumerate(epoch_batches(epoch)):
             if i < seen:
@@ -668,7 +760,8 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
             scheduler.step()
             step_count += 1
             progress.update(loss, lambda: (f"epoch {epoch + 1} step {i + 1}/{steps_per_epoch}"
-                                           f"  lr {optimizer.param_groups[0]['lr']:.3g}"))
+                                           f"  lr {optimizer.param_groups[0]['lr']:.3g}"),
+                            tokens=None if tokens is None else int(tokens[i]))
         progress.pause()
         train_loss = progress.read_back()
         accuracy = evaluate() if evaluate is not None else None
@@ -692,29 +785,45 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
         accuracy = evaluate()  # nothing left to train (a resumed, finished run): still evaluate
     return Result(epochs_done=step_count / steps_per_epoch, steps_done=step_count,
                   train_loss=progress.last_mean, accuracy=accuracy,
-                  samples_per_s=progress.samples_per_s())
+                  samples_per_s=progress.samples_per_s(), tokens_per_s=progress.tokens_per_s())
 
 
 def describe_step(train_step) -> str | None:
-    """One line on what nt.Step did (captured or not, replays, eager steps), else None."""
+    """What nt.Step did (captured or not, replays, eager steps; per shape bucket; its
+    evaluators), one line each, else None."""
     if not isinstance(train_step, nt.Step):
         return None
     s = train_step.stats()
     if not s.get("captured"):
         why = s.get("capture_error") or "capture is off, or the model is not on a CUDA device"
-        return f"nt.Step: {s.get('eager_steps')} eager steps, no graph ({why})"
-    return (f"nt.Step: captured, {s.get('replays')} graph replays and {s.get('eager_steps')} "
-            f"eager steps, {s.get('streams')} stream(s), {s.get('graph_nodes')} graph nodes, "
-            f"pool {(s.get('pool_bytes') or 0) / 2**20:.0f} MiB")
+        lines = [f"nt.Step: {s.get('eager_steps')} eager steps, no graph ({why})"]
+    else:
+        lines = [f"nt.Step: captured, {s.get('replays')} graph replays and "
+                 f"{s.get('eager_steps')} eager steps, {s.get('streams')} stream(s), "
+                 f"{s.get('graph_nodes')} graph nodes, pool "
+                 f"{(s.get('pool_bytes') or 0) / 2**20:.0f} MiB"]
+    if s.get("shape_buckets"):
+        lines.append("nt.Step buckets: " + ", ".join(
+            f"{size} ({'captured, ' if b['captured'] else ''}{b['replays']} replays, "
+            f"{b['eager_steps']} eager)" for size, b in s["shape_buckets"].items()))
+    for e in s.get("evaluators") or []:
+        buckets = [str(size) for size in e["captured_buckets"] if size is not None]
+        where = f" (buckets {', '.join(buckets)})" if buckets else ""
+        lines.append(f"step.evaluator: {e['graphs']} graph(s){where}, {e['replays']} replays, "
+                     f"{e['eager']} eager calls")
+    return "\n".join(lines)
 
 
 def summary(recipe: str, args, model_name: str, result: Result, extra: str = "") -> str:
-    """The run's one-line result; samples/s is the steady-state training rate."""
+    """The run's one-line result; samples/s (and for variable-length batches real_tokens/s,
+    padding excluded) is the steady-state training rate."""
     accuracy = "skipped" if result.accuracy is None else f"{result.accuracy:.4f}"
+    tokens = ("" if result.tokens_per_s is None
+              else f" real_tokens_per_s={result.tokens_per_s:.0f}")
     return (f"summary: {recipe} mode={args.mode} model={model_name} "
             f"epochs={result.epochs_done:.3g} steps={result.steps_done} "
             f"train_loss={result.train_loss:.4f} test_accuracy={accuracy} "
-            f"samples_per_s={result.samples_per_s:.0f}" + (f" {extra}" if extra else ""))
+            f"samples_per_s={result.samples_per_s:.0f}{tokens}" + (f" {extra}" if extra else ""))
 
 
 def describe_run(device: torch.device, args, amp) -> str:

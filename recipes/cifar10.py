@@ -262,8 +262,10 @@ def main(argv=None) -> int:
             start = i * span + job.rank * args.batch
             yield x[start:start + args.batch], y[start:start + args.batch]
 
+    evaluator = _train.make_evaluator(train_step, model, count_correct, device=device, amp=amp)
+
     def evaluate() -> float:
-        return evaluate_accuracy(model, dataset, device, amp, args.eval_samples)
+        return evaluate_accuracy(evaluator, dataset, args.eval_samples)
 
     result = _train.fit(args, recipe=RECIPE, model=model, optimizer=optimizer,
                         scheduler=scheduler, train_step=train_step, epoch_batches=epoch_batches,
@@ -275,21 +277,27 @@ def main(argv=None) -> int:
     return 0
 
 
-@torch.no_grad()
-def evaluate_accuracy(model, dataset: GpuCifar, device, amp, limit: int | None,
+def count_correct(model, batch) -> dict:
+    """The evaluation step: how many images of the batch (images, labels) the model ranks
+    their class first, as a device count."""
+    images, labels = batch
+    return {"correct": (model(images).argmax(1) == labels).sum()}
+
+
+def evaluate_accuracy(evaluator, dataset: GpuCifar, limit: int | None,
                       batch: int = 1000) -> float:
-    """Top-1 accuracy on the test images, in eval mode; one host sync at the end."""
-    was_training = model.training
-    model.eval()
+    """Top-1 accuracy on the first `limit` test images (all of them for None) through the
+    evaluation step (count_correct, in eval mode); the counts are summed on the device and
+    read back once."""
     n = dataset.test_y.numel() if limit is None else min(limit, dataset.test_y.numel())
-    correct = torch.zeros((), dtype=torch.int64, device=device)
-    with _train.autocast(device, amp):
+
+    def batches():
         for start in range(0, n, batch):
             end = min(start + batch, n)
-            logits = model(dataset.test_x[start:end])
-            correct += (logits.argmax(1) == dataset.test_y[start:end]).sum()
-    model.train(was_training)
-    return correct.item() / max(n, 1)
+            yield dataset.test_x[start:end], dataset.test_y[start:end]
+
+    counts = _train.evaluate_counts(evaluator, batches())
+    return counts.get("correct", 0) / max(n, 1)
 
 
 if __name__ == "__main__":

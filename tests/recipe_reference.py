@@ -1,5 +1,7 @@
-"""The recipes as importable modules (recipes/ is not a package), their tiny CPU settings, and
-the transformers check."""
+"""The recipes as importable modules (recipes/ is not a package), their tiny CPU settings, the
+transformers check, and eager references for what the recipes compute through nt.Step: the
+evaluations as the recipes ran them before step.evaluator, and fine-tuning as a plain loop over
+unpadded sequences."""
 
 import os
 import sys
@@ -9,15 +11,21 @@ import pytest
 RECIPES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "recipes"))
 sys.path.insert(0, RECIPES)
 
+import _train  # noqa: E402
 import bert  # noqa: E402
 import cifar10  # noqa: E402
 import torch  # noqa: E402
+from nimble_train.bench import workloads  # noqa: E402
 
 # Runs of a few seconds on the CPU.
 TINY_CIFAR = ["--device", "cpu", "--model", "branchy", "--width", "0.25", "--batch", "8",
               "--synthetic-size", "40", "--eval-samples", "16", "--log-every", "2"]
 TINY_BERT = ["--size", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16",
              "--samples", "8", "--eval-samples", "4", "--log-every", "2"]
+# 24 sequences of 8 to 64 tokens (median 16), batch 4: 6 steps per epoch over buckets 16, 32, 64.
+TINY_FINETUNE = ["--task", "finetune", "--size", "tiny", "--device", "cpu", "--batch", "4",
+                 "--max-len", "64", "--median-len", "16", "--buckets", "16,32,64",
+                 "--samples", "24", "--eval-samples", "10", "--log-every", "2"]
 
 
 @pytest.fixture(autouse=True)
@@ -38,5 +46,105 @@ except ImportError:
 needs_transformers = pytest.mark.skipif(
     not HAVE_TRANSFORMERS, reason="transformers is not installed here (pip install transformers)")
 
-__all__ = ["HAVE_TRANSFORMERS", "RECIPES", "TINY_BERT", "TINY_CIFAR", "bert", "cifar10",
-           "needs_transformers", "one_thread"]
+
+# ---------------------------------------------------------------------- eager references
+
+
+@torch.no_grad()
+def eager_cifar_accuracy(model, dataset, limit: int | None, batch: int = 1000) -> float:
+    """Top-1 accuracy on the test images as cifar10.py computed it before step.evaluator."""
+    was_training = model.training
+    model.eval()
+    n = dataset.test_y.numel() if limit is None else min(limit, dataset.test_y.numel())
+    correct = 0
+    for start in range(0, n, batch):
+        end = min(start + batch, n)
+        logits = model(dataset.test_x[start:end])
+        correct += int((logits.argmax(1) == dataset.test_y[start:end]).sum())
+    model.train(was_training)
+    return correct / max(n, 1)
+
+
+@torch.no_grad()
+def eager_masked_accuracy(model, data: dict, batch: int) -> float:
+    """Masked-token accuracy as bert.py computed it before step.evaluator."""
+    was_training = model.training
+    model.eval()
+    correct = total = 0
+    for start in range(0, data["input_ids"].shape[0], batch):
+        ids = data["input_ids"][start:start + batch]
+        labels = data["labels"][start:start + batch]
+        predicted = model(input_ids=ids).logits.argmax(-1)
+        masked = labels != -100
+        correct += int(((predicted == labels) & masked).sum())
+        total += int(masked.sum())
+    model.train(was_training)
+    return correct / max(total, 1)
+
+
+def unpadded(data, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence `index` of bert.Sequences at its own length, [1, L], and its label [1]: no
+    padding and no attention mask at all."""
+    length = int(data.lengths[index])
+    return data.input_ids[index:index + 1, :length], data.labels[index:index + 1]
+
+
+@torch.no_grad()
+def eager_classification_accuracy(model, data) -> float:
+    """Classification accuracy of bert.Sequences, one unpadded sequence at a time, eval mode."""
+    was_training = model.training
+    model.eval()
+    correct = 0
+    for i in range(data.lengths.numel()):
+        ids, label = unpadded(data, i)
+        correct += int(model(input_ids=ids).logits.argmax(-1).item() == label.item())
+    model.train(was_training)
+    return correct / max(data.lengths.numel(), 1)
+
+
+def finetune_data(args, device):
+    """The training and held-out sequences bert.main(argv) draws, and a fresh classifier with
+    the initial weights it starts from."""
+    torch.manual_seed(args.seed)
+    model = bert.classifier_model(args.size, device, args.dropout)
+    vocab = model.config.vocab_size
+    train = bert.synthetic_classification(args.samples, args.max_len, args.median_len, vocab,
+                                          device=device, seed=args.seed)
+    held_out = bert.synthetic_classification(args.eval_samples, args.max_len, args.median_len,
+                                             vocab, device=device, seed=args.seed + 10_000)
+    return model, train, held_out
+
+
+def eager_finetune(argv: list[str]):
+    """bert.main(argv)'s fine-tuning (--dropout 0, one process) as the plain eager loop, with no
+    padding anywhere: each batch's loss is the mean of its sequences' losses, each sequence run
+    alone at its own length. Returns the trained model, its held-out sequences and the losses."""
+    args = bert.parse_args(argv)
+    assert args.task == "finetune" and args.dropout == 0, "the reference runs without dropout"
+    device = torch.device(args.device)
+    model, train, held_out = finetune_data(args, device)
+    lr = args.lr if args.lr is not None else bert.DEFAULT_LR[args.size]
+    optimizer = workloads.bert_optimizer(model, lr, kind=args.optimizer)
+    steps_per_epoch = args.samples // args.batch
+    scheduler = _train.make_scheduler(optimizer, args, args.epochs * steps_per_epoch, "linear")
+    steps = args.epochs * steps_per_epoch if args.steps is None else args.steps
+    losses = []
+    model.train()
+    for step in range(steps):
+        epoch, i = divmod(step, steps_per_epoch)
+        order = bert.epoch_order(args.samples, args.seed, epoch)
+        rows = order[i * args.batch:(i + 1) * args.batch].tolist()
+        optimizer.zero_grad()
+        loss = torch.stack([model(input_ids=ids, labels=label).loss
+                            for ids, label in (unpadded(train, j) for j in rows)]).mean()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return model, held_out, losses
+
+
+__all__ = ["HAVE_TRANSFORMERS", "RECIPES", "TINY_BERT", "TINY_CIFAR", "TINY_FINETUNE", "bert",
+           "cifar10", "eager_cifar_accuracy", "eager_classification_accuracy", "eager_finetune",
+           "eager_masked_accuracy", "finetune_data", "needs_transformers", "one_thread",
+           "unpadded"]

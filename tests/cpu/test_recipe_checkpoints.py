@@ -1,7 +1,7 @@
-"""The recipes' checkpoints on the CPU: a resumed run equals one that never stopped (dropout and
-the fp16 loss scale included), saves that fail or are stopped leave no temporary file, a bad
---save path fails before training, and a damaged or foreign --resume file ends the run with
-one line naming it."""
+"""The recipes' checkpoints on the CPU: a resumed run equals one that never stopped (dropout,
+the fp16 loss scale and BERT fine-tuning's variable-length batches included), saves that fail or
+are stopped leave no temporary file, a bad --save path fails before training, and a damaged or
+foreign --resume file ends the run with one line naming it."""
 
 import os
 import pickle
@@ -15,7 +15,7 @@ import torch
 
 from nimble_train.bench import workloads
 
-from recipe_reference import (RECIPES, TINY_CIFAR, bert, cifar10,  # noqa: F401
+from recipe_reference import (RECIPES, TINY_CIFAR, TINY_FINETUNE, bert, cifar10,  # noqa: F401
                               needs_transformers, one_thread)
 from recipe_reference import TINY_BERT as TINY_BERT_ONE_EPOCH
 
@@ -84,6 +84,46 @@ def test_bert_fp16_resume_keeps_the_loss_scale(mode, tmp_path):
     assert_same_training_state(straight, resumed)
     assert at_stop["loss_scale"]["scale"] < 2.0**16
     assert straight["loss_scale"] == resumed["loss_scale"]
+
+
+@needs_transformers
+@pytest.mark.parametrize("mode", ["eager", "step"])
+def test_bert_finetune_resume_equals_an_uninterrupted_run(mode, tmp_path):
+    # Variable-length batches (on shape buckets under nt.Step), dropout on: the data order and
+    # every batch's length follow from the step count, the dropout masks from the saved states.
+    straight, resumed, at_stop = straight_and_resumed(
+        bert.main, TINY_FINETUNE + ["--epochs", "2", "--mode", mode], tmp_path, stop=3)
+    assert_same_training_state(straight, resumed)
+    assert at_stop["step"] == 3 and at_stop["config"]["task"] == "finetune"
+    assert straight["step"] == 12
+
+
+@needs_transformers
+def test_resume_of_the_other_task_says_which(tmp_path, capsys):
+    path = str(tmp_path / "mlm.pt")
+    assert bert.main(TINY_BERT + ["--steps", "1", "--save", path]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as raised:
+        bert.main(TINY_FINETUNE + ["--steps", "1", "--resume", path])
+    assert str(raised.value) == (f"--resume {path}: a checkpoint of --task pretrain, not --task "
+                                 "finetune; pass --task pretrain to continue it")
+    assert capsys.readouterr().out == ""  # refused before anything was built
+
+
+@needs_transformers
+def test_checkpoint_written_before_the_task_option_still_resumes(tmp_path, capsys):
+    # Checkpoints of masked-LM pretraining written before --task and --dropout existed record
+    # neither; they were pretraining with BERT's dropout, and resume as such.
+    path = str(tmp_path / "old.pt")
+    assert bert.main(TINY_BERT + ["--steps", "1", "--save", path]) == 0
+    state = load(path)
+    del state["config"]["task"], state["config"]["dropout"]
+    torch.save(state, path)
+    assert bert.main(TINY_BERT + ["--steps", "1", "--resume", path, "--save", path]) == 0
+    assert f"resumed {path} at step 1" in capsys.readouterr().out
+    assert load(path)["step"] == 2
+    with pytest.raises(SystemExit, match="has dropout=0.1 but this run asks for dropout=0.0"):
+        bert.main(TINY_BERT + ["--steps", "1", "--dropout", "0", "--resume", path])
 
 
 def test_each_rank_restores_the_state_its_rank_saved():

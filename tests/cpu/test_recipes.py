@@ -1,11 +1,14 @@
 """The recipes and the benchmark's plumbing on the CPU: real-format CIFAR-10 loading, a few
-training steps of each recipe, checkpoint save/resume, and the benchmark's table/JSON/chart."""
+training steps of each recipe, checkpoint save/resume, evaluation through step.evaluator against
+the eager evaluation, BERT fine-tuning on shape buckets against an unpadded eager loop, and the
+benchmark's table/JSON/chart."""
 
 import json
-import os
-import subprocess
 import math
+import os
 import pickle
+import re
+import subprocess
 import sys
 
 import numpy as np
@@ -16,7 +19,9 @@ import nimble_train as nt
 from nimble_train.bench import MODES, add_ratios, busy_fraction, format_table, plot, write_json
 from nimble_train.bench import workloads
 
-from recipe_reference import (RECIPES, TINY_BERT, TINY_CIFAR, bert, cifar10,  # noqa: F401
+from recipe_reference import (RECIPES, TINY_BERT, TINY_CIFAR, TINY_FINETUNE,  # noqa: F401
+                              bert, cifar10, eager_cifar_accuracy, eager_classification_accuracy,
+                              eager_finetune, eager_masked_accuracy, finetune_data,
                               needs_transformers, one_thread)
 
 
@@ -285,6 +290,145 @@ def test_synthetic_mlm_masks_about_15_percent_with_static_shapes():
     assert (ids[:, 0] == workloads.CLS_ID).all() and (ids[:, -1] == workloads.SEP_ID).all()
     assert ((ids == workloads.MASK_ID) == masked).float().mean() > 0.95
     assert (labels[masked] >= workloads.FIRST_CONTENT_ID).all()
+
+
+# ---------------------------------------------------------------------- evaluation
+
+
+def printed_accuracy(out: str) -> str:
+    return summary_of(out)["test_accuracy"]
+
+
+def evaluated_through_the_step(out: str, mode: str) -> bool:
+    """Whether the run says its evaluation went through step.evaluator (nt.Step's modes) or
+    not (the plain loop's eager evaluation)."""
+    return ("step.evaluator: " in out) == (mode == "step")
+
+
+@pytest.mark.parametrize("mode", ["step", "eager"])
+def test_cifar_accuracy_equals_the_eager_evaluation(mode, tmp_path, capsys):
+    # 400 synthetic images: 80 test images, 64 evaluated. The reference is the evaluation the
+    # recipe ran before step.evaluator, on the weights the run saved right after evaluating.
+    path = str(tmp_path / "c.pt")
+    argv = [a if a != "40" else "400" for a in TINY_CIFAR]
+    assert cifar10.main(argv + ["--mode", mode, "--steps", "3", "--eval-samples", "64",
+                                "--save", path]) == 0
+    out = capsys.readouterr().out
+    assert evaluated_through_the_step(out, mode), out
+    model = workloads.cifar_model("branchy", "cpu", width=0.25)
+    model.load_state_dict(load(path)["model"])
+    data = cifar10.synthetic_cifar10(400, 80, device="cpu", seed=0)
+    expected = eager_cifar_accuracy(model, cifar10.GpuCifar.build(data, torch.device("cpu")), 64)
+    assert printed_accuracy(out) == f"{expected:.4f}"
+
+
+@needs_transformers
+@pytest.mark.parametrize("mode", ["step", "eager"])
+def test_masked_lm_accuracy_equals_the_eager_evaluation(mode, tmp_path, capsys):
+    path = str(tmp_path / "b.pt")
+    assert bert.main(TINY_BERT + ["--mode", mode, "--steps", "3", "--eval-samples", "16",
+                                  "--save", path]) == 0
+    out = capsys.readouterr().out
+    assert evaluated_through_the_step(out, mode), out
+    model = workloads.bert_model("tiny", "cpu")
+    model.load_state_dict(load(path)["model"])
+    held_out = workloads.synthetic_mlm(16, 16, model.config.vocab_size, device="cpu",
+                                       seed=10_000)
+    # batch 2 < 16 samples: several evaluation batches summed on the device
+    expected = eager_masked_accuracy(model, held_out, batch=2)
+    assert printed_accuracy(out) == f"{expected:.4f}"
+
+
+# ---------------------------------------------------------------------- BERT fine-tuning
+
+
+def logged_losses(out: str) -> list[float]:
+    return [float(m) for m in re.findall(r"step \d+/\d+ .* loss ([0-9.]+) ", out)]
+
+
+@needs_transformers
+@pytest.mark.parametrize("mode", ["step", "eager"])
+def test_bert_finetune_equals_an_unpadded_eager_loop(mode, tmp_path, capsys):
+    # Two epochs of 6 steps, dropout off. nt.Step pads each batch (already padded to its
+    # longest sequence) on to its bucket; the reference runs every sequence alone, unpadded and
+    # unmasked. Masked padding changes nothing but the order of float32 sums: the weights stay
+    # within 1e-6 of each other here.
+    path = str(tmp_path / "ft.pt")
+    argv = TINY_FINETUNE + ["--mode", mode, "--epochs", "2", "--dropout", "0"]
+    assert bert.main(argv + ["--save", path]) == 0
+    out = capsys.readouterr().out
+    reference, held_out, losses = eager_finetune(argv)
+
+    trained = load(path)["model"]
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    # --log-every 2: each logged loss is the mean of two steps, printed to 4 decimals
+    pairs = [(a + b) / 2 for a, b in zip(losses[::2], losses[1::2])]
+    assert logged_losses(out) == pytest.approx(pairs, abs=2e-4)
+    # The accuracy through the evaluation step equals sequence-by-sequence eager evaluation of
+    # the saved weights.
+    model = bert.classifier_model("tiny", "cpu", 0.0)
+    model.load_state_dict(trained)
+    assert printed_accuracy(out) == f"{eager_classification_accuracy(model, held_out):.4f}"
+
+    assert re.search(r"lengths median \d+, p90 \d+, max \d+ tokens", out), out
+    s = summary_of(out)
+    assert s["task"] == "finetune" and s["steps"] == "12"
+    assert float(s["real_tokens_per_s"]) > 0 and float(s["samples_per_s"]) > 0
+    if mode == "step":
+        assert evaluated_through_the_step(out, mode), out
+        # the batches reach every bucket, and most are padded further (not already at a size)
+        line = next(t for t in out.splitlines() if t.startswith("nt.Step buckets: "))
+        eager = [int(n) for n in re.findall(r"(\d+) eager", line)]
+        assert len(eager) == 3 and all(n > 0 for n in eager), line
+        args = bert.parse_args(argv)
+        _, train, _ = finetune_data(args, torch.device("cpu"))
+        epoch = train.take(bert.epoch_order(args.samples, args.seed, 0))
+        lengths = [b["input_ids"].shape[1] for b in epoch.batches(args.batch)]
+        assert sum(n not in args.buckets for n in lengths) >= 4, lengths
+
+
+def test_finetune_lengths_and_tokens():
+    data = bert.synthetic_classification(4000, 512, 64, 1024, device="cpu", seed=3)
+    lengths = data.lengths
+    assert lengths.min() >= bert.MIN_LEN and lengths.max() <= 512
+    median, p90 = torch.quantile(lengths.double(), torch.tensor([0.5, 0.9],
+                                                                dtype=torch.float64)).tolist()
+    assert 58 <= median <= 70 and 135 <= p90 <= 180  # log-normal: 64 and 157
+    assert (lengths < 128).float().mean() > 0.75 and lengths.max() > 300
+    ids = data.input_ids
+    for i in range(50):
+        n = int(lengths[i])
+        assert ids[i, 0] == workloads.CLS_ID and ids[i, n - 1] == workloads.SEP_ID
+        assert (ids[i, n:] == workloads.PAD_ID).all() and (ids[i, 1:n - 1] >= 104).all()
+        first = 1024 - bert.NUM_LABELS * bert.KEYWORDS + int(data.labels[i]) * bert.KEYWORDS
+        content = ids[i, 1:n - 1]
+        assert ((content >= first) & (content < first + bert.KEYWORDS)).any()  # its class's
+        assert not ((content >= 1024 - bert.NUM_LABELS * bert.KEYWORDS)
+                    & ((content < first) | (content >= first + bert.KEYWORDS))).any()
+    # a batch is padded to its longest sequence, with the mask 0 exactly on the padding
+    (batch,) = list(data.take(torch.tensor([5, 9, 2])).batches(3))
+    assert batch["input_ids"].shape[1] == int(lengths[[5, 9, 2]].max())
+    assert batch["attention_mask"].sum(1).tolist() == lengths[[5, 9, 2]].tolist()
+    assert bert.step_tokens(lengths[:10], 4) == [int(lengths[:4].sum()), int(lengths[4:8].sum())]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq", "32"], "--seq is for --task pretrain"),
+    (["--buckets", "16,32"], "--buckets 16,32: the largest is shorter than --max-len 64"),
+    (["--buckets", "16,x"], "must be comma-separated positive lengths"),
+    (["--median-len", "100"], "--median-len must be in [8, --max-len 64]; got 100"),
+])
+def test_finetune_options_are_checked(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bert.main(TINY_FINETUNE + argv + ["--steps", "1"])
+    assert message in capsys.readouterr().err
+
+
+def test_finetune_options_are_refused_for_pretraining(capsys):
+    with pytest.raises(SystemExit):
+        bert.main(TINY_BERT + ["--steps", "1", "--max-len", "64", "--buckets", "64"])
+    assert "--max-len, --buckets: for --task finetune" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- benchmark plumbing

@@ -1,6 +1,7 @@
 """The recipes and the benchmark on the GPU: captured steps of each recipe (tiny configs) that
-learn a learnable synthetic task, checkpoint resume into a captured step, and every benchmark
-mode running (timings are printed by the benchmark, never asserted here)."""
+learn a learnable synthetic task, BERT fine-tuning captured on shape buckets against an unpadded
+eager loop, checkpoint resume into a captured step, and every benchmark mode running (timings
+are printed by the benchmark, never asserted here)."""
 
 import json
 import os
@@ -9,7 +10,10 @@ import re
 import pytest
 import torch
 
-from recipe_reference import bert, cifar10, needs_transformers
+from recipe_reference import (bert, cifar10, eager_classification_accuracy, eager_finetune,
+                              finetune_data, needs_transformers)
+
+import _train  # recipes/, on the path through recipe_reference
 
 pytestmark = pytest.mark.cuda
 
@@ -88,6 +92,58 @@ def test_bert_recipe_captures_and_learns(capsys):
 def test_bert_recipe_eager_with_grad_clip(capsys):
     assert bert.main(BERT + ["--mode", "eager", "--steps", "20", "--grad-clip", "1.0"]) == 0
     assert summary_of(capsys.readouterr().out)["steps"] == "20"
+
+
+# 256 sequences of 8 to 128 tokens (median 32), batch 4: the batches reach buckets 64 and 128
+# (and now and then 32); dropout off and float32, to compare with the eager loop.
+FINETUNE = ["--task", "finetune", "--size", "tiny", "--device", "cuda", "--batch", "4",
+            "--max-len", "128", "--median-len", "32", "--buckets", "32,64,128",
+            "--samples", "256", "--eval-samples", "64", "--log-every", "8", "--amp", "none",
+            "--dropout", "0", "--steps", "24"]
+
+
+@needs_transformers
+def test_bert_finetune_captures_buckets_and_equals_an_unpadded_eager_loop(tmp_path, monkeypatch,
+                                                                        capsys):
+    made, make = [], _train.make_train_step
+
+    def recording(*args, **kwargs):  # keeps the Step bert.main makes, for its stats
+        made.append(make(*args, **kwargs))
+        return made[-1]
+
+    path = str(tmp_path / "ft.pt")
+    with monkeypatch.context() as patch:
+        patch.setattr(_train, "make_train_step", recording)
+        assert bert.main(FINETUNE + ["--save", path]) == 0
+    out = capsys.readouterr().out
+    (step,) = made
+    stats = step.stats()
+    assert stats["captured"], out
+    replayed = [size for size, b in stats["shape_buckets"].items()
+                if b["captured"] and b["replays"] > 0]
+    assert len(replayed) >= 2, stats["shape_buckets"]
+    (evaluator,) = stats["evaluators"]
+    assert evaluator["replays"] > 0 and len(evaluator["captured_buckets"]) >= 2, evaluator
+
+    # The same steps as the plain eager loop on every sequence alone, unpadded: the kernels differ
+    # with the shapes (cuBLAS and SDPA pick per shape and mask), so the sums reassociate; the
+    # weights' distance is judged against the distance training moved them.
+    reference, held_out, _ = eager_finetune(FINETUNE)
+    initial, _, _ = finetune_data(bert.parse_args(FINETUNE), torch.device("cuda"))
+    trained = torch.load(path, map_location="cuda", weights_only=True)["model"]
+    keys = list(reference.state_dict())
+
+    def flat(state: dict) -> torch.Tensor:
+        return torch.cat([state[key].flatten().double() for key in keys])
+
+    ref, start = flat(reference.state_dict()), flat(initial.state_dict())
+    gap = (flat(trained) - ref).norm() / (ref - start).norm()
+    assert gap < 1e-3, f"nt.Step's weights are {gap:.2e} of the training distance off"
+    # The accuracy through the captured evaluator, against sequence-by-sequence eager evaluation
+    # of the saved weights: at most one of the 64 sequences may flip on a near-tie of logits.
+    initial.load_state_dict(trained)
+    expected = eager_classification_accuracy(initial, held_out)
+    assert abs(float(summary_of(out)["test_accuracy"]) - expected) <= 1 / 64 + 1e-9
 
 
 def run_bench(tmp_path, argv):
