@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 import nimble_train as nt
+from nimble_train._evaluator import evaluating
 from nimble_train.bench.workloads import forward_loss
 
 MODES = ("eager", "compile", "step")
@@ -321,14 +322,8 @@ class EagerEvaluator:
         self.model, self.fn, self.device, self.amp = model, fn, device, amp
 
     def __call__(self, batch) -> dict:
-        modes = [(m, m.training) for m in self.model.modules()]
-        self.model.eval()
-        try:
-            with torch.no_grad(), autocast(self.device, self.amp):
-                return self.fn(self.model, batch)
-        finally:
-            for m, training in modes:
-                m.training = training
+        with evaluating(self.model), torch.no_grad(), autocast(self.device, self.amp):
+            return self.fn(self.model, batch)
 
 
 def make_evaluator(train_step, model, fn: Callable[[Any, Any], dict], *, device: torch.device,

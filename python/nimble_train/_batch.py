@@ -116,6 +116,14 @@ class BatchTemplate:
             flat[i] = t
         return pytree.tree_unflatten(flat, self.treedef)
 
+    def unflatten_rows(self, buffers: list[torch.Tensor], samples: int) -> Any:
+        """The batch made of the first `samples` rows of static buffers laid out like the
+        template's tensor leaves (the batched ones narrowed; the others whole)."""
+        if samples < self.batch_size:
+            buffers = [b.narrow(0, 0, samples) if leaf.batched else b
+                       for b, leaf in zip(buffers, self.tensor_leaves)]
+        return self.unflatten(buffers)
+
 
 def batch_size_of(tensors: list[torch.Tensor]) -> int | None:
     """The batch size: the leading size most tensors (of at least one dimension) share, the

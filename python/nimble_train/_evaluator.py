@@ -45,7 +45,8 @@ class Evaluator:
         self._inputs: list | None = None   # per bucket _C.StaticInputs for eager calls
         self._entries: list[int | None] = []  # per bucket its graph's entry in the Step's graph
         self._met: set[int] = set()          # buckets an eager call ran on
-        self._failed: dict[int, str] = {}    # buckets whose capture failed: why
+        self._deferred: set[int] = set()     # capture failed unmet: an eager call, then again
+        self._eager_only: dict[int, str] = {}  # capture failed once met too: why
         self.counts = {"replays": 0, "eager": 0, "captures": 0}
 
     def __call__(self, batch: Any) -> Any:
@@ -72,7 +73,7 @@ class Evaluator:
         captured = [sizes[b] for b, e in enumerate(self._entries)
                     if e is not None and graph is not None and graph.graph.captured(e)]
         return {**self.counts, "graphs": len(captured), "captured_buckets": captured,
-                "eager_buckets": {sizes[b]: why for b, why in self._failed.items()}}
+                "eager_buckets": {sizes[b]: why for b, why in self._eager_only.items()}}
 
     # ------------------------------------------------------------------ internals
 
@@ -97,11 +98,7 @@ class Evaluator:
         if self._step.buckets is not None:  # the padded batch the bucket's graph sees
             inputs = self._inputs[bucket]
             inputs.copy_in(tensors, samples)
-            buffers = inputs.buffers
-            if samples < self._template.batch_size:
-                buffers = [b.narrow(0, 0, samples) if leaf.batched else b
-                           for b, leaf in zip(buffers, self._template.tensor_leaves)]
-            batch = self._template.unflatten(buffers)
+            batch = self._template.unflatten_rows(inputs.buffers, samples)
         out = self._run(batch)
         self.counts["eager"] += 1
         self._met.add(bucket)
@@ -122,9 +119,9 @@ class Evaluator:
         sizes = self._layout.sizes
         for b in sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0)):
             e = self._entries[b]
-            if (e is not None and graph.graph.captured(e)) or (
-                    b in self._failed and (b != bucket or b not in self._met
-                                           or self._failed[b].startswith("eager:"))):
+            captured = e is not None and graph.graph.captured(e)
+            waiting = b in self._deferred and (b != bucket or b not in self._met)
+            if captured or waiting or b in self._eager_only:
                 continue
             self._capture(graph, b)
         entry = self._entries[bucket]
@@ -142,7 +139,8 @@ class Evaluator:
         except NimbleError as failure:
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too
-                self._failed[bucket] = "eager: " + cause
+                self._deferred.discard(bucket)
+                self._eager_only[bucket] = cause
                 size = self._layout.sizes[bucket]
                 warnings.warn(
                     "step.evaluator: capturing fn failed" + (f" for bucket {size}" if size
@@ -151,9 +149,9 @@ class Evaluator:
                     f"synchronisations (.item(), printing) to have it captured. {cause}",
                     stacklevel=4)
             else:
-                self._failed[bucket] = cause  # an eager call first, then once more
+                self._deferred.add(bucket)
             return
-        self._failed.pop(bucket, None)
+        self._deferred.discard(bucket)
         self.counts["captures"] += 1
 
 

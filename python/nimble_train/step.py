@@ -365,10 +365,7 @@ class Step:
         self._copy_in(bucket, tensors, samples)
         buffers = (self._graph.graph.inputs(self._graph.bases[bucket]) if self._graph is not None
                    else self._inputs[bucket].buffers)
-        if samples < self._template.batch_size:
-            buffers = [b.narrow(0, 0, samples) if leaf.batched else b
-                       for b, leaf in zip(buffers, self._template.tensor_leaves)]
-        return self._template.unflatten(buffers)
+        return self._template.unflatten_rows(buffers, samples)
 
     def _enter(self, phase: Phase) -> None:
         """The one place the phase changes."""
