@@ -47,6 +47,9 @@ class Iteration:
         self.gradsync, self.sync, self.ema = gradsync, sync_recorder, ema
         self.accumulate = accumulate
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
+        self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
+        # The gradient tensors the graphs of a window accumulate into (non-fused updates).
+        self.graph_grads: list[torch.Tensor | None] | None = None
 
     # ------------------------------------------------------------------ forward and loss
 
@@ -130,6 +133,17 @@ class Iteration:
             in_place = captured or (self.accumulate > 1 and self.update.will_capture)
             self.update.optimizer.zero_grad(set_to_none=not in_place)
 
+    def keep_accumulated_grads(self) -> None:
+        """Before an eager call inside a window: gradients that user code set to None since
+        the window began (``optimizer.zero_grad()`` after an update, as Trainer loops do) are
+        put back where the window's graphs accumulated them, values kept."""
+        if self.update.fused is not None:
+            self.update.fused.attach_grads()
+        elif self.graph_grads is not None:
+            for p, grad in zip(self.params, self.graph_grads):
+                if p.grad is None and grad is not None:
+                    p.grad = grad
+
     def backward_and_update(self, loss: torch.Tensor, call: Call = None) -> None:
         """Backward of `loss` (weighted by call.weight), then, when call.update, the gradient
         all-reduce, clipping, the optimizer's update and the EMA."""
@@ -165,8 +179,8 @@ class Iteration:
                 if scaler:
                     scaler.unscale_(optimizer)
                 # foreach norms, clamped factor as a device tensor: no host sync, capturable.
-                torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip,
-                                               foreach=self.device.type == "cuda")
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(
+                    self.params, self.grad_clip, foreach=self.device.type == "cuda")
             if scaler:
                 scaler.step(optimizer)
                 scaler.update()
@@ -186,12 +200,14 @@ class Iteration:
             sync.finish()  # the update waits for every bucket
         correction = call.correction  # a device tensor: the staging ring's (fused => a graph)
         assert correction is None or isinstance(correction, torch.Tensor), correction
-        if scaler is None:
-            fused.step(max_grad_norm=self.grad_clip, grad_scale=correction)  # clipping fused in
+        if scaler is None:  # clipping fused in
+            norm = fused.step(max_grad_norm=self.grad_clip, grad_scale=correction)
         else:
             # Unscale, clip and the overflow skip inside the update; the scale moves on the
             # device: no host sync anywhere.
-            scaler.step(fused, max_grad_norm=self.grad_clip, grad_scale=correction)
+            norm = scaler.step(fused, max_grad_norm=self.grad_clip, grad_scale=correction)
+        if self.grad_clip is not None:
+            self.grad_norm = norm
         if sync is not None:
             sync.after_update()  # sharded: every rank gets every updated part
         if self.ema is not None:

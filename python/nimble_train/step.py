@@ -164,6 +164,8 @@ class Step:
         self._graph: CapturedStep | None = None
         self._stream = torch.cuda.Stream(self._device) if self._will_capture else None
         self._capture_error: BaseException | None = None
+        self._last_entry = -1  # the graph the last call launched (-1: it ran eagerly)
+        self._norms: dict[int, torch.Tensor | None] = {}  # update entry -> its gradient norm
         self._counts = {"steps": 0, "updates": 0, "eager_steps": 0, "replays": 0,
                         "captures": 0}
         fusing = self._update.needs_fusing
@@ -177,9 +179,18 @@ class Step:
 
     # ------------------------------------------------------------------ calls
 
-    def __call__(self, batch: Any) -> torch.Tensor:
-        """Runs one training step on `batch`; returns the loss (valid until the next call)."""
-        if self._phase is Phase.REPLAY:  # the replay path
+    def __call__(self, batch: Any, *, update: bool | None = None,
+                 loss_weight: float | None = None) -> torch.Tensor:
+        """Runs one training step on `batch`; returns the loss (valid until the next call).
+
+        With ``accumulate=K``, for loops whose windows vary: ``update=True`` ends the window
+        with this call (the epoch's last micro-batches, fewer than K: the update sees them);
+        ``loss_weight`` multiplies this micro-batch's loss instead of Step's weighting (a loop
+        that normalizes its loss itself, e.g. by the window's token count; give it on every
+        call of the window). Both are staged values: no recapture."""
+        window = self._window
+        window.set_call(update, loss_weight)
+        if self._phase is Phase.REPLAY and not (window.ends and window.micro != self.accumulate - 1):
             try:
                 tensors = self._template.tensors(batch)
                 full = tensors[self._lead].shape[0] == self._template.batch_size
@@ -187,7 +198,7 @@ class Step:
             except (AttributeError, IndexError, TypeError):
                 full = False  # the slow path says what is wrong with the batch
             if full:
-                entry = self._launch_entry[bucket][self._window.micro]
+                entry = self._launch_entry[bucket][window.micro]
                 if entry >= 0 and not self._swapped and not self._update.changed():
                     samples = self._template.batch_size
                     try:
@@ -195,6 +206,7 @@ class Step:
                     except TypeError:
                         self._template.explain_non_tensors(tensors)
                         raise
+                    self._last_entry = entry
                     self._counts["replays"] += 1
                     self._bucket_counts[bucket][0] += 1
                     self._advance(samples)
@@ -250,6 +262,7 @@ class Step:
                 if short and bucket not in self._filled:
                     self._copy_in(bucket, tensors, samples)  # its padding rows get data
                 self._graph.graph.launch(entry, tensors, self._call_values(samples))
+                self._last_entry = entry
                 self._counts["replays"] += 1
                 self._bucket_counts[bucket][0] += 1
                 loss = self._graph.outputs[entry]
@@ -423,8 +436,11 @@ class Step:
                 # The fused update and accumulation's scales read the staged values.
                 self._graph.graph.stage_eager(samples, self._call_values(samples))
             captured = self._graph is not None and self._graph.captured
-            loss = self._iteration.step(batch, samples, None, captured,
-                                        self._eager_call(samples))
+            call = self._eager_call(samples)
+            if not call.zero:
+                self._iteration.keep_accumulated_grads()
+            loss = self._iteration.step(batch, samples, None, captured, call)
+        self._last_entry = -1
         self._counts["eager_steps"] += 1
         self._bucket_counts[bucket][1] += 1
         self._met.add(bucket)
@@ -439,6 +455,7 @@ class Step:
         valid = torch.tensor(float(samples), device=self._device)
         loss = self._iteration.step(static, self._template.batch_size, valid, captured=False,
                                     call=self._eager_call(samples))
+        self._last_entry = -1
         self._counts["eager_steps"] += 1
         self._bucket_counts[bucket][1] += 1
         return loss
@@ -496,6 +513,8 @@ class Step:
         """Captures one graph; on failure raises SyncError or CaptureError with the gradients
         as they were (a capture runs nothing: the model and optimizer are unchanged)."""
         graph = self._graph
+        if self.accumulate > 1:
+            self._iteration.keep_accumulated_grads()  # every graph of a window: one set
         saved_grads = [p.grad for p in self._params]
         try:
             with self._update.lr_on_device(graph.update_values):
@@ -505,8 +524,12 @@ class Step:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             raise
+        if (self.accumulate > 1 and self._update.fused is None
+                and self._iteration.graph_grads is None):
+            self._iteration.graph_grads = [p.grad for p in self._params]
         if kind[1]:
             self._update.bake()
+            self._norms[entry] = self._iteration.grad_norm
         self._counts["captures"] += 1
         self._captured_entries.add(entry)
         recaptures = self._counts["captures"] - len(self._captured_entries)
@@ -581,6 +604,18 @@ class Step:
         """Whether the last call applied an optimizer update (every call with accumulate=1;
         every K-th with accumulate=K): step an LR scheduler when it is True."""
         return self._window.stepped
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """With ``grad_clip``: the global gradient norm before clipping (unscaled, as
+        ``clip_grad_norm_`` returns it) of the last update, a 0-dim device tensor rewritten by
+        the next update (read it when :attr:`stepped`); None without grad_clip or before an
+        update."""
+        if self.grad_clip is None:
+            return None
+        if self._last_entry >= 0:
+            return self._norms.get(self._last_entry)
+        return self._iteration.grad_norm
 
     # ------------------------------------------------------------------ EMA
 

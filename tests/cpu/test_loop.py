@@ -194,3 +194,67 @@ def test_bad_ema_is_refused(value):
     model = MLP()
     with pytest.raises(ValueError, match="ema must be None or a decay strictly between 0 and 1"):
         nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), per_sample, ema=value)
+
+
+def varying_window_loop(model, optimizer, loss_fn, batches, windows, weights, grad_clip):
+    """The eager loop of a caller whose windows vary (an epoch ending mid-window) and who
+    weighs each micro-batch's loss itself: loss * weight, backward; clip, step per window."""
+    losses, norms, i = [], [], 0
+    for size in windows:
+        optimizer.zero_grad()
+        for _ in range(size):
+            x, y = batches[i]
+            loss = loss_fn(model(x), y)
+            (loss * weights[i] if weights is not None else loss / 3).backward()
+            losses.append(loss.detach())
+            i += 1
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        optimizer.step()
+    return losses, norms
+
+
+@pytest.mark.parametrize("given_weights", [False, True])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_windows_ended_early_and_given_loss_weights(name, given_weights):
+    """update=True ends a window before its K calls (the update sees only them); loss_weight
+    replaces Step's 1/K; grad_norm is the norm the eager clip saw."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP(), OPTIMIZERS[name])
+    windows = [3, 2, 3, 1, 3]  # accumulate=3; the 2 and the 1 end early (epoch ends)
+    batches = classification_batches(sum(windows), 16, seed=5)
+    weights = None
+    if given_weights:  # a window's weights: 1 / its calls, as transformers.Trainer's
+        weights = [1.0 / size for size in windows for _ in range(size)]
+    step = nt.Step(m1, o1, mean_loss, accumulate=3, grad_clip=0.7)
+    losses, norms, i = [], [], 0
+    for size in windows:
+        for micro in range(size):
+            last = micro == size - 1
+            loss = step(batches[i], update=True if last and size < 3 else None,
+                        loss_weight=weights[i] if weights else None)
+            losses.append(loss.clone())
+            assert step.stepped == last
+            i += 1
+        norms.append(step.grad_norm.clone())
+    expected, expected_norms = varying_window_loop(m2, o2, mean_loss, batches, windows,
+                                                   weights, grad_clip=0.7)
+    assert step.stats()["updates"] == len(windows)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(norms), torch.stack(expected_norms), rtol=1e-5,
+                               atol=1e-6)
+    assert_same_training(m1, o1, m2, o2)
+
+
+def test_call_keywords_are_checked():
+    model = MLP()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), mean_loss, accumulate=2)
+    x, y = classification_batches(1, 8)[0]
+    step((x, y))
+    with pytest.raises(ValueError, match="update=False on the call that completes a window"):
+        step((x, y), update=False)
+    with pytest.raises(TypeError, match="loss_weight must be a float or None; got str"):
+        step((x, y), loss_weight="0.5")
+    single = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), mean_loss)
+    with pytest.raises(ValueError, match="loss_weight=0.5 needs accumulate > 1"):
+        single((x, y), loss_weight=0.5)
+    assert single.grad_norm is None  # no grad_clip: no norm

@@ -198,3 +198,47 @@ def test_captured_ema_equals_a_hand_written_ema(k):
         for name, value in m1.state_dict().items():
             assert torch.equal(value, ema_state[name]), name
     step(batches[0])  # the graph replays on the trained weights again
+
+
+@pytest.mark.parametrize("name", ["adamw", "rmsprop"])
+def test_a_trainer_style_loop_equals_eager_in_the_graph(name):
+    """What transformers.Trainer does around Step: windows the epoch ends early
+    (update=True), its own loss weights, ``model.zero_grad()`` (gradients to None) after every
+    update, and a short micro-batch that runs eagerly in the middle of a window after replays:
+    the eager call must add to what the window's graphs accumulated."""
+    make = (OPTIMIZERS["adamw"] if name == "adamw"  # fused, or captured as it is
+            else lambda p: torch.optim.RMSprop(p, lr=1e-3))
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(BatchNormMLP().cuda(), make)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    windows = [3, 3, 2, 3, 3, 1, 3, 3]
+    batches = classification_batches(sum(windows), 32, device="cuda", seed=4)
+    short = 3 * 5 + 1  # the second call of the fifth window: 20 samples, eager (BatchNorm)
+    batches[short] = classification_batches(1, 20, device="cuda", seed=9)[0]
+    step = nt.Step(m1, o1, loss_fn, accumulate=3, warmup=3, streams=1, grad_clip=1.0)
+    i, norms = 0, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # RMSprop: "captures the optimizer's own step"
+        for size in windows:
+            for micro in range(size):
+                last = micro == size - 1
+                step(batches[i], update=True if last and size < 3 else None,
+                     loss_weight=1.0 / size)
+                i += 1
+            assert step.stepped
+            norms.append(step.grad_norm.clone())
+            m1.zero_grad()  # set_to_none, as Trainer's loop does after each update
+    # the eager loop with the same windows and weights
+    i, expected = 0, []
+    for size in windows:
+        o2.zero_grad()
+        for _ in range(size):
+            x, y = batches[i]
+            (loss_fn(m2(x), y) / size).backward()
+            i += 1
+        expected.append(torch.nn.utils.clip_grad_norm_(m2.parameters(), 1.0))
+        o2.step()
+    stats = step.stats()
+    assert stats["replays"] > 0 and stats["eager_steps"] > 3, stats
+    torch.testing.assert_close(torch.stack(norms), torch.stack(expected), **TOL)
+    assert max_gap(m1, m2) < 1e-4

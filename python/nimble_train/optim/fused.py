@@ -208,6 +208,14 @@ class FusedOptimizer:
                 if p.grad is not view:
                     p.grad = view
 
+    def attach_grads(self) -> None:
+        """Gradients user code set to None go back to their views, keeping the values the
+        views hold (an accumulation window's graphs wrote them)."""
+        for flat in self._flats:
+            for p, view in zip(flat.params, flat.grad_views):
+                if p.grad is None:
+                    p.grad = view
+
     def _reattach(self) -> None:
         """Puts back parameters and gradients that user code moved out of the flat buffers
         (``optimizer.zero_grad()`` sets grads to None, ``load_state_dict(assign=True)`` swaps
