@@ -129,10 +129,11 @@ class GradientSync:
                     t.detach().copy_(flat[offset: offset + t.numel()].view_as(t))
                     offset += t.numel()
 
-    def used_anywhere(self, params: Sequence[torch.Tensor]) -> list[bool]:
-        """Whether each parameter has a gradient on some rank (eager: synchronises)."""
+    def used_anywhere(self, used: Sequence[bool]) -> list[bool]:
+        """Whether each parameter got a gradient (`used`: on this rank) on some rank (eager:
+        synchronises)."""
         device = self.device if self.comm is not None else torch.device("cpu")
-        counts = torch.tensor([float(p.grad is not None) for p in params], device=device)
+        counts = torch.tensor([float(u) for u in used], device=device)
         self._sum_eager(counts, "the check of which parameters got gradients")
         return [c > 0 for c in counts.tolist()]
 
@@ -297,7 +298,8 @@ class GradientSync:
         """
         trainable = [p for p in params if p.requires_grad]
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        used = [True] * len(trainable) if capturing else self.used_anywhere(trainable)
+        used = ([True] * len(trainable) if capturing
+                else self.used_anywhere([p.grad is not None for p in trainable]))
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for p, anywhere in zip(trainable, used):
             if anywhere:

@@ -48,6 +48,7 @@ class Iteration:
         self.accumulate = accumulate
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
+        self._got_grad = [False] * len(params)  # which parameters a backward reached
         # The gradient tensors the graphs of a window accumulate into (non-fused updates).
         self.graph_grads: list[torch.Tensor | None] | None = None
 
@@ -133,6 +134,15 @@ class Iteration:
             in_place = captured or (self.accumulate > 1 and self.update.will_capture)
             self.update.optimizer.zero_grad(set_to_none=not in_place)
 
+    def got_gradients(self) -> list[bool]:
+        """Per parameter: whether a backward so far gave it a gradient (user code may have
+        set the gradients to None since: Trainer loops zero them after every update)."""
+        return [got or p.grad is not None for got, p in zip(self._got_grad, self.params)]
+
+    def _note_gradients(self) -> None:
+        if not all(self._got_grad):
+            self._got_grad = self.got_gradients()
+
     def keep_accumulated_grads(self) -> None:
         """Before an eager call inside a window: gradients that user code set to None since
         the window began (``optimizer.zero_grad()`` after an update, as Trainer loops do) are
@@ -159,6 +169,7 @@ class Iteration:
                   if sync is not None and self.update.needs_fusing else contextlib.nullcontext())
         with noting:
             (scaler.scale(loss) if scaler else loss).backward()
+        self._note_gradients()
         if not call.update:
             return
         optimizer = self.update.optimizer

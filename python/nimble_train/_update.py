@@ -72,19 +72,17 @@ class Update:
         return sum(self.staged_lr)
 
     def fuse(self, params: list[torch.Tensor], staged: torch.Tensor, shards: int,
-             used: list[bool] | None = None) -> None:
+             used: list[bool]) -> None:
         """Moves the update to FusedOptimizer (before the last warm-up step).
 
-        Parameters that got no gradient in warm-up (`used`: on any rank) are left out, as
-        torch.optim skips them;
+        Parameters that got no gradient in warm-up (`used` is False: on any rank) are left
+        out, as torch.optim skips them;
         state made by the eager warm-up steps is carried into the flat buffers, and the fp16
         loss scale from torch's GradScaler into the device-side scaler. `staged` is the device
         tensor the step's staging ring fetches this update's values into.
         """
         from .optim import DeviceLossScaler, FusedOptimizer
 
-        if used is None:  # one process: the gradients it has
-            used = [p.grad is not None for p in params]
         unused = frozenset(id(p) for p, u in zip(params, used) if not u)
         self.fused = FusedOptimizer(self.optimizer, exclude=unused, shard_world=shards,
                                     staged=staged)

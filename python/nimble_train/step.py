@@ -468,7 +468,9 @@ class Step:
         sync = self._gradsync
         shards = sync.world.size if sync is not None and sync.sharded else 1
         # Data parallel: the ranks' flat buffers must hold the same parameters.
-        used = sync.used_anywhere(self._params) if sync is not None else None
+        used = self._iteration.got_gradients()
+        if sync is not None:
+            used = sync.used_anywhere(used)
         self._update.fuse(self._params, self._graph.update_values, shards, used)
         if sync is not None:
             sync.use_buckets(self._update.fused)

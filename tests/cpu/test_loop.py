@@ -258,3 +258,22 @@ def test_call_keywords_are_checked():
     with pytest.raises(ValueError, match="loss_weight=0.5 needs accumulate > 1"):
         single((x, y), loss_weight=0.5)
     assert single.grad_norm is None  # no grad_clip: no norm
+
+
+def test_gradients_set_to_none_after_each_update_do_not_hide_used_parameters():
+    """A loop that zeroes with set_to_none after every update (as transformers.Trainer
+    does): when the update moves to the fused optimizer, every parameter a backward reached
+    is still known to be trained."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP(), OPTIMIZERS["adamw"])
+    batches = classification_batches(5, 16, seed=8)
+    step = nt.Step(m1, o1, mean_loss)
+    for batch in batches:
+        step(batch)
+        o1.zero_grad()
+    assert step._iteration.got_gradients() == [True] * len(list(m1.parameters()))
+    for x, y in batches:
+        o2.zero_grad()
+        mean_loss(m2(x), y).backward()
+        o2.step()
+    assert_same_training(m1, o1, m2, o2)
