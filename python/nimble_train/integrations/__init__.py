@@ -1,0 +1,1 @@
+"""Where users already train: a drop-in transformers.Trainer and a Lightning strategy."""
