@@ -2,6 +2,10 @@
 runs its eager path there, with the same windows, weights, clipping and bucket padding the
 graph uses)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -148,3 +152,26 @@ def test_default_buckets_follow_the_collator():
     assert buckets.pad_values["labels"] == -100
     assert nt_transformers.default_buckets(DataCollatorWithPadding(tok_like, padding="max_length"),
                                            model) is None
+
+
+def test_torchrun_data_parallel_equals_transformers_trainer(tmp_path):
+    """Two gloo ranks under torchrun, each starting from other weights: the drop-in (the Step
+    broadcasts rank 0's weights and all-reduces the gradients itself, Trainer's DDP wrapper
+    bypassed) ends as transformers.Trainer with DDP does, on every rank."""
+    worker = os.path.join(os.path.dirname(os.path.dirname(__file__)), "trainer_dist_worker.py")
+    results = {}
+    for which in ("theirs", "ours"):
+        out = tmp_path / f"{which}.pt"
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             worker, which, str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+        results[which] = torch.load(out)
+    ours, theirs = results["ours"], results["theirs"]
+    assert '"world_size": 2' in ours["stats"] and '"updates": 6' in ours["stats"]
+    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]),
+                               rtol=1e-5, atol=1e-6)
+    for rank in range(2):
+        for name, value in theirs["weights"][rank].items():
+            torch.testing.assert_close(ours["weights"][rank][name], value, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
