@@ -152,9 +152,8 @@ class Trainer(transformers.Trainer):
         window = self.current_gradient_accumulation_steps
         last = self.accelerator.sync_gradients  # Trainer marks the window's last micro-batch
         weight = 1.0 if scaled else 1.0 / window
-        k = step.accumulate
-        loss = step(inputs, update=True if last and step._window.micro != k - 1 else None,
-                    loss_weight=weight if k > 1 else None)
+        loss = step(inputs, update=True if last else None,
+                    loss_weight=weight if step.accumulate > 1 else None)
         if last:
             # The update ran in the graph: Trainer's optimizer.step() and zero_grad() through
             # the accelerator's wrapper must not run it again.
