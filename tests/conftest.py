@@ -29,3 +29,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(few_gpus)
         elif "cuda" in item.keywords and gpus < 1:
             item.add_marker(no_gpu)
+
+
+@pytest.fixture
+def no_tf32():
+    """float32 matmuls and convolutions in full precision for the test (comparisons with an
+    eager reference at float32 tolerances); the previous settings back after it."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

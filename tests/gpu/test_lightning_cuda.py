@@ -8,7 +8,6 @@ as float32; float32 throughout, TF32 off, so the runs agree to about 1e-6 relati
 """
 
 import pytest
-import torch
 
 lightning = pytest.importorskip("lightning")
 
@@ -16,17 +15,9 @@ from nimble_train.integrations.lightning import NimbleStrategy  # noqa: E402
 from lightning_reference import (assert_same_logs, assert_same_weights, fit,  # noqa: E402
                                  twins)
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_tf32")]
 
 TOL = {"rtol": 1e-4, "atol": 1e-5}
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def test_captures_and_equals_plain_lightning():

@@ -13,15 +13,7 @@ from transformers import TrainingArguments  # noqa: E402
 from nimble_train.integrations import transformers as nt_transformers  # noqa: E402
 from trainer_reference import logged, max_gap, sentences, tokenizer, twin_models  # noqa: E402
 
-pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_tf32")]
 
 
 def arguments(tmp_path, name, **overrides):
