@@ -65,18 +65,19 @@ def test_the_drop_in_captures_and_equals_transformers_trainer(tmp_path):
     assert max_gap(loaded.cuda(), ours_model) == 0.0
 
 
-def test_bf16_without_accumulation_captures(tmp_path):
-    """bf16, and an update every call: Trainer sets the gradients to None after each, before
-    the Step moves the update to its fused optimizer."""
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_without_accumulation_captures(tmp_path, precision):
+    """bf16 (the accelerator's autocast) or fp16 (the Step's loss scale on the device), and an
+    update every call: Trainer sets the gradients to None after each, before the Step moves
+    the update to its fused optimizer."""
     tok = tokenizer(tmp_path)
     train = sentences(tok, 64, seed=3)
     model, reference = twin_models()
-    ours = run(tmp_path, "ours", nt_transformers.Trainer, model, train, bf16=True,
-               gradient_accumulation_steps=1)
-    theirs = run(tmp_path, "theirs", transformers.Trainer, reference, train, bf16=True,
-                 gradient_accumulation_steps=1)
+    flags = {precision: True, "gradient_accumulation_steps": 1}
+    ours = run(tmp_path, "ours", nt_transformers.Trainer, model, train, **flags)
+    theirs = run(tmp_path, "theirs", transformers.Trainer, reference, train, **flags)
     stats = ours.nimble_step.stats()
     assert stats["phase"] == "replay" and stats["replays"] > 10, stats
-    # bf16 autocast rounds differently inside fused kernels: losses agree loosely.
+    # Half-precision autocast rounds differently around the fused update: losses agree loosely.
     torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(theirs)),
                                rtol=3e-2, atol=3e-2)
