@@ -49,8 +49,9 @@ class Iteration:
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
         self._got_grad = [False] * len(params)  # which parameters a backward reached
-        # The gradient tensors the graphs of a window accumulate into (non-fused updates).
-        self.graph_grads: list[torch.Tensor | None] | None = None
+        # The gradient tensors a window's calls accumulate into (accumulate > 1, not fused:
+        # the fused update keeps them as views of its flat buffers).
+        self.window_grads: list[torch.Tensor | None] | None = None
 
     # ------------------------------------------------------------------ forward and loss
 
@@ -118,6 +119,7 @@ class Iteration:
         """One whole call, eagerly (`captured`: gradients live in a captured graph's pool,
         which eager steps must zero in place); returns the detached loss."""
         call = call or FULL_STEP
+        self.keep_accumulated_grads()
         if call.zero:
             self.zero_grad(captured)
         loss = self.loss(batch, batch_size, valid)
@@ -144,13 +146,15 @@ class Iteration:
             self._got_grad = self.got_gradients()
 
     def keep_accumulated_grads(self) -> None:
-        """Before an eager call inside a window: gradients that user code set to None since
-        the window began (``optimizer.zero_grad()`` after an update, as Trainer loops do) are
-        put back where the window's graphs accumulated them, values kept."""
+        """Before an eager call or a capture: gradients user code set to None between calls
+        (``zero_grad()`` after an update, as Trainer and Lightning loops do) are put back where
+        the calls accumulate them, values kept: a call inside a window adds to what the
+        window's graphs or eager calls accumulated, and a window's first call zeroes the
+        tensors its graphs read."""
         if self.update.fused is not None:
             self.update.fused.attach_grads()
-        elif self.graph_grads is not None:
-            for p, grad in zip(self.params, self.graph_grads):
+        elif self.window_grads is not None:
+            for p, grad in zip(self.params, self.window_grads):
                 if p.grad is None and grad is not None:
                     p.grad = grad
 
@@ -170,6 +174,8 @@ class Iteration:
         with noting:
             (scaler.scale(loss) if scaler else loss).backward()
         self._note_gradients()
+        if self.accumulate > 1:
+            self.window_grads = [p.grad for p in self.params]
         if not call.update:
             return
         optimizer = self.update.optimizer

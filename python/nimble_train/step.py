@@ -436,10 +436,8 @@ class Step:
                 # The fused update and accumulation's scales read the staged values.
                 self._graph.graph.stage_eager(samples, self._call_values(samples))
             captured = self._graph is not None and self._graph.captured
-            call = self._eager_call(samples)
-            if not call.zero:
-                self._iteration.keep_accumulated_grads()
-            loss = self._iteration.step(batch, samples, None, captured, call)
+            loss = self._iteration.step(batch, samples, None, captured,
+                                        self._eager_call(samples))
         self._last_entry = -1
         self._counts["eager_steps"] += 1
         self._bucket_counts[bucket][1] += 1
@@ -469,6 +467,8 @@ class Step:
         shards = sync.world.size if sync is not None and sync.sharded else 1
         # Data parallel: the ranks' flat buffers must hold the same parameters.
         used = self._iteration.got_gradients()
+        # A window's accumulated gradients move into the flat buffers with the parameters.
+        self._iteration.keep_accumulated_grads()
         if sync is not None:
             used = sync.used_anywhere(used)
         self._update.fuse(self._params, self._graph.update_values, shards, used)
@@ -515,9 +515,9 @@ class Step:
         """Captures one graph; on failure raises SyncError or CaptureError with the gradients
         as they were (a capture runs nothing: the model and optimizer are unchanged)."""
         graph = self._graph
-        if self.accumulate > 1:
-            self._iteration.keep_accumulated_grads()  # every graph of a window: one set
+        self._iteration.keep_accumulated_grads()  # every graph of a window: one set
         saved_grads = [p.grad for p in self._params]
+        saved_window = self._iteration.window_grads
         try:
             with self._update.lr_on_device(graph.update_values):
                 graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
@@ -525,10 +525,8 @@ class Step:
         except NimbleError:
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
+            self._iteration.window_grads = saved_window  # not the abandoned graph's tensors
             raise
-        if (self.accumulate > 1 and self._update.fused is None
-                and self._iteration.graph_grads is None):
-            self._iteration.graph_grads = [p.grad for p in self._params]
         if kind[1]:
             self._update.bake()
             self._norms[entry] = self._iteration.grad_norm

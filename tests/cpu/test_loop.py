@@ -277,3 +277,18 @@ def test_gradients_set_to_none_after_each_update_do_not_hide_used_parameters():
         mean_loss(m2(x), y).backward()
         o2.step()
     assert_same_training(m1, o1, m2, o2)
+
+
+def test_gradients_set_to_none_inside_a_window_are_kept():
+    """A loop that sets the gradients to None after every call (Lightning's zero_grad hook
+    runs after a window's first call): the window still accumulates all its micro-batches."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP(), OPTIMIZERS["sgd-momentum"])
+    batches = classification_batches(9, 16, seed=12)
+    step = nt.Step(m1, o1, per_sample, accumulate=3)
+    for batch in batches:
+        step(batch)
+        o1.zero_grad()
+    eager_accumulation_loop(m2, o2, per_sample, batches, 3)
+    assert step.stats()["updates"] == 3
+    assert_same_training(m1, o1, m2, o2)

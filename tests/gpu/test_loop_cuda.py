@@ -242,3 +242,19 @@ def test_a_trainer_style_loop_equals_eager_in_the_graph(name):
     assert stats["replays"] > 0 and stats["eager_steps"] > 3, stats
     torch.testing.assert_close(torch.stack(norms), torch.stack(expected), **TOL)
     assert max_gap(m1, m2) < 1e-4
+
+
+def test_gradients_set_to_none_mid_window_survive_the_move_to_the_fused_update():
+    """warmup=2, accumulate=2: the update is fused at the second call, in the middle of the
+    first window, after the loop set the first call's gradients to None (Lightning's zero_grad
+    hook does): they must move into the flat buffers, and every later window accumulate."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), OPTIMIZERS["adamw"])
+    batches = classification_batches(10, 16, device="cuda", seed=13)
+    step = nt.Step(m1, o1, per_sample, accumulate=2, warmup=2, streams=1)
+    for batch in batches:
+        step(batch)
+        o1.zero_grad()
+    expected = eager_accumulation_loop(m2, o2, per_sample, batches, 2)
+    assert step.stats()["replays"] > 0 and step.stats()["updates"] == 5 == len(expected) // 2
+    assert_same_training(m1, o1, m2, o2, **TOL)

@@ -55,8 +55,8 @@ How Lightning maps onto the Step:
   tensors, then logged through the real ``self.log`` after each call. ``trainer.validate()``
   outside ``fit`` and ``test_step``/``predict_step`` run as Lightning runs them;
 - the optimizer's ``zero_grad`` hook still runs at each window's first batch (after that batch's
-  Step call); the gradients it sets to None are put back in ``backward``: the Step zeroes them
-  itself at the start of every window.
+  Step call); the Step's next call puts back the gradients it set to None (the Step zeroes
+  them itself at the start of every window).
 
 Refused with an error naming the Lightning argument (each cannot be mapped onto one Step call):
 manual optimization, several optimizers (or none), ``gradient_clip_algorithm="value"``,
@@ -217,7 +217,6 @@ class NimbleStrategy(SingleDeviceStrategy):
         self.nimble_step: Step | None = None
         self._module: _TrainingStepModule | None = None
         self._evaluators: dict[int, tuple] = {}  # dataloader index -> (evaluator, log meta)
-        self._grads: list = []       # the gradients after the last Step call (see backward)
         self._stepping = False       # inside optimizer_step: this batch ends a window
         self._calls = 0              # Step calls made by training_step
         self._micro = 0              # the next call's place in its window
@@ -315,7 +314,6 @@ class NimbleStrategy(SingleDeviceStrategy):
         loss = step({"batch": batch}, update=self._stepping)
         self._calls += 1
         self._micro = 0 if self._stepping else self._micro + 1
-        self._grads = [p.grad for p in _params(step.optimizer)]
         body = self._module.body_of(loss)
         self._log(body.logs, "training_step")
         if not body.extra:
@@ -326,11 +324,8 @@ class NimbleStrategy(SingleDeviceStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any,
                  **kwargs: Any) -> torch.Tensor:
         """The Step ran the backward (and, on a window's last batch, the update). Lightning
-        calls this after the optimizer's zero_grad hook, which at a window's first batch set
-        the gradients of that batch to None: they are put back (the Step zeroes them itself)."""
-        for p, grad in zip(_params(self.nimble_step.optimizer), self._grads):
-            if p.grad is None and grad is not None:
-                p.grad = grad
+        calls this after the optimizer's zero_grad hook, which at a window's first batch sets
+        that batch's gradients to None: the Step's next call puts them back."""
         return closure_loss.detach()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None,
@@ -433,7 +428,6 @@ class NimbleStrategy(SingleDeviceStrategy):
             self.nimble_step.close()
         self.nimble_step = None
         self._evaluators = {}
-        self._grads = []
         if self._module is not None:
             self._module.bodies = {}  # their tensors hold memory of the released pool
 

@@ -89,10 +89,7 @@ class _LossModule(torch.nn.Module):
         count = batch.pop(NUM_ITEMS, None)
         trainer = self._trainer
         with trainer.compute_loss_context_manager():
-            loss = trainer.compute_loss(self.model, batch, num_items_in_batch=count)
-        if trainer.args.n_gpu > 1:  # pragma: no cover - refused at construction
-            loss = loss.mean()
-        return loss
+            return trainer.compute_loss(self.model, batch, num_items_in_batch=count)
 
 
 class Trainer(transformers.Trainer):
@@ -113,6 +110,7 @@ class Trainer(transformers.Trainer):
         self.nimble_options = options
         self.nimble_step: Step | None = None
         self._nt_evaluator = None
+        self._nt_nan_filter = False  # Trainer's NaN/inf loss filter, applied on the device
         super().__init__(*args, **kwargs)
         _refuse_what_does_not_map(self)
 
@@ -121,13 +119,12 @@ class Trainer(transformers.Trainer):
     def train(self, *args, **kwargs):
         # The NaN/inf filter runs on the device (training_step); Trainer's own would read
         # every micro-batch's loss on the host.
-        nan_filter = self.args.logging_nan_inf_filter
-        self._nt_nan_filter = nan_filter
+        self._nt_nan_filter = self.args.logging_nan_inf_filter
         self.args.logging_nan_inf_filter = False
         try:
             return super().train(*args, **kwargs)
         finally:
-            self.args.logging_nan_inf_filter = nan_filter
+            self.args.logging_nan_inf_filter = self._nt_nan_filter
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any],
                       num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
@@ -160,7 +157,7 @@ class Trainer(transformers.Trainer):
             self.accelerator.gradient_state._set_sync_gradients(False)
         if weight != 1.0:
             loss = loss * weight  # what Trainer's training_step returns (and logs)
-        if getattr(self, "_nt_nan_filter", False):
+        if self._nt_nan_filter:
             # Trainer's filter: a non-finite loss counts as the mean of those logged so far.
             since = 1 + self.state.global_step - self._globalstep_last_logged
             loss = torch.where(torch.isfinite(loss), loss, self._tr_loss / since)
@@ -199,9 +196,9 @@ class Trainer(transformers.Trainer):
         """Trainer's prediction step through the Step's evaluator (captured once the Step
         replays); before any training, Trainer's own."""
         step = self.nimble_step
-        has_labels = bool(self.label_names) and all(inputs.get(k) is not None
-                                                     for k in self.label_names)
-        if step is None or not has_labels or not isinstance(inputs, Mapping):
+        has_labels = (isinstance(inputs, Mapping) and bool(self.label_names)
+                      and all(inputs.get(k) is not None for k in self.label_names))
+        if step is None or not has_labels:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = dict(self._prepare_inputs(inputs))
         if ignore_keys is None:
