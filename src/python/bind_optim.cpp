@@ -6,6 +6,7 @@
 
 #include "optim/boundary.h"
 #include "optim/device_tables.h"
+#include "optim/fused_step.h"
 #include "optim/fused_update.h"
 #include "optim/step_control.h"
 #include "python/bindings.h"
@@ -109,6 +110,86 @@ void bind_optim(py::module_& m) {
         "LAMB over flat buffers, in place: moments and per-chunk norms, per-tensor trust ratios, "
         "parameter update. chunk_norms: float32 [num_chunks, 2], trust: float32 [num_tensors] "
         "scratch.");
+
+  py::class_<optim::FlatTensors>(m, "FlatTensors",
+                                 "The flat buffers of one dtype (src/optim/fused_step.h).")
+      .def_readonly("params", &optim::FlatTensors::params)
+      .def_readonly("param_index", &optim::FlatTensors::param_index)
+      .def_readonly("groups", &optim::FlatTensors::groups)
+      .def_readonly("offsets", &optim::FlatTensors::offsets)
+      .def_readonly("param", &optim::FlatTensors::param)
+      .def_readonly("grad", &optim::FlatTensors::grad)
+      .def_readonly("state", &optim::FlatTensors::state)
+      .def_readonly("grad_views", &optim::FlatTensors::grad_views)
+      .def_readonly("chunks", &optim::FlatTensors::chunks)
+      .def_readonly("first_chunk", &optim::FlatTensors::first_chunk)
+      .def_readonly("chunk_norms", &optim::FlatTensors::chunk_norms)
+      .def_readonly("trust", &optim::FlatTensors::trust);
+
+  m.def("optim_build_flat_buffers", &optim::build_flat_buffers, py::arg("params"),
+        py::arg("num_state"), py::arg("device"), py::arg("shard_world"), py::arg("chunk_elems"),
+        py::arg("lamb"),
+        "Moves (group, parameter) pairs into flat buffers per dtype: data and gradients become "
+        "views (values copied). Returns [FlatTensors], in order of first appearance.");
+  m.def("optim_reattach", &optim::reattach, py::arg("flats"),
+        "Puts back the parameter and gradient views user code moved away, values copied in.");
+  m.def("optim_attach_grads", &optim::attach_grads, py::arg("flats"),
+        "Undefined gradients go back to their views, keeping what the views hold.");
+  m.def("optim_zero_grads", &optim::zero_grads, py::arg("flats"),
+        "One memset per flat gradient buffer; undefined gradients go back to their views.");
+
+  py::class_<optim::UpdateTarget>(m, "UpdateTarget",
+                                  "What one pass of the fused update reads and writes.")
+      .def(py::init([](at::Tensor param, at::Tensor grad, std::vector<at::Tensor> state,
+                       at::Tensor chunks, std::optional<at::Tensor> first_chunk,
+                       std::optional<at::Tensor> chunk_norms, std::optional<at::Tensor> trust) {
+             return optim::UpdateTarget{param, grad, std::move(state), chunks,
+                                        first_chunk.value_or(at::Tensor()),
+                                        chunk_norms.value_or(at::Tensor()),
+                                        trust.value_or(at::Tensor()), at::Tensor()};
+           }),
+           py::kw_only(), py::arg("param"), py::arg("grad"), py::arg("state"), py::arg("chunks"),
+           py::arg("first_chunk") = py::none(), py::arg("chunk_norms") = py::none(),
+           py::arg("trust") = py::none())
+      .def_readonly("partials", &optim::UpdateTarget::partials);
+  m.def("optim_target_of", &optim::target_of, py::arg("flat"),
+        "The update target of a whole FlatTensors.");
+  m.def("optim_assign_partials",
+        [](std::vector<optim::UpdateTarget> targets, at::Device device) {
+          at::Tensor partials = optim::assign_partials(targets, device);
+          return std::make_pair(partials, targets);
+        },
+        py::arg("targets"), py::arg("device"),
+        "(partials, targets): one float32 [rows, 2] buffer for the gradient statistics of "
+        "every target, and the targets with their rows assigned.");
+  m.def("optim_fused_step",
+        [](const std::string& algorithm, const std::vector<optim::UpdateTarget>& targets,
+           const optim::StepTables& tables, const at::Tensor& partials,
+           std::optional<at::Tensor> inv_scale, std::optional<at::Tensor> found_inf,
+           std::optional<at::Tensor> grad_scale, double max_grad_norm,
+           std::optional<py::function> reduce_partials) -> std::optional<at::Tensor> {
+          optim::FusedStepArgs args{inv_scale, found_inf, grad_scale, max_grad_norm, {}};
+          if (reduce_partials.has_value()) {
+            args.reduce_partials = [fn = *reduce_partials](const at::Tensor& p) {
+              const py::gil_scoped_acquire gil;
+              fn(p);
+            };
+          }
+          at::Tensor norm;
+          {
+            const py::gil_scoped_release release;
+            norm = optim::fused_step(optim::parse_algorithm(algorithm), targets, tables,
+                                     partials, args);
+          }
+          if (!norm.defined()) return std::nullopt;
+          return norm;
+        },
+        py::arg("algorithm"), py::arg("targets"), py::arg("tables"), py::arg("partials"),
+        py::arg("inv_scale"), py::arg("found_inf"), py::arg("grad_scale"),
+        py::arg("max_grad_norm"), py::arg("reduce_partials"),
+        "The fused step (src/optim/fused_step.h): gradient statistics when asked for, the sum "
+        "over ranks (reduce_partials, sharded), prepare, the updates. Returns the global "
+        "gradient norm (0-dim) when computed, else None.");
 }
 
 }  // namespace nimble_train

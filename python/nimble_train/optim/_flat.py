@@ -2,8 +2,9 @@
 
 Each parameter is a segment of its dtype's flat buffers; ``p.data`` and ``p.grad`` become views
 into them, so the update is one vectorised pass over memory, all-reduce buckets are slices of
-the gradient buffer and zeroing gradients is one memset. The layout arithmetic (segment
-offsets, slices of shards) is C++ (src/optim/flat_layout.h); this module holds the tensors.
+the gradient buffer and zeroing gradients is one memset. Building the buffers and the layout
+arithmetic are C++ (src/optim/fused_step.h, flat_layout.h), shared with the LibTorch Step;
+this module keeps the Python view of them and the shards.
 """
 
 from __future__ import annotations
@@ -21,6 +22,13 @@ STATE_KEYS = {
 }
 
 
+def segment_like(seg: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A 1-d segment of a flat buffer viewed as `p` is laid out (channels_last kept)."""
+    if p.is_contiguous() or not _dense(p):
+        return seg.view(p.shape)
+    return seg.as_strided(p.shape, p.stride())
+
+
 def _dense(p: torch.Tensor) -> bool:
     """Non-overlapping and dense: the strides are a permutation of a contiguous layout's."""
     expected = 1
@@ -31,17 +39,14 @@ def _dense(p: torch.Tensor) -> bool:
     return True
 
 
-def segment_like(seg: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """A 1-d segment of a flat buffer viewed as `p` is laid out (channels_last kept)."""
-    if p.is_contiguous() or not _dense(p):
-        return seg.view(p.shape)
-    return seg.as_strided(p.shape, p.stride())
-
-
 @dataclass
 class FlatBuffers:
-    """The flat buffers of one dtype: params, grads and state, segments 256-byte aligned."""
+    """The flat buffers of one dtype: params, grads and state, segments 256-byte aligned.
 
+    `core` is the C++ object (src/optim/fused_step.h) that built them; the fields are its
+    tensors, with the state by torch's names."""
+
+    core: object                                      # _C.FlatTensors
     dtype: torch.dtype
     params: list = field(default_factory=list)       # the parameters, in flat order
     param_index: list = field(default_factory=list)  # index of each into the optimizer's params
@@ -55,7 +60,6 @@ class FlatBuffers:
     first_chunk: torch.Tensor | None = None
     chunk_norms: torch.Tensor | None = None          # LAMB scratch
     trust: torch.Tensor | None = None                # LAMB scratch
-    partials: torch.Tensor | None = None             # this buffer's rows of the stats partials
 
     def segment(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """Tensor i's view of `flat`, laid out as the parameter is: a channels_last weight keeps
@@ -77,7 +81,6 @@ class Piece:
     gathered_from: tuple[int, int]  # the range whose all-gather brings the other ranks' parts
     state: dict = field(default_factory=dict)  # state key -> buffer of stop - start elements
     chunks: torch.Tensor | None = None
-    partials: torch.Tensor | None = None
 
     @property
     def param(self) -> torch.Tensor:
@@ -92,37 +95,17 @@ def build_flat_buffers(params: list[tuple[int, torch.Tensor]], state_keys: list[
                        device: torch.device, shard_world: int, chunk_elems: int,
                        lamb: bool) -> list[FlatBuffers]:
     """Moves `params` ((group, parameter) pairs, in the optimizer's order) into flat buffers
-    per dtype: p.data and p.grad become views (values copied; a None gradient becomes zeros)."""
-    by_dtype: dict[torch.dtype, FlatBuffers] = {}
-    for index, (g, p) in enumerate(params):
-        flat = by_dtype.setdefault(p.dtype, FlatBuffers(p.dtype))
-        flat.params.append(p)
-        flat.param_index.append(index)
-        flat.groups.append(g)
-    for flat in by_dtype.values():
-        element_size = flat.params[0].element_size()
-        flat.offsets = list(_C.flat_segment_offsets([p.numel() for p in flat.params],
-                                                    element_size, shard_world))
-        total = flat.offsets[-1]
-        # Zeros in the padding stay zeros: a zero parameter with a zero gradient and zero state
-        # has a zero update in every algorithm, so the padding never changes norms.
-        flat.param = torch.zeros(total, dtype=flat.dtype, device=device)
-        flat.grad = torch.zeros_like(flat.param)
-        flat.state = {key: torch.zeros_like(flat.param) for key in state_keys}
-        for i, p in enumerate(flat.params):
-            view = flat.segment(flat.param, i)
-            view.copy_(p.detach())
-            p.data = view
-            grad = flat.segment(flat.grad, i)
-            if p.grad is not None:
-                grad.copy_(p.grad)
-            p.grad = grad
-            flat.grad_views.append(grad)
-        flat.chunks, flat.first_chunk = chunk_table(flat.offsets, flat.groups, chunk_elems, device)
-        if lamb:
-            flat.chunk_norms = torch.zeros(flat.chunks.shape[0], 2, device=device)
-            flat.trust = torch.zeros(len(flat.params), device=device)
-    return list(by_dtype.values())
+    per dtype: p.data and p.grad become views (values copied; a None gradient becomes zeros).
+    The work is C++'s (the LibTorch Step builds its buffers the same way)."""
+    flats = []
+    for core in _C.optim_build_flat_buffers(params, len(state_keys), device, shard_world,
+                                            chunk_elems, lamb):
+        flats.append(FlatBuffers(
+            core, core.param.dtype, list(core.params), list(core.param_index),
+            list(core.groups), list(core.offsets), core.param, core.grad,
+            dict(zip(state_keys, core.state)), list(core.grad_views), core.chunks,
+            core.first_chunk, core.chunk_norms, core.trust))
+    return flats
 
 
 def chunk_table(offsets: list[int], groups: list[int], chunk_elems: int,
@@ -134,16 +117,19 @@ def chunk_table(offsets: list[int], groups: list[int], chunk_elems: int,
     return chunks.to(device), first.to(device)
 
 
-def assign_partials(targets: list, device: torch.device) -> torch.Tensor:
-    """One float32 [rows, 2] buffer for the grad-stats partials of every target (FlatBuffers or
-    Piece); each target gets its rows as `.partials`. Returns the whole buffer."""
-    rows = [_C.optim_grad_stats_rows(t.grad.numel()) for t in targets]
-    partials = torch.zeros(sum(rows), 2, device=device)
-    first = 0
-    for t, n in zip(targets, rows):
-        t.partials = partials[first: first + n]
-        first += n
-    return partials
+def update_targets(targets: list, state_keys: list[str],
+                   device: torch.device) -> tuple[torch.Tensor, list]:
+    """The C++ update targets (_C.UpdateTarget) of FlatBuffers or sharded Pieces, and one
+    float32 [rows, 2] buffer for the gradient statistics of them all: (partials, targets)."""
+    made = []
+    for t in targets:
+        if isinstance(t, FlatBuffers):
+            made.append(_C.optim_target_of(t.core))
+        else:
+            made.append(_C.UpdateTarget(param=t.param, grad=t.grad,
+                                        state=[t.state[key] for key in state_keys],
+                                        chunks=t.chunks))
+    return _C.optim_assign_partials(made, device)
 
 
 def cut_pieces(flats: list[FlatBuffers], slices, chunk_elems: int,
@@ -162,20 +148,3 @@ def cut_pieces(flats: list[FlatBuffers], slices, chunk_elems: int,
         piece.state = {key: buf[start:stop].clone() for key, buf in flat.state.items()}
         pieces.append(piece)
     return pieces
-
-
-def run_updates(algorithm: str, targets: list, tables) -> None:
-    """Launches the fused update over each target (FlatBuffers, or a sharded Piece of them),
-    after prepare_step has filled the tables."""
-    hyper, control = tables.hyper, tables.control
-    for t in targets:
-        s = t.state
-        if algorithm == "sgd":
-            _C.optim_sgd_update_(t.param, t.grad, s.get("momentum_buffer"), t.chunks, hyper,
-                                 control)
-        elif algorithm == "adam":
-            _C.optim_adam_update_(t.param, t.grad, s["exp_avg"], s["exp_avg_sq"],
-                                  s.get("max_exp_avg_sq"), t.chunks, hyper, control)
-        else:
-            _C.optim_lamb_update_(t.param, t.grad, s["exp_avg"], s["exp_avg_sq"], t.chunks,
-                                  t.first_chunk, hyper, control, t.chunk_norms, t.trust)

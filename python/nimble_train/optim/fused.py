@@ -9,8 +9,8 @@ import torch
 
 from .. import _torch_private
 from .._extension import _C
-from ._flat import assign_partials, build_flat_buffers, cut_pieces, run_updates
-from ._hyper import CONTROL, LAYOUT, STAGED, Structure, make_tables
+from ._flat import build_flat_buffers, cut_pieces, update_targets
+from ._hyper import LAYOUT, STAGED, Structure, make_tables
 from ._state import FlatState
 from ._support import algorithm, trainable, why_unsupported
 
@@ -72,10 +72,12 @@ class FusedOptimizer:
         params = [(g, p) for g, group in enumerate(groups) for p in trainable(group, exclude)]
         self.device = params[0][1].device
         keys = self._structure.state_keys()
+        self._keys = keys
         self._flats = build_flat_buffers(params, keys, device=self.device,
                                          shard_world=shard_world, chunk_elems=chunk_elems,
                                          lamb=self._algorithm == "lamb")
-        self._partials = assign_partials(self._flats, self.device)
+        self._cores = [flat.core for flat in self._flats]
+        self._partials, self._targets = update_targets(self._flats, keys, self.device)
         self._ring = None if staged is not None else _C.StagingRing(
             self.num_staged_values(optimizer), self.device, ring_slots)
         self._captured = False
@@ -129,7 +131,7 @@ class FusedOptimizer:
         if self._state.pieces is not None:
             raise RuntimeError("FusedOptimizer.shard: the state is sharded already")
         pieces = cut_pieces(self._flats, slices, self._chunk_elems, self.device)
-        self._partials = assign_partials(pieces, self.device)
+        self._partials, self._targets = update_targets(pieces, self._keys, self.device)
         self._state.shard(pieces)
 
     def consolidate(self, gather: Callable[[torch.Tensor, int, int], None]) -> None:
@@ -202,37 +204,18 @@ class FusedOptimizer:
         if set_to_none:
             raise ValueError("FusedOptimizer.zero_grad: gradients live in flat buffers and cannot "
                              "be set to None; call zero_grad() (zeroing in place).")
-        for flat in self._flats:
-            flat.grad.zero_()
-            for p, view in zip(flat.params, flat.grad_views):
-                if p.grad is not view:
-                    p.grad = view
+        _C.optim_zero_grads(self._cores)
 
     def attach_grads(self) -> None:
         """Gradients user code set to None go back to their views, keeping the values the
         views hold (an accumulation window's graphs wrote them)."""
-        for flat in self._flats:
-            for p, view in zip(flat.params, flat.grad_views):
-                if p.grad is None:
-                    p.grad = view
+        _C.optim_attach_grads(self._cores)
 
     def _reattach(self) -> None:
         """Puts back parameters and gradients that user code moved out of the flat buffers
         (``optimizer.zero_grad()`` sets grads to None, ``load_state_dict(assign=True)`` swaps
         tensors): the values are copied in, the views restored. A None gradient becomes zero."""
-        for flat in self._flats:
-            for i, p in enumerate(flat.params):
-                view = flat.grad_views[i]
-                if p.grad is not view:
-                    if p.grad is None:
-                        view.zero_()
-                    else:
-                        view.copy_(p.grad)
-                    p.grad = view
-                if p.data_ptr() != flat.param.data_ptr() + flat.offsets[i] * p.element_size():
-                    data = flat.segment(flat.param, i)
-                    data.copy_(p.detach())
-                    p.data = data
+        _C.optim_reattach(self._cores)
 
     def _fetch(self, capturing: bool) -> None:
         """Standalone: the staged values reach the device (eagerly: now; captured: at every
@@ -276,33 +259,26 @@ class FusedOptimizer:
         if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
             raise ValueError(f"FusedOptimizer.step: max_grad_norm must be a positive finite "
                              f"float or None; got {max_grad_norm}")
+        if self._state.pieces is not None and self.reduce_partials is None and (
+                inv_scale is not None or found_inf is not None or max_grad_norm is not None):
+            raise RuntimeError(
+                "FusedOptimizer.step: the state is sharded and this step needs the global "
+                "gradient norm or overflow flag; set reduce_partials (an in-place sum over the "
+                "ranks) after shard()")
         self._state.before_update()
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if not capturing:
             self._reattach()
         self._fetch(capturing)
-        skip_nonfinite = inv_scale is not None or found_inf is not None
-        stats = skip_nonfinite or max_grad_norm is not None
-        if grad_scale is not None:  # one factor for the norm and the update
-            inv_scale = grad_scale if inv_scale is None else inv_scale * grad_scale
-        targets = self._state.pieces if self._state.pieces is not None else self._flats
-        if stats:
-            for t in targets:
-                _C.optim_grad_stats_(t.grad, inv_scale, t.partials)
-            if self._state.pieces is not None:
-                if self.reduce_partials is None:
-                    raise RuntimeError(
-                        "FusedOptimizer.step: the state is sharded and this step needs the "
-                        "global gradient norm or overflow flag; set reduce_partials (an "
-                        "in-place sum over the ranks) after shard()")
-                self.reduce_partials(self._partials)  # norms and overflow over every shard
-        _C.optim_prepare_step_(self._tables, self._partials if stats else None, inv_scale,
-                               found_inf, float(max_grad_norm or 0.0), skip_nonfinite)
-        run_updates(self._algorithm, targets, self._tables)
+        # The step itself is C++ (src/optim/fused_step.h), shared with the LibTorch Step.
+        norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables,
+                                   self._partials, inv_scale, found_inf, grad_scale,
+                                   float(max_grad_norm or 0.0),
+                                   self.reduce_partials if self._state.pieces is not None
+                                   else None)
         # LR schedulers check that optimizer.step() ran before them; this step stands for it.
         _torch_private.mark_optimizer_stepped(self.optimizer)
-        control = self._tables.control
-        return control[CONTROL["grad_norm"]] if stats else None
+        return norm
 
     # ------------------------------------------------------------------ introspection
 

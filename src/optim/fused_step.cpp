@@ -1,0 +1,249 @@
+// The fused optimizer step over tensors (see fused_step.h).
+#include "optim/fused_step.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/GradMode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include "common/check.h"
+#include "optim/device_tables.h"
+#include "optim/flat_layout.h"
+
+namespace nimble_train::optim {
+namespace {
+
+// Non-overlapping and dense: the strides are a permutation of a contiguous layout's.
+bool dense(const at::Tensor& p) {
+  std::vector<std::pair<int64_t, int64_t>> dims;
+  for (int64_t d = 0; d < p.dim(); ++d) dims.emplace_back(p.stride(d), p.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t expected = 1;
+  for (const auto& [stride, size] : dims) {
+    if (size != 1 && stride != expected) return false;
+    expected *= size;
+  }
+  return true;
+}
+
+at::Tensor host_int64(const std::vector<int64_t>& values) {
+  return at::from_blob(const_cast<int64_t*>(values.data()),
+                       {static_cast<int64_t>(values.size())}, at::kLong)
+      .clone();
+}
+
+std::pair<at::Tensor, at::Tensor> device_chunk_table(const std::vector<int64_t>& offsets,
+                                                     const std::vector<int64_t>& groups,
+                                                     int64_t chunk_elems, at::Device device) {
+  auto [chunks, first] = make_chunk_table(host_int64(offsets), host_int64(groups), chunk_elems);
+  return {chunks.to(device), first.to(device)};
+}
+
+bool at_view(const at::Tensor& t, const at::Tensor& view) {
+  return t.defined() && t.unsafeGetTensorImpl() == view.unsafeGetTensorImpl();
+}
+
+}  // namespace
+
+Algorithm parse_algorithm(const std::string& name) {
+  if (name == "sgd") return Algorithm::kSgd;
+  if (name == "adam") return Algorithm::kAdam;
+  if (name == "lamb") return Algorithm::kLamb;
+  NT_CHECK(false, "fused optimizer: the algorithm must be \"sgd\", \"adam\" or \"lamb\"; got \"",
+           name, "\"");
+  return Algorithm::kSgd;  // unreachable
+}
+
+at::Tensor FlatTensors::segment(const at::Tensor& flat, int64_t i) const {
+  const at::Tensor& p = params[size_t(i)];
+  at::Tensor seg = flat.narrow(0, offsets[size_t(i)], p.numel());
+  if (p.is_contiguous() || !dense(p)) return seg.view(p.sizes());
+  return seg.as_strided(p.sizes(), p.strides());
+}
+
+std::vector<FlatTensors> build_flat_buffers(
+    const std::vector<std::pair<int64_t, at::Tensor>>& params, int64_t num_state,
+    at::Device device, int64_t shard_world, int64_t chunk_elems, bool lamb) {
+  NT_CHECK(!params.empty(), "fused optimizer: no parameters to fuse");
+  NT_CHECK(num_state >= 0 && num_state <= 3, "fused optimizer: 0 to 3 state buffers; got ",
+           num_state);
+  std::vector<FlatTensors> flats;
+  std::map<at::ScalarType, size_t> by_dtype;
+  for (size_t index = 0; index < params.size(); ++index) {
+    const auto& [group, p] = params[index];
+    NT_CHECK(p.defined() && p.device() == device, "fused optimizer: parameter ", index,
+             " must be on ", device, "; got ", p.defined() ? p.device() : at::Device(at::kCPU));
+    auto [it, added] = by_dtype.emplace(p.scalar_type(), flats.size());
+    if (added) {
+      flats.emplace_back();
+      flats.back().dtype = p.scalar_type();
+    }
+    FlatTensors& flat = flats[it->second];
+    flat.params.push_back(p);
+    flat.param_index.push_back(static_cast<int64_t>(index));
+    flat.groups.push_back(group);
+  }
+  const c10::AutoGradMode no_grad(false);
+  for (FlatTensors& flat : flats) {
+    std::vector<int64_t> numels;
+    for (const at::Tensor& p : flat.params) numels.push_back(p.numel());
+    flat.offsets = flat_segment_offsets(numels, flat.params[0].element_size(), shard_world);
+    const auto options = at::TensorOptions().dtype(flat.dtype).device(device);
+    // Zeros in the padding stay zeros: a zero parameter with a zero gradient and zero state
+    // has a zero update in every algorithm, so the padding never changes norms.
+    flat.param = at::zeros({flat.offsets.back()}, options);
+    flat.grad = at::zeros_like(flat.param);
+    for (int64_t k = 0; k < num_state; ++k) flat.state.push_back(at::zeros_like(flat.param));
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      at::Tensor& p = flat.params[i];
+      at::Tensor view = flat.segment(flat.param, int64_t(i));
+      view.copy_(p.detach());
+      p.set_data(view);
+      at::Tensor grad = flat.segment(flat.grad, int64_t(i));
+      if (p.grad().defined()) grad.copy_(p.grad());
+      p.mutable_grad() = grad;
+      flat.grad_views.push_back(grad);
+    }
+    std::tie(flat.chunks, flat.first_chunk) =
+        device_chunk_table(flat.offsets, flat.groups, chunk_elems, device);
+    if (lamb) {
+      flat.chunk_norms = at::zeros({flat.chunks.size(0), 2},
+                                   at::TensorOptions().dtype(at::kFloat).device(device));
+      flat.trust = at::zeros({int64_t(flat.params.size())},
+                             at::TensorOptions().dtype(at::kFloat).device(device));
+    }
+  }
+  return flats;
+}
+
+void reattach(std::vector<FlatTensors>& flats) {
+  const c10::AutoGradMode no_grad(false);
+  for (FlatTensors& flat : flats) {
+    const int64_t element_size = flat.param.element_size();
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      at::Tensor& p = flat.params[i];
+      const at::Tensor& view = flat.grad_views[i];
+      if (!at_view(p.grad(), view)) {
+        if (p.grad().defined()) {
+          view.copy_(p.grad());
+        } else {
+          view.zero_();
+        }
+        p.mutable_grad() = view;
+      }
+      const char* expected = static_cast<const char*>(flat.param.const_data_ptr()) +
+                             flat.offsets[i] * element_size;
+      if (p.const_data_ptr() != expected) {
+        at::Tensor data = flat.segment(flat.param, int64_t(i));
+        data.copy_(p.detach());
+        p.set_data(data);
+      }
+    }
+  }
+}
+
+void attach_grads(std::vector<FlatTensors>& flats) {
+  for (FlatTensors& flat : flats) {
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      if (!flat.params[i].grad().defined()) flat.params[i].mutable_grad() = flat.grad_views[i];
+    }
+  }
+}
+
+void zero_grads(std::vector<FlatTensors>& flats) {
+  for (FlatTensors& flat : flats) {
+    flat.grad.zero_();
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      if (!at_view(flat.params[i].grad(), flat.grad_views[i])) {
+        flat.params[i].mutable_grad() = flat.grad_views[i];
+      }
+    }
+  }
+}
+
+UpdateTarget target_of(const FlatTensors& flat) {
+  UpdateTarget t;
+  t.param = flat.param;
+  t.grad = flat.grad;
+  t.state = flat.state;
+  t.chunks = flat.chunks;
+  t.first_chunk = flat.first_chunk;
+  t.chunk_norms = flat.chunk_norms;
+  t.trust = flat.trust;
+  return t;
+}
+
+at::Tensor assign_partials(std::vector<UpdateTarget>& targets, at::Device device) {
+  int64_t rows = 0;
+  for (const UpdateTarget& t : targets) rows += grad_stats_partial_rows(t.grad.numel());
+  at::Tensor partials = at::zeros({rows, 2}, at::TensorOptions().dtype(at::kFloat).device(device));
+  int64_t first = 0;
+  for (UpdateTarget& t : targets) {
+    const int64_t n = grad_stats_partial_rows(t.grad.numel());
+    t.partials = partials.narrow(0, first, n);
+    first += n;
+  }
+  return partials;
+}
+
+at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
+                      const StepTables& tables, const at::Tensor& partials,
+                      const FusedStepArgs& args) {
+  const at::Device device = tables.control.device();
+  const std::pair<const char*, const std::optional<at::Tensor>*> scalars[] = {
+      {"inv_scale", &args.inv_scale}, {"found_inf", &args.found_inf},
+      {"grad_scale", &args.grad_scale}};
+  for (const auto& [name, t] : scalars) {
+    if (!t->has_value()) continue;
+    const at::Tensor& x = **t;
+    NT_CHECK(x.numel() == 1 && x.scalar_type() == at::kFloat && x.device() == device,
+             "fused optimizer step: ", name, " must be a one-element float32 tensor on ", device,
+             "; got ", x.numel(), " elements of ", x.scalar_type(), " on ", x.device());
+  }
+  NT_CHECK(args.max_grad_norm >= 0 && std::isfinite(args.max_grad_norm),
+           "fused optimizer step: max_grad_norm must be a positive finite number (0: none); "
+           "got ", args.max_grad_norm);
+  const bool skip_nonfinite = args.inv_scale.has_value() || args.found_inf.has_value();
+  const bool stats = skip_nonfinite || args.max_grad_norm > 0;
+  std::optional<at::Tensor> factor = args.inv_scale;  // one factor for the norm and the update
+  if (args.grad_scale.has_value()) {
+    factor = factor.has_value() ? at::mul(*factor, *args.grad_scale) : *args.grad_scale;
+  }
+  if (stats) {
+    for (const UpdateTarget& t : targets) grad_stats_(t.grad, factor, t.partials);
+    if (args.reduce_partials) args.reduce_partials(partials);  // over every shard
+  }
+  prepare_step_(tables, stats ? std::optional<at::Tensor>(partials) : std::nullopt, factor,
+                args.found_inf, args.max_grad_norm, skip_nonfinite);
+  const auto state = [](const UpdateTarget& t, size_t k) -> std::optional<at::Tensor> {
+    if (k < t.state.size()) return t.state[k];
+    return std::nullopt;
+  };
+  for (const UpdateTarget& t : targets) {
+    switch (algorithm) {
+      case Algorithm::kSgd:
+        sgd_update_(t.param, t.grad, state(t, 0), t.chunks, tables.hyper, tables.control);
+        break;
+      case Algorithm::kAdam:
+        NT_CHECK(t.state.size() >= 2, "fused Adam: exp_avg and exp_avg_sq are missing");
+        adam_update_(t.param, t.grad, t.state[0], t.state[1], state(t, 2), t.chunks,
+                     tables.hyper, tables.control);
+        break;
+      case Algorithm::kLamb:
+        NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
+        lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk,
+                     tables.hyper, tables.control, t.chunk_norms, t.trust);
+        break;
+    }
+  }
+  if (!stats) return at::Tensor();
+  return tables.control.select(0, kGradNorm);
+}
+
+}  // namespace nimble_train::optim

@@ -1,0 +1,108 @@
+// The fused optimizer step over tensors: the flat buffers a model's parameters move into, and
+// the step's sequence (gradient statistics, prepare, the updates). One implementation for both
+// faces: Python's FusedOptimizer (python/nimble_train/optim/fused.py, which adds torch.optim's
+// state format) and the LibTorch Step (nimble_train/step.h, which adds torch::optim's).
+//
+// Moving parameters in: each parameter of one dtype becomes a segment of its dtype's flat
+// buffers (layout: flat_layout.h); its data and gradient become views into them (set_data, and
+// the gradient assigned), so autograd accumulates into the flat gradient buffer in place and
+// the update is one vectorised pass. Values move with the tensors: the model is unchanged.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "optim/boundary.h"
+
+namespace nimble_train::optim {
+
+enum class Algorithm { kSgd, kAdam, kLamb };
+
+// "sgd", "adam" (Adam and AdamW) or "lamb"; InvalidArgument for anything else.
+Algorithm parse_algorithm(const std::string& name);
+
+// The flat buffers of one dtype.
+struct FlatTensors {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<at::Tensor> params;      // the parameters, in flat order
+  std::vector<int64_t> param_index;    // each one's index in the list given to build
+  std::vector<int64_t> groups;         // each one's param group
+  std::vector<int64_t> offsets;        // [num_tensors + 1] segment offsets, elements
+  at::Tensor param;                    // the flat buffers
+  at::Tensor grad;
+  std::vector<at::Tensor> state;       // one per state buffer, in the order asked for
+  std::vector<at::Tensor> grad_views;  // each parameter's gradient view
+  at::Tensor chunks;                   // int64 [num_chunks, 4] on the device
+  at::Tensor first_chunk;              // int64 [num_tensors + 1] on the device
+  at::Tensor chunk_norms;              // LAMB scratch: float32 [num_chunks, 2]
+  at::Tensor trust;                    // LAMB scratch: float32 [num_tensors]
+
+  // Tensor i's view of `flat` (a buffer of this dtype's length), laid out as the parameter is:
+  // a channels_last weight keeps its strides, so convolutions see the memory format (and
+  // cuDNN the algorithms) they had before.
+  at::Tensor segment(const at::Tensor& flat, int64_t i) const;
+};
+
+// Moves `params` ((group, parameter) pairs, in the optimizer's order) into flat buffers per
+// dtype, in order of first appearance: data and gradient become views (values copied; an
+// undefined gradient becomes zeros). num_state: state buffers per dtype (zeros).
+std::vector<FlatTensors> build_flat_buffers(
+    const std::vector<std::pair<int64_t, at::Tensor>>& params, int64_t num_state,
+    at::Device device, int64_t shard_world, int64_t chunk_elems, bool lamb);
+
+// Puts back, for every parameter, the views user code moved away: a gradient set to undefined
+// (zero_grad(set_to_none)) or replaced, data swapped. Values are copied into the views first
+// (an undefined gradient becomes zero). Host work: outside any capture.
+void reattach(std::vector<FlatTensors>& flats);
+// Only undefined gradients go back to their views, keeping what the views hold (the graphs
+// of an accumulation window wrote it there).
+void attach_grads(std::vector<FlatTensors>& flats);
+// One memset per flat gradient buffer (capturable); undefined gradients go back to their views.
+void zero_grads(std::vector<FlatTensors>& flats);
+
+// What one pass of the update reads and writes: a whole FlatTensors, or one rank's slice of it
+// when the state is sharded. state: in the order of the algorithm's state keys (SGD:
+// momentum; Adam: exp_avg, exp_avg_sq[, max_exp_avg_sq]; LAMB: exp_avg, exp_avg_sq); empty
+// for SGD without momentum.
+struct UpdateTarget {
+  at::Tensor param;
+  at::Tensor grad;
+  std::vector<at::Tensor> state;
+  at::Tensor chunks;
+  at::Tensor first_chunk;  // LAMB only (and chunk_norms, trust)
+  at::Tensor chunk_norms;
+  at::Tensor trust;
+  at::Tensor partials;     // this target's rows of the gradient-statistics partials
+};
+
+UpdateTarget target_of(const FlatTensors& flat);
+
+// One float32 [rows, 2] buffer for the gradient statistics of every target; each target gets
+// its rows as `partials`. Returns the whole buffer.
+at::Tensor assign_partials(std::vector<UpdateTarget>& targets, at::Device device);
+
+struct FusedStepArgs {
+  std::optional<at::Tensor> inv_scale;   // float32 [1]: 1 / loss scale
+  std::optional<at::Tensor> found_inf;   // float32 [1]: written 1 on a non-finite gradient
+  std::optional<at::Tensor> grad_scale;  // float32 [1]: a factor without the overflow skip
+  double max_grad_norm = 0;              // > 0: clip the global norm to it
+  // Sharded state: sums the partials over the ranks, in place, before prepare.
+  std::function<void(const at::Tensor&)> reduce_partials;
+};
+
+// The step: gradient statistics (when unscaling, clipping or a gradient factor asks for
+// them), prepare_step_, then the algorithm's update over every target, on the current stream
+// (capturable) or at once on the CPU. tables.staged must hold this step's staged values.
+// Returns the global gradient norm (a 0-dim view of the control block, valid until the next
+// step) when it was computed, else an undefined tensor.
+at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
+                      const StepTables& tables, const at::Tensor& partials,
+                      const FusedStepArgs& args);
+
+}  // namespace nimble_train::optim
