@@ -5,7 +5,7 @@
 #   target_link_libraries(app PRIVATE nimble_train::nimble_train)
 #
 # Everything goes into the wheel's nimble_train/ folder beside the library: include/ holds the
-# headers (#include <nimble_train/capture/step_graph.h>), share/cmake/nimble_train/ the package.
+# headers (#include <nimble_train/step.h>, <nimble_train/capture/step_graph.h>), share/cmake/nimble_train/ the package.
 # The package links the torch the library was built against (its headers and libraries, found
 # at build time), so the program and the library agree on one torch.
 
@@ -19,9 +19,11 @@ set(NT_PUBLIC_HEADERS
   common/check.h
   common/cuda_fwd.h
   common/dtype.h
+  nimble_train/step.h
   optim/boundary.h
   optim/device_tables.h
   optim/flat_layout.h
+  optim/fused_step.h
   streams/stream_assignment.h)
 
 function(nt_install_package target)

@@ -1,0 +1,171 @@
+// nimble_train::Step: a LibTorch training step captured once as a CUDA graph and replayed.
+//
+//   #include <nimble_train/step.h>
+//
+//   Net net;                                           // a torch::nn module, on the GPU
+//   torch::optim::AdamW optimizer(net->parameters(), torch::optim::AdamWOptions(1e-3));
+//   nimble_train::Step step(net, optimizer, [&](const nimble_train::Batch& b) {
+//     return torch::nn::functional::cross_entropy(net->forward(b[0]), b[1]);
+//   });
+//   for (auto& batch : loader) {
+//     at::Tensor loss = step({batch.data, batch.target});  // one graph launch, no host sync
+//   }
+//
+// The same lifecycle and semantics as Python's nt.Step (python/nimble_train/step.py), on the
+// same runtime (src/capture's StepGraph, src/optim's fused step):
+//  - The first batch fixes the batch layout (shapes, dtypes, devices of its tensors).
+//  - Warm-up: the first `warmup` calls are ordinary eager training steps, on the capture's
+//    side stream; host synchronisations in them are recorded (CUDA's sync debug mode). The
+//    first runs the optimizer as it is (it shows which parameters get gradients); from the
+//    second on the update is the fused one: parameters, gradients and optimizer state move
+//    into flat buffers and every hyper-parameter is read on the device.
+//  - Capture: the next call is captured as one CUDA graph (forward, loss, backward, clipping,
+//    fused update) in a private memory pool, then launched. Later calls copy the batch into the
+//    graph's static inputs and launch it: no host sync, no allocation.
+//  - A capture that fails raises SyncError (CUDA invalidated it and warm-up saw host syncs) or
+//    CaptureError; the model and optimizer are as after the last completed step and later
+//    calls run eagerly.
+//  - Learning rates and every other hyper-parameter read from optimizer.param_groups() at each
+//    call (param_groups()[i].options().set_lr(...), a scheduler) reach the graph without a
+//    new capture. The optimizer's state stays its own: state() holds views of the flat
+//    buffers and the step counts advance on the host too, so torch::save(optimizer, ...) and
+//    torch::load keep working (a load between calls is copied into the flat buffers).
+//  - A batch with fewer samples than the first: padded and masked in the graph when
+//    `forward_loss` returns one loss per sample and no layer sees the whole batch (BatchNorm);
+//    otherwise it runs eagerly, or raises ShapeError (PartialBatch).
+//
+// Optimizers: torch::optim::SGD, Adam and AdamW are fused. Others run eagerly with
+// capture(false); capturing them raises an error that says so (LibTorch's optimizers keep
+// step counts on the host and would bake them into a graph).
+//
+// Streams: one. Planning several (as Python's streams="auto" does for a traced forward) needs
+// an operator graph of the forward, which Python gets from torch.fx and C++ does not have; a
+// LibTorch program could hand one over as a TorchScript module or an exported program.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/data/example.h>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace nimble_train {
+
+// Every error a Step raises on purpose derives from Error; each message says what was
+// expected, what was seen and how to fix it.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+// Capturing failed because the step synchronises with the host (.item(), .cpu(), a
+// data-dependent shape). The model and optimizer are as after the last completed step.
+class SyncError : public Error {
+ public:
+  using Error::Error;
+};
+// Capturing failed for another reason; the model and optimizer are as after the last step.
+class CaptureError : public Error {
+ public:
+  using Error::Error;
+};
+// A batch that does not fit the first batch's layout (or a short batch under kError).
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A batch: the tensors forward_loss reads; dimension 0 of each is the batch unless its
+// length differs from the first tensor's (a leaf without a batch dimension).
+using Batch = std::vector<at::Tensor>;
+// The forward and the loss: a scalar, or one loss per sample ([batch size], averaged by the
+// Step, which makes padding exact).
+using ForwardLoss = std::function<at::Tensor(const Batch&)>;
+
+enum class PartialBatch {
+  kPad,    // pad and mask in the graph (per-sample losses, no batch statistics); else eager
+  kEager,  // run a short batch eagerly
+  kError,  // raise ShapeError
+};
+
+enum class Amp { kNone, kBF16 };
+
+struct StepOptions {
+  int64_t warmup = 3;                      // eager steps before capture (at least 1)
+  Amp amp = Amp::kNone;                    // kBF16: autocast to bfloat16 in forward_loss
+  std::optional<double> grad_clip;         // max global gradient norm, on the device
+  PartialBatch partial_batch = PartialBatch::kPad;
+  bool capture = true;                     // false: every step eager (debugging, the CPU)
+
+  StepOptions& set_warmup(int64_t v) { warmup = v; return *this; }
+  StepOptions& set_amp(Amp v) { amp = v; return *this; }
+  StepOptions& set_grad_clip(double v) { grad_clip = v; return *this; }
+  StepOptions& set_partial_batch(PartialBatch v) { partial_batch = v; return *this; }
+  StepOptions& set_capture(bool v) { capture = v; return *this; }
+};
+
+enum class Phase { kTemplate, kWarmup, kCapture, kReplay, kEager, kClosed };
+const char* phase_name(Phase phase);
+
+struct StepStats {
+  Phase phase = Phase::kTemplate;
+  int64_t calls = 0;         // completed calls
+  int64_t eager_steps = 0;   // of which eager (warm-up, short batches, after a failed capture)
+  int64_t replays = 0;       // of which graph launches (the capturing call included)
+  int64_t captures = 0;      // graphs captured
+  int64_t graph_nodes = -1;  // nodes of the captured graph (-1 before capture)
+  int64_t host_syncs_in_warmup = 0;
+  std::string update;        // "fused", or "eager" (the optimizer as it is)
+  std::string capture_error; // why the capture failed (phase kEager after one), else empty
+};
+
+class Step {
+ public:
+  Step(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+       ForwardLoss forward_loss, StepOptions options = {});
+  template <typename Impl>
+  Step(const torch::nn::ModuleHolder<Impl>& module, torch::optim::Optimizer& optimizer,
+       ForwardLoss forward_loss, StepOptions options = {})
+      : Step(module.ptr(), optimizer, std::move(forward_loss), std::move(options)) {}
+  ~Step();
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+  Step(Step&&) noexcept;
+  Step& operator=(Step&&) noexcept;
+
+  // One training step on `batch`; returns the loss as a 0-dim float32 tensor on the device
+  // without a host sync. After capture it is the graph's own output, overwritten by the next
+  // call: clone() it to keep it.
+  at::Tensor operator()(const Batch& batch);
+  // A torch::data example: the batch {data, target}. (A template, so that step({x, y}) is
+  // always a Batch.)
+  template <typename Data = at::Tensor, typename Target = at::Tensor>
+  at::Tensor operator()(const torch::data::Example<Data, Target>& example) {
+    return (*this)(Batch{example.data, example.target});
+  }
+
+  // The global gradient norm before clipping of the last call (0-dim, on the device), with
+  // grad_clip; std::nullopt without it or before the first fused step.
+  std::optional<at::Tensor> grad_norm() const;
+  StepStats stats() const;
+  // Frees the graph and its pool; the model and optimizer stay usable (they keep their flat
+  // buffers). Later calls raise.
+  void close();
+
+  // Makes the next launch fail at `point` (1: after staging its values, 2: after copying the
+  // batch in) or the next capture fail (3: inside the capture), for rollback tests.
+  void inject_failure_for_testing(int point);
+
+ private:
+  class Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace nimble_train

@@ -1,0 +1,987 @@
+// nimble_train::Step for LibTorch programs (see nimble_train/step.h).
+//
+// The pieces are the runtime Python's Step drives too: StepGraph (the graph, its private pool,
+// its static inputs and the staging ring every launch reads), and the fused step over flat
+// buffers (optim/fused_step.h). What is LibTorch's own lives here: reading torch::optim's
+// options into staged rows, and keeping torch::optim's state (views into the flat buffers,
+// host step counts) valid for torch::save and torch::load.
+#include "nimble_train/step.h"
+
+#include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
+#include <c10/core/Event.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <map>
+#include <set>
+#include <sstream>
+#include <tuple>
+#include <utility>
+
+#include "capture/static_inputs.h"
+#include "capture/staging_ring.h"
+#include "common/check.h"
+#include "nimble_train/build_config.h"
+#include "optim/device_tables.h"
+#include "optim/fused_step.h"
+#include "optim/fused_update.h"
+
+#if NT_HAVE_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "capture/step_graph.h"
+#endif
+
+namespace nimble_train {
+
+const char* phase_name(Phase phase) {
+  switch (phase) {
+    case Phase::kTemplate: return "template";
+    case Phase::kWarmup: return "warm-up";
+    case Phase::kCapture: return "capture";
+    case Phase::kReplay: return "replay";
+    case Phase::kEager: return "eager";
+    case Phase::kClosed: return "closed";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using capture::BatchMismatch;
+using capture::LeafSpec;
+using capture::StaticInputs;
+
+// ------------------------------------------------------------------ torch::optim, fused
+
+enum class Kind { kSgd, kAdam, kAdamW, kOther };
+
+Kind kind_of(torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return Kind::kSgd;
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return Kind::kAdam;
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return Kind::kAdamW;
+  return Kind::kOther;
+}
+
+// The staged columns of one param group (optim/device_tables.h), from its options now.
+void staged_row(Kind kind, const torch::optim::OptimizerOptions& options, float* row) {
+  using namespace optim;
+  std::fill(row, row + kNumStagedHyper, 0.0f);
+  if (kind == Kind::kSgd) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(options);
+    row[kLr] = float(o.lr());
+    row[kWeightDecay] = float(o.weight_decay());
+    row[kMomentum] = float(o.momentum());
+    row[kDampening] = float(o.dampening());
+    row[kNesterov] = o.nesterov() ? 1.0f : 0.0f;
+    return;
+  }
+  double lr, weight_decay, eps;
+  std::tuple<double, double> betas;
+  if (kind == Kind::kAdam) {
+    const auto& o = static_cast<const torch::optim::AdamOptions&>(options);
+    lr = o.lr(), weight_decay = o.weight_decay(), eps = o.eps(), betas = o.betas();
+  } else {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(options);
+    lr = o.lr(), weight_decay = o.weight_decay(), eps = o.eps(), betas = o.betas();
+    row[kDecoupledDecay] = 1.0f;
+  }
+  row[kLr] = float(lr);
+  row[kWeightDecay] = float(weight_decay);
+  row[kBeta1] = float(std::get<0>(betas));
+  row[kBeta2] = float(std::get<1>(betas));
+  row[kEps] = float(eps);
+}
+
+bool amsgrad_of(Kind kind, const torch::optim::OptimizerOptions& options) {
+  if (kind == Kind::kAdam) return static_cast<const torch::optim::AdamOptions&>(options).amsgrad();
+  if (kind == Kind::kAdamW) {
+    return static_cast<const torch::optim::AdamWOptions&>(options).amsgrad();
+  }
+  return false;
+}
+
+bool momentum_on(Kind kind, const torch::optim::OptimizerOptions& options) {
+  return kind == Kind::kSgd &&
+         static_cast<const torch::optim::SGDOptions&>(options).momentum() != 0;
+}
+
+// The state tensors of one parameter, by the fused update's order (SGD: momentum_buffer;
+// Adam/AdamW: exp_avg, exp_avg_sq, max_exp_avg_sq), and its host step count.
+struct ParamStateRef {
+  torch::optim::OptimizerParamState* state = nullptr;
+  Kind kind = Kind::kOther;
+
+  at::Tensor get(size_t k) const {
+    switch (kind) {
+      case Kind::kSgd: return static_cast<torch::optim::SGDParamState*>(state)->momentum_buffer();
+      case Kind::kAdam: {
+        auto* s = static_cast<torch::optim::AdamParamState*>(state);
+        return k == 0 ? s->exp_avg() : k == 1 ? s->exp_avg_sq() : s->max_exp_avg_sq();
+      }
+      case Kind::kAdamW: {
+        auto* s = static_cast<torch::optim::AdamWParamState*>(state);
+        return k == 0 ? s->exp_avg() : k == 1 ? s->exp_avg_sq() : s->max_exp_avg_sq();
+      }
+      case Kind::kOther: break;
+    }
+    return at::Tensor();
+  }
+  void set(size_t k, const at::Tensor& t) const {
+    switch (kind) {
+      case Kind::kSgd:
+        static_cast<torch::optim::SGDParamState*>(state)->momentum_buffer(t);
+        return;
+      case Kind::kAdam: {
+        auto* s = static_cast<torch::optim::AdamParamState*>(state);
+        k == 0 ? (void)s->exp_avg(t) : k == 1 ? (void)s->exp_avg_sq(t) : (void)s->max_exp_avg_sq(t);
+        return;
+      }
+      case Kind::kAdamW: {
+        auto* s = static_cast<torch::optim::AdamWParamState*>(state);
+        k == 0 ? (void)s->exp_avg(t) : k == 1 ? (void)s->exp_avg_sq(t) : (void)s->max_exp_avg_sq(t);
+        return;
+      }
+      case Kind::kOther: return;
+    }
+  }
+  int64_t step() const {
+    if (kind == Kind::kAdam) return static_cast<torch::optim::AdamParamState*>(state)->step();
+    if (kind == Kind::kAdamW) return static_cast<torch::optim::AdamWParamState*>(state)->step();
+    return 0;
+  }
+  void set_step(int64_t step) const {
+    if (kind == Kind::kAdam) static_cast<torch::optim::AdamParamState*>(state)->step(step);
+    if (kind == Kind::kAdamW) static_cast<torch::optim::AdamWParamState*>(state)->step(step);
+  }
+};
+
+std::unique_ptr<torch::optim::OptimizerParamState> new_state(Kind kind) {
+  switch (kind) {
+    case Kind::kSgd: return std::make_unique<torch::optim::SGDParamState>();
+    case Kind::kAdam: return std::make_unique<torch::optim::AdamParamState>();
+    case Kind::kAdamW: return std::make_unique<torch::optim::AdamWParamState>();
+    case Kind::kOther: break;
+  }
+  return nullptr;
+}
+
+// ------------------------------------------------------------------ amp and sync recording
+
+// Autocast to bfloat16 on `device`'s type for the guard's lifetime, cache off (a cache would
+// keep casts made while capturing alive across replays).
+class AutocastGuard {
+ public:
+  AutocastGuard(bool on, at::DeviceType device) : on_(on), device_(device) {
+    if (!on_) return;
+    enabled_ = at::autocast::is_autocast_enabled(device_);
+    dtype_ = at::autocast::get_autocast_dtype(device_);
+    cache_ = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::set_autocast_dtype(device_, at::kBFloat16);
+    at::autocast::set_autocast_cache_enabled(false);
+    at::autocast::increment_nesting();
+  }
+  ~AutocastGuard() {
+    if (!on_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(device_, enabled_);
+    at::autocast::set_autocast_dtype(device_, dtype_);
+    at::autocast::set_autocast_cache_enabled(cache_);
+  }
+  AutocastGuard(const AutocastGuard&) = delete;
+  AutocastGuard& operator=(const AutocastGuard&) = delete;
+
+ private:
+  bool on_;
+  at::DeviceType device_;
+  bool enabled_ = false;
+  at::ScalarType dtype_ = at::kBFloat16;
+  bool cache_ = true;
+};
+
+constexpr const char* kSyncMessage = "synchronizing CUDA operation";
+
+// Counts the host syncs CUDA's sync debug mode reports (in "warn" mode) while active; other
+// warnings pass through to the handler that was there before.
+class SyncRecorder : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override {
+    if (warning.msg().find(kSyncMessage) == std::string::npos) {
+      if (previous_ != nullptr) previous_->process(warning);
+      return;
+    }
+    ++count;
+  }
+  int64_t count = 0;
+
+  class Active {
+   public:
+    Active(SyncRecorder& recorder, bool on) : on_(on) {
+#if NT_HAVE_CUDA
+      if (!on_) return;
+      recorder.previous_ = c10::WarningUtils::get_warning_handler();
+      c10::WarningUtils::set_warning_handler(&recorder);
+      mode_ = c10::cuda::warning_state().get_sync_debug_mode();
+      c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+      previous_ = recorder.previous_;
+#else
+      (void)recorder;
+#endif
+    }
+    ~Active() {
+#if NT_HAVE_CUDA
+      if (!on_) return;
+      c10::cuda::warning_state().set_sync_debug_mode(mode_);
+      c10::WarningUtils::set_warning_handler(previous_);
+#endif
+    }
+    Active(const Active&) = delete;
+    Active& operator=(const Active&) = delete;
+
+   private:
+    bool on_;
+#if NT_HAVE_CUDA
+    c10::cuda::SyncDebugMode mode_ = c10::cuda::SyncDebugMode::L_DISABLED;
+    c10::WarningHandler* previous_ = nullptr;
+#endif
+  };
+
+ private:
+  c10::WarningHandler* previous_ = nullptr;
+};
+
+bool has_batch_statistics(const torch::nn::Module& module) {
+  for (const auto& m : module.modules(/*include_self=*/true)) {
+    if (!m->is_training()) continue;
+    const std::string& name = m->name();
+    if (name.find("BatchNorm") != std::string::npos) return true;
+    if (name.find("InstanceNorm") != std::string::npos && m->named_buffers(false).size() > 0) {
+      return true;  // track_running_stats keeps running_mean and running_var buffers
+    }
+  }
+  return false;
+}
+
+std::string tuple_text(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
+  os << (sizes.size() == 1 ? ",)" : ")");
+  return os.str();
+}
+
+enum class Fault { kNone, kAfterStaging = 1, kAfterCopyIn = 2, kInCapture = 3 };
+
+}  // namespace
+
+// ------------------------------------------------------------------ Step::Impl
+
+class Step::Impl {
+ public:
+  Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+       ForwardLoss forward_loss, StepOptions options);
+  ~Impl() {
+    try {
+      release();
+    } catch (const std::exception&) {  // a destructor must not throw; close() reports
+    }
+  }
+
+  at::Tensor call(const Batch& batch);
+  std::optional<at::Tensor> grad_norm() const {
+    if (!grad_norm_.defined()) return std::nullopt;
+    return grad_norm_;
+  }
+  StepStats stats() const;
+  void close() {
+    release();
+    phase_ = Phase::kClosed;
+  }
+  void inject(int point);
+
+ private:
+  // The phases (as Python's Step).
+  void make_template(const Batch& batch);
+  int64_t check_batch(const Batch& batch) const;
+  at::Tensor eager_step(const Batch& batch, int64_t samples, bool warmup);
+  at::Tensor capture_and_launch(const Batch& batch, int64_t samples);
+  at::Tensor launch(const Batch& batch, int64_t samples);
+  bool can_pad() const {
+    return options_.partial_batch == PartialBatch::kPad && per_sample_ == 1 &&
+           !has_batch_statistics(*module_);
+  }
+
+  // The loss of one forward: per-sample losses averaged (rows at or past `valid` masked).
+  at::Tensor loss_of(const Batch& batch, int64_t batch_size, const at::Tensor& valid);
+  at::Tensor forward(const Batch& batch);
+  void clip_unfused();
+
+  // The fused update.
+  void fuse();
+  void check_structure() const;
+  std::vector<float> staged_values() const;
+  void bind_state();       // optimizer.state() -> flat buffers, then views of them
+  void keep_state_bound(); // a torch::load since the last call: bind again
+  void after_update();     // host step counts, as torch::optim's step() would advance them
+  at::Tensor fused_update();
+  void release();
+
+  std::shared_ptr<torch::nn::Module> module_;
+  torch::optim::Optimizer& optimizer_;
+  ForwardLoss forward_loss_;
+  StepOptions options_;
+  Kind kind_;
+  at::Device device_{at::kCPU};
+  bool will_capture_ = false;
+  Phase phase_ = Phase::kTemplate;
+  int64_t calls_ = 0, eager_steps_ = 0, replays_ = 0, captures_ = 0;
+  int per_sample_ = -1;  // does forward_loss return one loss per sample? -1: not seen yet
+  Fault fault_ = Fault::kNone;
+  SyncRecorder syncs_;
+
+  // The optimizer's structure when the Step was built.
+  std::vector<size_t> group_sizes_;
+  std::vector<bool> momentum_on_;
+  bool amsgrad_ = false;
+  int64_t num_values_ = 0;  // staged values per launch after the sample count
+
+  // The template and where staged values go.
+  int64_t batch_size_ = 0;
+  std::vector<LeafSpec> specs_;
+  std::unique_ptr<StaticInputs> template_;   // the check (no graph: CPU, capture off)
+  std::unique_ptr<capture::StagingRing> ring_;  // no graph: eager fused steps stage here
+  at::Tensor current_;                       // [1 + num_values]: sample count, then values
+#if NT_HAVE_CUDA
+  std::unique_ptr<capture::StepGraph> graph_;
+  std::optional<c10::cuda::CUDAStream> side_;
+#endif
+  int64_t entry_ = -1;
+  at::Tensor graph_loss_;
+  std::string capture_error_;
+
+  // The fused update.
+  bool fused_ = false;
+  std::vector<optim::FlatTensors> flats_;
+  std::vector<optim::UpdateTarget> targets_;
+  at::Tensor partials_;
+  optim::StepTables tables_;
+  std::vector<torch::optim::OptimizerParamState*> bound_;  // per fused parameter
+  at::Tensor grad_norm_;
+};
+
+Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+                 ForwardLoss forward_loss, StepOptions options)
+    : module_(std::move(module)),
+      optimizer_(optimizer),
+      forward_loss_(std::move(forward_loss)),
+      options_(std::move(options)),
+      kind_(kind_of(optimizer)) {
+  if (!module_) throw Error("nimble_train::Step: the module is null; pass the model to train");
+  if (!forward_loss_) {
+    throw Error("nimble_train::Step: forward_loss is empty; pass a callable that runs the "
+                "model on a batch and returns the loss");
+  }
+  if (options_.warmup < 1) {
+    throw Error("nimble_train::Step: warmup must be at least 1 (eager steps before capture); "
+                "got " + std::to_string(options_.warmup));
+  }
+  if (options_.grad_clip.has_value() &&
+      !(*options_.grad_clip > 0 && std::isfinite(*options_.grad_clip))) {
+    throw Error("nimble_train::Step: grad_clip must be a positive finite number; got " +
+                std::to_string(*options_.grad_clip) + ". Leave it unset for no clipping.");
+  }
+  bool any = false;
+  for (auto& group : optimizer_.param_groups()) {
+    group_sizes_.push_back(group.params().size());
+    for (const at::Tensor& p : group.params()) {
+      if (!any) device_ = p.device();
+      any = true;
+      if (p.device() != device_) {
+        throw Error("nimble_train::Step: the optimizer's parameters must be on one device; "
+                    "found " + device_.str() + " and " + p.device().str() +
+                    ". Move the model with module->to(device) before building the optimizer.");
+      }
+    }
+  }
+  if (!any) throw Error("nimble_train::Step: the optimizer has no parameters");
+  if (kind_ != Kind::kOther) {
+    for (auto& group : optimizer_.param_groups()) {
+      momentum_on_.push_back(momentum_on(kind_, group.options()));
+    }
+    amsgrad_ = amsgrad_of(kind_, optimizer_.param_groups()[0].options());
+    num_values_ = int64_t(group_sizes_.size()) * optim::kNumStagedHyper;
+  }
+  will_capture_ = options_.capture && device_.is_cuda();
+#if !NT_HAVE_CUDA
+  if (will_capture_) {
+    throw Error("nimble_train::Step: this build of nimble_train has no CUDA (" +
+                std::string("see nimble_train/build_config.h") +
+                "); set_capture(false) runs the step eagerly");
+  }
+#endif
+  if (will_capture_ && kind_ == Kind::kOther) {
+    throw Error("nimble_train::Step captures torch::optim::SGD, Adam and AdamW (fused, every "
+                "hyper-parameter read on the device); this optimizer is none of them, and "
+                "LibTorch's optimizers keep their step counts on the host, which a CUDA graph "
+                "would bake in. Use SGD, Adam or AdamW, or StepOptions().set_capture(false) to "
+                "run it eagerly.");
+  }
+}
+
+void Step::Impl::inject(int point) {
+  if (point < 1 || point > 3) {
+    throw Error("inject_failure_for_testing: point must be 1, 2 or 3; got " +
+                std::to_string(point));
+  }
+  fault_ = static_cast<Fault>(point);
+}
+
+// ------------------------------------------------------------------ the template
+
+void Step::Impl::make_template(const Batch& batch) {
+  if (batch.empty() || !batch[0].defined() || batch[0].dim() == 0) {
+    throw ShapeError("nimble_train::Step: a batch is a non-empty vector of tensors whose first "
+                     "has the batch as dimension 0; got " +
+                     (batch.empty() ? std::string("an empty vector")
+                                    : "a first tensor of shape " +
+                                          (batch[0].defined() ? tuple_text(batch[0].sizes())
+                                                              : std::string("(undefined)"))));
+  }
+  const int64_t size = batch[0].size(0);
+  if (size == 0) {
+    throw ShapeError("nimble_train::Step: the first batch is empty (0 samples along dimension "
+                     "0); the first batch fixes the step's shapes and must be a full one. Skip "
+                     "empty batches.");
+  }
+  std::vector<LeafSpec> specs;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const at::Tensor& t = batch[i];
+    const std::string path = "batch[" + std::to_string(i) + "]";
+    if (!t.defined()) throw ShapeError("nimble_train::Step: " + path + " is an undefined tensor");
+    if (t.device() != device_) {
+      throw ShapeError("nimble_train::Step: " + path + " is on " + t.device().str() +
+                       " and the model on " + device_.str() + "; move the batch to " +
+                       device_.str() + " (once, before the loop, for data that fits)");
+    }
+    LeafSpec spec;
+    spec.path = path;
+    spec.sizes = t.sizes().vec();
+    spec.strides = t.is_non_overlapping_and_dense() ? t.strides().vec()
+                                                     : t.contiguous().strides().vec();
+    spec.dtype = t.scalar_type();
+    spec.device = t.device();
+    spec.batched = t.dim() >= 1 && t.size(0) == size;
+    specs.push_back(std::move(spec));
+  }
+  batch_size_ = size;
+  specs_ = specs;
+#if NT_HAVE_CUDA
+  if (will_capture_) {
+    const int64_t index = device_.has_index() ? device_.index() : c10::cuda::current_device();
+    graph_ = std::make_unique<capture::StepGraph>(at::Device(at::kCUDA, index), num_values_);
+    entry_ = graph_->add_entry(specs_);
+    current_ = graph_->current();
+    side_ = c10::cuda::getStreamFromPool(false, index);
+    return;
+  }
+#endif
+  template_ = std::make_unique<StaticInputs>(specs_);
+  if (kind_ != Kind::kOther) {
+    ring_ = std::make_unique<capture::StagingRing>(1 + num_values_, device_, 16);
+    current_ = ring_->current();
+  }
+}
+
+int64_t Step::Impl::check_batch(const Batch& batch) const {
+  try {
+#if NT_HAVE_CUDA
+    if (graph_) return graph_->check(entry_, batch);
+#endif
+    return template_->check(batch);
+  } catch (const BatchMismatch& e) {
+    throw ShapeError(std::string("nimble_train::Step: ") + e.what());
+  }
+}
+
+// ------------------------------------------------------------------ forward and loss
+
+at::Tensor Step::Impl::forward(const Batch& batch) {
+  const AutocastGuard autocast(options_.amp == Amp::kBF16, device_.type());
+  return forward_loss_(batch);
+}
+
+at::Tensor Step::Impl::loss_of(const Batch& batch, int64_t batch_size, const at::Tensor& valid) {
+  at::Tensor losses = forward(batch);
+  if (!losses.defined()) throw Error("nimble_train::Step: forward_loss returned an undefined tensor");
+  int kind;
+  if (losses.dim() == 0) {
+    kind = 0;
+  } else if (losses.dim() == 1 && losses.size(0) == batch_size) {
+    kind = 1;
+  } else {
+    throw Error("nimble_train::Step: forward_loss must return a scalar or one loss per sample "
+                "(shape [" + std::to_string(batch_size) + "]); got shape " +
+                tuple_text(losses.sizes()) + ". Reduce it yourself, or return per-sample "
+                "losses (reduction kNone).");
+  }
+  if (per_sample_ < 0) per_sample_ = kind;
+  if (kind == 0) return losses;
+  losses = losses.to(at::kFloat);
+  if (!valid.defined()) return losses.mean();
+  const at::Tensor keep =
+      at::arange(batch_size, at::TensorOptions().device(losses.device()).dtype(at::kFloat)) < valid;
+  // where, not a product: a padded row's loss may be inf or NaN, and 0 * NaN is NaN.
+  return at::where(keep, losses, at::zeros({}, losses.options())).sum() / valid;
+}
+
+// clip_grad_norm_ without its host sync (LibTorch's returns a double): the total norm stays a
+// device tensor, as the fused update's does.
+void Step::Impl::clip_unfused() {
+  if (!options_.grad_clip.has_value()) return;
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer_.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  if (grads.empty()) return;
+  const c10::AutoGradMode no_grad(false);
+  std::vector<at::Tensor> norms = at::_foreach_norm(grads, 2);
+  const at::Tensor total = at::stack(norms).to(at::kFloat).norm();
+  const at::Tensor coef = (*options_.grad_clip / (total + 1e-6)).clamp_max(1.0);
+  at::_foreach_mul_(grads, coef);
+  grad_norm_ = total;
+}
+
+// ------------------------------------------------------------------ the fused update
+
+void Step::Impl::check_structure() const {
+  auto& groups = optimizer_.param_groups();
+  std::vector<size_t> sizes;
+  for (auto& group : groups) sizes.push_back(group.params().size());
+  if (sizes != group_sizes_) {
+    throw Error("nimble_train::Step: the optimizer's param groups changed after the Step was "
+                "built (" + std::to_string(group_sizes_.size()) + " groups before, " +
+                std::to_string(sizes.size()) + " now, or their sizes). The flat buffers and the "
+                "graph hold the old parameters: add every group before building the Step, or "
+                "build a new Step.");
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (momentum_on(kind_, groups[g].options()) != momentum_on_[g]) {
+      throw Error("nimble_train::Step: param_groups()[" + std::to_string(g) + "]'s momentum "
+                  "changed between zero and non-zero; that creates or drops momentum buffers. "
+                  "Build a new Step.");
+    }
+    if (amsgrad_of(kind_, groups[g].options()) != amsgrad_) {
+      throw Error("nimble_train::Step: param_groups()[" + std::to_string(g) + "]'s amsgrad "
+                  "changed; it decides which state buffers exist. Build a new Step.");
+    }
+  }
+}
+
+std::vector<float> Step::Impl::staged_values() const {
+  check_structure();
+  std::vector<float> values(size_t(num_values_), 0.0f);
+  auto& groups = optimizer_.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    staged_row(kind_, groups[g].options(), values.data() + g * optim::kNumStagedHyper);
+  }
+  return values;
+}
+
+void Step::Impl::fuse() {
+  // Parameters that got no gradient in the first step are left out, as torch::optim skips
+  // them: no update, no state.
+  std::vector<std::pair<int64_t, at::Tensor>> params;
+  auto& groups = optimizer_.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (const at::Tensor& p : groups[g].params()) {
+      if (p.requires_grad() && p.grad().defined()) params.emplace_back(int64_t(g), p);
+    }
+  }
+  if (params.empty()) {
+    throw Error("nimble_train::Step: no parameter got a gradient in the first step; check that "
+                "forward_loss uses the model and returns a loss that depends on it");
+  }
+  int64_t num_state = 0;
+  if (kind_ == Kind::kSgd) {
+    num_state = std::any_of(momentum_on_.begin(), momentum_on_.end(), [](bool b) { return b; });
+  } else {
+    num_state = amsgrad_ ? 3 : 2;
+  }
+  flats_ = optim::build_flat_buffers(params, num_state, device_, 1, optim::kDefaultChunkElems,
+                                     false);
+  targets_.clear();
+  for (const optim::FlatTensors& flat : flats_) targets_.push_back(optim::target_of(flat));
+  partials_ = optim::assign_partials(targets_, device_);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device_);
+  std::vector<int64_t> param_group(params.size());
+  for (size_t i = 0; i < params.size(); ++i) param_group[i] = params[i].first;
+  tables_.staged = current_.narrow(0, 1, num_values_);
+  tables_.hyper = at::zeros({int64_t(groups.size()), optim::kHyperColumns}, f32);
+  tables_.param_steps = at::zeros({int64_t(params.size())}, f32);
+  tables_.param_group = at::tensor(param_group, at::kLong).to(device_);
+  tables_.control = at::zeros({optim::kControlSize}, f32);
+  fused_ = true;
+  bind_state();
+}
+
+void Step::Impl::bind_state() {
+  auto& state = optimizer_.state();
+  const size_t groups = optimizer_.param_groups().size();
+  std::vector<std::set<int64_t>> group_steps(groups);
+  bound_.clear();
+  const c10::AutoGradMode no_grad(false);
+  for (optim::FlatTensors& flat : flats_) {
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      const int64_t g = flat.groups[i];
+      void* key = flat.params[i].unsafeGetTensorImpl();
+      if (kind_ == Kind::kSgd && !momentum_on_[size_t(g)]) {
+        bound_.push_back(nullptr);
+        continue;  // torch keeps no state for SGD without momentum
+      }
+      auto it = state.find(key);
+      const bool existed = it != state.end();
+      if (!existed) it = state.emplace(key, new_state(kind_)).first;
+      const ParamStateRef ref{it->second.get(), kind_};
+      if (kind_ == Kind::kSgd) {
+        group_steps[size_t(g)].insert(existed && ref.get(0).defined() ? 1 : 0);
+      } else {
+        group_steps[size_t(g)].insert(ref.step());
+      }
+      for (size_t k = 0; k < flat.state.size(); ++k) {
+        at::Tensor view = flat.segment(flat.state[k], int64_t(i));
+        const at::Tensor old = ref.get(k);
+        if (!old.defined()) {
+          view.zero_();
+        } else if (old.const_data_ptr() != view.const_data_ptr()) {
+          view.copy_(old);
+        }
+        ref.set(k, view);
+      }
+      bound_.push_back(it->second.get());
+    }
+  }
+  std::vector<float> steps(groups, 0.0f);
+  for (size_t g = 0; g < groups; ++g) {
+    if (group_steps[g].size() > 1) {
+      throw Error("nimble_train::Step: the parameters of param_groups()[" + std::to_string(g) +
+                  "] have different step counts in the optimizer's state; the fused update "
+                  "keeps one step count per group. Put parameters with different histories in "
+                  "different groups.");
+    }
+    if (!group_steps[g].empty()) steps[g] = float(*group_steps[g].begin());
+  }
+  const at::Tensor host = at::tensor(steps, at::kFloat);
+  tables_.hyper.select(1, optim::kStep).copy_(host.to(device_));
+  tables_.param_steps.copy_(host.to(device_).index_select(0, tables_.param_group));
+}
+
+void Step::Impl::keep_state_bound() {
+  auto& state = optimizer_.state();
+  size_t index = 0;
+  for (const optim::FlatTensors& flat : flats_) {
+    const char* base = flat.state.empty() ? nullptr
+                                          : static_cast<const char*>(flat.state[0].const_data_ptr());
+    const int64_t element_size = flat.param.element_size();
+    for (size_t i = 0; i < flat.params.size(); ++i, ++index) {
+      if (bound_[index] == nullptr) continue;
+      auto it = state.find(flat.params[i].unsafeGetTensorImpl());
+      if (it == state.end() || it->second.get() != bound_[index]) {
+        bind_state();  // a torch::load replaced the state: copy it in
+        return;
+      }
+      const at::Tensor first = ParamStateRef{bound_[index], kind_}.get(0);
+      if (!first.defined() || first.const_data_ptr() != base + flat.offsets[i] * element_size) {
+        bind_state();  // a torch::load (or a hand edit) replaced the state: copy it in
+        return;
+      }
+    }
+  }
+}
+
+void Step::Impl::after_update() {
+  if (kind_ == Kind::kSgd) return;  // torch::optim::SGD keeps no step count
+  for (torch::optim::OptimizerParamState* s : bound_) {
+    if (s != nullptr) {
+      const ParamStateRef ref{s, kind_};
+      ref.set_step(ref.step() + 1);
+    }
+  }
+}
+
+at::Tensor Step::Impl::fused_update() {
+  optim::FusedStepArgs args;
+  args.max_grad_norm = options_.grad_clip.value_or(0.0);
+  at::Tensor norm = optim::fused_step(kind_ == Kind::kSgd ? optim::Algorithm::kSgd
+                                                          : optim::Algorithm::kAdam,
+                                      targets_, tables_, partials_, args);
+  if (norm.defined()) grad_norm_ = norm;
+  return norm;
+}
+
+// ------------------------------------------------------------------ the steps
+
+at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warmup) {
+  const bool record = warmup && device_.is_cuda();
+#if NT_HAVE_CUDA
+  // Warm-up runs on the capture's side stream (per-stream workspaces then exist before the
+  // capture, outside its pool), ordered after the current stream's work and before its later
+  // work.
+  std::optional<c10::cuda::CUDAStreamGuard> on_side;
+  const bool side = warmup && side_.has_value();
+  if (side) {
+    c10::Event before(at::kCUDA);
+    before.record(c10::cuda::getCurrentCUDAStream(device_.index()));
+    before.block(*side_);
+    on_side.emplace(*side_);
+  }
+#endif
+  // The first step runs the optimizer as it is (it shows which parameters get gradients); the
+  // update is fused from the second on.
+  if (!fused_ && kind_ != Kind::kOther && eager_steps_ >= 1) fuse();
+  at::Tensor loss;
+  if (fused_) {
+    keep_state_bound();
+    optim::reattach(flats_);
+    optim::zero_grads(flats_);
+    {
+      const SyncRecorder::Active recording(syncs_, record);
+      loss = loss_of(batch, samples, at::Tensor());
+      loss.backward();
+    }
+    const std::vector<float> values = staged_values();
+    std::vector<float> slot;
+#if NT_HAVE_CUDA
+    if (graph_) {
+      graph_->stage_eager(samples, values);
+    } else
+#endif
+    {
+      slot.reserve(values.size() + 1);
+      slot.push_back(float(samples));
+      slot.insert(slot.end(), values.begin(), values.end());
+      ring_->stage(slot);
+      try {
+        ring_->fetch();
+      } catch (...) {
+        ring_->unstage();
+        throw;
+      }
+      ring_->launched();
+    }
+    fused_update();
+    after_update();
+  } else {
+    if (kind_ != Kind::kOther) check_structure();
+    optimizer_.zero_grad(true);
+    {
+      const SyncRecorder::Active recording(syncs_, record);
+      loss = loss_of(batch, samples, at::Tensor());
+      loss.backward();
+    }
+    clip_unfused();
+    optimizer_.step();
+  }
+#if NT_HAVE_CUDA
+  if (side) {
+    on_side.reset();
+    c10::Event after(at::kCUDA);
+    after.record(*side_);
+    after.block(c10::cuda::getCurrentCUDAStream(device_.index()));
+  }
+#endif
+  ++eager_steps_;
+  return loss.detach().to(at::kFloat);
+}
+
+at::Tensor Step::Impl::capture_and_launch(const Batch& batch, int64_t samples) {
+#if NT_HAVE_CUDA
+  if (!fused_) fuse();  // warmup == 1: the first step showed which parameters get gradients
+  keep_state_bound();
+  optim::reattach(flats_);
+  c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
+  const std::vector<at::Tensor>& statics = graph_->inputs(entry_).buffers();
+  const bool masked = per_sample_ == 1;
+  std::string cause;
+  bool failed = false;
+  capture::CaptureResult result;
+  {
+    const c10::cuda::CUDAStreamGuard on_side(*side_);
+    try {
+      graph_->begin_capture(entry_);
+    } catch (const std::exception& e) {
+      throw CaptureError(std::string("nimble_train::Step: capturing the step as a CUDA graph "
+                                     "failed to start: ") + e.what() +
+                         ". The model and optimizer are as after the last completed step.");
+    }
+    try {
+      optim::zero_grads(flats_);
+      at::Tensor loss = loss_of(statics, batch_size_,
+                                masked ? current_.select(0, 0) : at::Tensor());
+      if (fault_ == Fault::kInCapture) {
+        fault_ = Fault::kNone;
+        throw std::runtime_error("injected failure inside the capture (a rollback test)");
+      }
+      loss.backward();
+      fused_update();
+      graph_loss_ = loss.detach().to(at::kFloat);
+      result = graph_->end_capture();
+      failed = !result.ok;
+      cause = result.error.substr(0, result.error.find('\n'));
+    } catch (const std::exception& e) {
+      result = graph_->abandon_capture();
+      failed = true;
+      cause = e.what();
+      cause = cause.substr(0, cause.find('\n'));
+    }
+  }
+  if (failed) {
+    capture_error_ = cause;
+    graph_loss_ = at::Tensor();
+    grad_norm_ = at::Tensor();
+    phase_ = Phase::kEager;
+    if (result.invalidated && syncs_.count > 0) {
+      throw SyncError(
+          "nimble_train::Step: capturing the step failed because it synchronises with the host; "
+          "warm-up saw " + std::to_string(syncs_.count) + " host synchronisation(s) in "
+          "forward_loss or the backward (CUDA's sync debug mode). Keep values on the device: "
+          "no .item(), .cpu(), printing CUDA tensors or data-dependent shapes (nonzero, boolean "
+          "indexing) inside the step; or set_capture(false). The model and optimizer are as "
+          "after the last step; later calls run eagerly. Cause: " + cause);
+    }
+    throw CaptureError(
+        std::string("nimble_train::Step: capturing the step as a CUDA graph failed") +
+        (result.invalidated ? " (CUDA invalidated the capture: a call it forbids while "
+                              "capturing ran, such as a host synchronisation)" : "") +
+        ": " + cause + ". The model and optimizer are as after the last completed step; later "
+        "calls run eagerly (set_capture(false) does that from the start).");
+  }
+  ++captures_;
+  phase_ = Phase::kReplay;
+  return launch(batch, samples);
+#else
+  (void)batch;
+  (void)samples;
+  throw Error("nimble_train::Step: this build has no CUDA");
+#endif
+}
+
+at::Tensor Step::Impl::launch(const Batch& batch, int64_t samples) {
+#if NT_HAVE_CUDA
+  (void)samples;
+  keep_state_bound();
+  const std::vector<float> values = staged_values();
+  if (fault_ == Fault::kAfterStaging) graph_->fail_next_launch(capture::LaunchFault::kAfterStaging);
+  if (fault_ == Fault::kAfterCopyIn) graph_->fail_next_launch(capture::LaunchFault::kAfterCopyIn);
+  if (fault_ != Fault::kInCapture) fault_ = Fault::kNone;
+  graph_->launch(entry_, batch, values);
+  after_update();
+  ++replays_;
+  return graph_loss_;
+#else
+  (void)batch;
+  (void)samples;
+  throw Error("nimble_train::Step: this build has no CUDA");
+#endif
+}
+
+at::Tensor Step::Impl::call(const Batch& batch) {
+  if (phase_ == Phase::kClosed) {
+    throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
+  }
+  if (phase_ == Phase::kTemplate) {
+    make_template(batch);
+    phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
+  }
+  const int64_t samples = check_batch(batch);
+  const bool short_batch = samples < batch_size_;
+  if (short_batch && options_.partial_batch == PartialBatch::kError) {
+    throw ShapeError("nimble_train::Step: a batch of " + std::to_string(samples) +
+                     " samples, fewer than the first batch's " + std::to_string(batch_size_) +
+                     ", with PartialBatch::kError. Drop short batches, or use kPad (padded and "
+                     "masked in the graph) or kEager.");
+  }
+  at::Tensor loss;
+  switch (phase_) {
+    case Phase::kWarmup:
+      loss = eager_step(batch, samples, /*warmup=*/true);
+      if (eager_steps_ >= options_.warmup) phase_ = Phase::kCapture;
+      break;
+    case Phase::kCapture:
+      if (short_batch) {  // the capture waits for a full batch
+        loss = eager_step(batch, samples, false);
+      } else {
+        loss = capture_and_launch(batch, samples);
+      }
+      break;
+    case Phase::kReplay:
+      if (short_batch && !can_pad()) {
+        loss = eager_step(batch, samples, false);
+      } else {
+        loss = launch(batch, samples);
+      }
+      break;
+    default:
+      loss = eager_step(batch, samples, false);
+      break;
+  }
+  ++calls_;
+  return loss;
+}
+
+StepStats Step::Impl::stats() const {
+  StepStats s;
+  s.phase = phase_;
+  s.calls = calls_;
+  s.eager_steps = eager_steps_;
+  s.replays = replays_;
+  s.captures = captures_;
+  s.host_syncs_in_warmup = syncs_.count;
+#if NT_HAVE_CUDA
+  if (graph_ && entry_ >= 0 && graph_->num_entries() > 0) s.graph_nodes = graph_->node_count(entry_);
+#endif
+  s.update = fused_ ? "fused" : "eager";
+  s.capture_error = capture_error_;
+  return s;
+}
+
+void Step::Impl::release() {
+#if NT_HAVE_CUDA
+  if (graph_) {
+    graph_loss_ = at::Tensor();
+    grad_norm_ = at::Tensor();
+    graph_->release();
+    graph_.reset();
+  }
+#endif
+}
+
+// ------------------------------------------------------------------ Step
+
+Step::Step(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
+           ForwardLoss forward_loss, StepOptions options)
+    : impl_(std::make_unique<Impl>(std::move(module), optimizer, std::move(forward_loss),
+                                   std::move(options))) {}
+Step::~Step() = default;
+Step::Step(Step&&) noexcept = default;
+Step& Step::operator=(Step&&) noexcept = default;
+
+at::Tensor Step::operator()(const Batch& batch) { return impl_->call(batch); }
+std::optional<at::Tensor> Step::grad_norm() const { return impl_->grad_norm(); }
+StepStats Step::stats() const { return impl_->stats(); }
+void Step::close() { impl_->close(); }
+void Step::inject_failure_for_testing(int point) { impl_->inject(point); }
+
+}  // namespace nimble_train

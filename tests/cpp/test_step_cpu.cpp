@@ -1,0 +1,309 @@
+// nimble_train::Step on the CPU: its eager path (the fused update over flat buffers, staged
+// hyper-parameters, clipping, short batches, torch::optim's state) equals a hand-written
+// LibTorch loop with torch::optim, on random data.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "nimble_train/step.h"
+
+namespace nt = nimble_train;
+namespace F = torch::nn::functional;
+
+namespace {
+
+torch::nn::Sequential make_model(int64_t seed, bool batch_norm = false) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(),
+                            torch::nn::Linear(16, 4));
+  if (batch_norm) net->push_back(torch::nn::BatchNorm1d(4));
+  return net;
+}
+
+std::vector<nt::Batch> make_batches(int64_t count, int64_t size, int64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<nt::Batch> batches;
+  for (int64_t i = 0; i < count; ++i) {
+    batches.push_back({torch::randn({size, 8}), torch::randint(0, 4, {size})});
+  }
+  return batches;
+}
+
+double max_diff(torch::nn::Sequential& a, torch::nn::Sequential& b) {
+  double worst = 0;
+  auto pa = a->parameters();
+  auto pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>());
+  }
+  return worst;
+}
+
+double max_change(torch::nn::Sequential& a, const std::vector<torch::Tensor>& before) {
+  double worst = 0;
+  auto pa = a->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    worst = std::max(worst, (pa[i] - before[i]).abs().max().item<double>());
+  }
+  return worst;
+}
+
+std::vector<torch::Tensor> snapshot(torch::nn::Sequential& a) {
+  std::vector<torch::Tensor> out;
+  for (auto& p : a->parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+// Per-sample losses: the Step averages them (and masks padding in a graph).
+nt::ForwardLoss per_sample(torch::nn::Sequential& net) {
+  return [net](const nt::Batch& b) mutable {
+    return F::cross_entropy(net->forward(b[0]), b[1],
+                            F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  };
+}
+
+// The hand-written loop's iteration.
+double reference_step(torch::nn::Sequential& net, torch::optim::Optimizer& opt,
+                      const nt::Batch& b, double clip = 0) {
+  opt.zero_grad();
+  torch::Tensor loss = F::cross_entropy(net->forward(b[0]), b[1]);
+  loss.backward();
+  if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+  opt.step();
+  return loss.item<double>();
+}
+
+void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+}
+
+constexpr double kTol = 2e-6;
+
+}  // namespace
+
+TEST(StepCpu, SgdMomentumWithLrChangesEqualsTheHandWrittenLoop) {
+  auto batches = make_batches(8, 16, 1);
+  auto net = make_model(0), ref = make_model(0);
+  ASSERT_EQ(max_diff(net, ref), 0);
+  torch::optim::SGD opt(net->parameters(),
+                        torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+  torch::optim::SGD ref_opt(ref->parameters(),
+                            torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+  nt::Step step(net, opt, per_sample(net));
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const double lr = 0.1 * (1.0 - 0.1 * double(i));  // a scheduler, between calls
+    set_lr(opt, lr);
+    set_lr(ref_opt, lr);
+    const double loss = step(batches[i]).item<double>();
+    const double expected = reference_step(ref, ref_opt, batches[i]);
+    EXPECT_NEAR(loss, expected, 1e-5) << "step " << i;
+  }
+  EXPECT_LT(max_diff(net, ref), kTol);
+  const nt::StepStats stats = step.stats();
+  EXPECT_EQ(stats.update, "fused");  // the CPU runs the same fused update as a graph does
+  EXPECT_EQ(stats.phase, nt::Phase::kEager);
+  EXPECT_EQ(stats.calls, 8);
+  EXPECT_EQ(stats.replays, 0);
+  // The optimizer's own state follows: its momentum buffers are the fused update's.
+  for (auto& p : net->parameters()) {
+    auto& state = static_cast<torch::optim::SGDParamState&>(
+        *opt.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_TRUE(state.momentum_buffer().defined());
+  }
+}
+
+TEST(StepCpu, AdamWWithClippingEqualsTheHandWrittenLoop) {
+  auto batches = make_batches(7, 16, 2);
+  auto net = make_model(3), ref = make_model(3);
+  auto options = torch::optim::AdamWOptions(3e-2).weight_decay(0.05).betas({0.8, 0.99});
+  torch::optim::AdamW opt(net->parameters(), options);
+  torch::optim::AdamW ref_opt(ref->parameters(), options);
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_grad_clip(0.25));
+  for (const auto& b : batches) {
+    step(b);
+    reference_step(ref, ref_opt, b, 0.25);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+  // The norm before clipping, as clip_grad_norm_ computes it, kept on the device.
+  ASSERT_TRUE(step.grad_norm().has_value());
+  EXPECT_GT(step.grad_norm()->item<double>(), 0.0);
+  // Host step counts advance with the fused update, as torch::optim's would.
+  for (auto& p : net->parameters()) {
+    auto& state = static_cast<torch::optim::AdamWParamState&>(
+        *opt.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(state.step(), 7);
+  }
+}
+
+TEST(StepCpu, AdamWithL2AndAmsgradEqualsTheHandWrittenLoop) {
+  auto batches = make_batches(6, 16, 4);
+  auto net = make_model(5), ref = make_model(5);
+  auto options = torch::optim::AdamOptions(1e-2).weight_decay(1e-2).amsgrad(true);
+  torch::optim::Adam opt(net->parameters(), options);
+  torch::optim::Adam ref_opt(ref->parameters(), options);
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_warmup(1));
+  for (const auto& b : batches) {
+    step(b);
+    reference_step(ref, ref_opt, b);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+}
+
+TEST(StepCpu, AShortBatchEqualsTheLoopOnThatBatch) {
+  auto batches = make_batches(5, 16, 6);
+  auto short_batches = make_batches(1, 5, 7);
+  batches.push_back(short_batches[0]);
+  batches.push_back(make_batches(1, 16, 8)[0]);
+  auto net = make_model(9), ref = make_model(9);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  for (const auto& b : batches) {
+    step(b);
+    reference_step(ref, ref_opt, b);
+  }
+  EXPECT_LT(max_diff(net, ref), kTol);
+}
+
+TEST(StepCpu, ASmallerBatchUnderKErrorRaisesShapeError) {
+  auto net = make_model(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  nt::Step step(net, opt, per_sample(net),
+                nt::StepOptions().set_partial_batch(nt::PartialBatch::kError));
+  step(make_batches(1, 16, 0)[0]);
+  const auto before = snapshot(net);
+  try {
+    step(make_batches(1, 4, 1)[0]);
+    FAIL() << "expected ShapeError";
+  } catch (const nt::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("4 samples"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(max_change(net, before), 0);
+}
+
+TEST(StepCpu, ABatchOfAnotherShapeRaisesShapeErrorNamingTheTensor) {
+  auto net = make_model(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  nt::Step step(net, opt, per_sample(net));
+  step(make_batches(1, 16, 0)[0]);
+  try {
+    step({torch::randn({16, 9}), torch::randint(0, 4, {16})});
+    FAIL() << "expected ShapeError";
+  } catch (const nt::ShapeError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("batch[0]"), std::string::npos) << what;
+  }
+}
+
+TEST(StepCpu, ALossOfTheWrongShapeIsAClearError) {
+  auto net = make_model(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  nt::Step step(net, opt, [net](const nt::Batch& b) mutable { return net->forward(b[0]); });
+  try {
+    step(make_batches(1, 16, 0)[0]);
+    FAIL() << "expected nimble_train::Error";
+  } catch (const nt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("one loss per sample"), std::string::npos) << e.what();
+  }
+}
+
+TEST(StepCpu, AFailedStepLeavesTheModelAndOptimizerAsAfterTheLastOne) {
+  auto batches = make_batches(6, 16, 10);
+  auto net = make_model(11), ref = make_model(11);
+  auto options = torch::optim::AdamWOptions(1e-2);
+  torch::optim::AdamW opt(net->parameters(), options);
+  torch::optim::AdamW ref_opt(ref->parameters(), options);
+  int calls = 0;
+  nt::Step step(net, opt, [&, net](const nt::Batch& b) mutable {
+    if (++calls == 4) throw std::runtime_error("the data pipeline failed");
+    return F::cross_entropy(net->forward(b[0]), b[1],
+                            F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  });
+  for (size_t i = 0; i < 3; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_THROW(step(batches[3]), std::runtime_error);
+  EXPECT_LT(max_diff(net, ref), 1e-6);  // nothing of the failed step landed
+  for (size_t i = 3; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+  for (auto& p : net->parameters()) {
+    EXPECT_EQ(static_cast<torch::optim::AdamWParamState&>(
+                  *opt.state().at(p.unsafeGetTensorImpl())).step(), 6);  // 3 + 3
+  }
+}
+
+TEST(StepCpu, ACheckpointOfTheOptimizerRoundTripsThroughTorchSaveAndLoad) {
+  auto batches = make_batches(8, 16, 12);
+  auto net = make_model(13), ref = make_model(13);
+  auto options = torch::optim::AdamOptions(2e-2);
+  torch::optim::Adam opt(net->parameters(), options);
+  torch::optim::Adam ref_opt(ref->parameters(), options);
+  nt::Step step(net, opt, per_sample(net));
+  for (size_t i = 0; i < 4; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  // The Step's optimizer saves the state the fused update keeps.
+  std::stringstream saved;
+  torch::save(opt, saved);
+  torch::optim::Adam restored(ref->parameters(), options);
+  torch::load(restored, saved);
+  for (auto& p : ref->parameters()) {
+    auto& a = static_cast<torch::optim::AdamParamState&>(
+        *restored.state().at(p.unsafeGetTensorImpl()));
+    auto& b = static_cast<torch::optim::AdamParamState&>(
+        *ref_opt.state().at(p.unsafeGetTensorImpl()));
+    EXPECT_EQ(a.step(), b.step());
+    EXPECT_LT((a.exp_avg() - b.exp_avg()).abs().max().item<double>(), 1e-6);
+    EXPECT_LT((a.exp_avg_sq() - b.exp_avg_sq()).abs().max().item<double>(), 1e-6);
+  }
+  // Loading a checkpoint into the Step's optimizer between calls: the next call uses it.
+  std::stringstream ref_saved;
+  torch::save(ref_opt, ref_saved);
+  torch::load(opt, ref_saved);
+  for (size_t i = 4; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+}
+
+TEST(StepCpu, AnOptimizerThatCannotBeFusedRunsAsItIs) {
+  auto batches = make_batches(5, 16, 14);
+  auto net = make_model(15), ref = make_model(15);
+  torch::optim::RMSprop opt(net->parameters(), torch::optim::RMSpropOptions(1e-2));
+  torch::optim::RMSprop ref_opt(ref->parameters(), torch::optim::RMSpropOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_capture(false));
+  for (const auto& b : batches) {
+    step(b);
+    reference_step(ref, ref_opt, b);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-6);
+  EXPECT_EQ(step.stats().update, "eager");
+}
+
+TEST(StepCpu, AClosedStepRefusesCalls) {
+  auto net = make_model(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  nt::Step step(net, opt, per_sample(net));
+  step(make_batches(1, 16, 0)[0]);
+  step.close();
+  EXPECT_THROW(step(make_batches(1, 16, 1)[0]), nt::Error);
+}
+
+TEST(StepCpu, BadOptionsAreClearErrors) {
+  auto net = make_model(0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_warmup(0)), nt::Error);
+  EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_grad_clip(-1)),
+               nt::Error);
+  EXPECT_THROW(nt::Step(net, opt, nt::ForwardLoss()), nt::Error);
+}
