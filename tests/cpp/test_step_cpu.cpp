@@ -10,9 +10,14 @@
 #include <vector>
 
 #include "nimble_train/step.h"
+#include "step_reference.h"
 
 namespace nt = nimble_train;
 namespace F = torch::nn::functional;
+using nimble_train::testing::max_diff;
+using nimble_train::testing::per_sample;
+using nimble_train::testing::reference_step;
+using nimble_train::testing::set_lr;
 
 namespace {
 
@@ -33,16 +38,6 @@ std::vector<nt::Batch> make_batches(int64_t count, int64_t size, int64_t seed) {
   return batches;
 }
 
-double max_diff(torch::nn::Sequential& a, torch::nn::Sequential& b) {
-  double worst = 0;
-  auto pa = a->parameters();
-  auto pb = b->parameters();
-  for (size_t i = 0; i < pa.size(); ++i) {
-    worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>());
-  }
-  return worst;
-}
-
 double max_change(torch::nn::Sequential& a, const std::vector<torch::Tensor>& before) {
   double worst = 0;
   auto pa = a->parameters();
@@ -56,29 +51,6 @@ std::vector<torch::Tensor> snapshot(torch::nn::Sequential& a) {
   std::vector<torch::Tensor> out;
   for (auto& p : a->parameters()) out.push_back(p.detach().clone());
   return out;
-}
-
-// Per-sample losses: the Step averages them (and masks padding in a graph).
-nt::ForwardLoss per_sample(torch::nn::Sequential& net) {
-  return [net](const nt::Batch& b) mutable {
-    return F::cross_entropy(net->forward(b[0]), b[1],
-                            F::CrossEntropyFuncOptions().reduction(torch::kNone));
-  };
-}
-
-// The hand-written loop's iteration.
-double reference_step(torch::nn::Sequential& net, torch::optim::Optimizer& opt,
-                      const nt::Batch& b, double clip = 0) {
-  opt.zero_grad();
-  torch::Tensor loss = F::cross_entropy(net->forward(b[0]), b[1]);
-  loss.backward();
-  if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
-  opt.step();
-  return loss.item<double>();
-}
-
-void set_lr(torch::optim::Optimizer& opt, double lr) {
-  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }
 
 constexpr double kTol = 2e-6;

@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 import nimble_train as nt
+from package_build import build_against_package
 
 CONSUMER = os.path.join(os.path.dirname(__file__), "..", "cpp", "package_consumer")
 
@@ -19,15 +20,7 @@ def test_the_package_says_where_it_is():
 
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake on PATH")
 def test_a_libtorch_program_builds_and_runs_against_the_package(tmp_path):
-    build = tmp_path / "build"
-    configure = subprocess.run(
-        ["cmake", "-S", CONSUMER, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-         f"-DCMAKE_PREFIX_PATH={nt.cmake_prefix_path}"]
-        + (["-G", "Ninja"] if shutil.which("ninja") else []),
-        capture_output=True, text=True)
-    assert configure.returncode == 0, configure.stdout + configure.stderr
-    compiled = subprocess.run(["cmake", "--build", str(build)], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    build = build_against_package(CONSUMER, tmp_path / "build")
     ran = subprocess.run([str(build / "consumer")], capture_output=True, text=True)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert ran.stdout.count("ok ") == 5 and "FAILED" not in ran.stdout, ran.stdout

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-import nimble_train as nt
+from package_build import build_against_package
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cpp")
 LOSS_LINE = re.compile(r"^step (\d+) lr \S+ loss (\S+)$", re.MULTILINE)
@@ -22,15 +22,7 @@ def train_cnn(tmp_path_factory):
     """The example's executable, configured and built as its CMakeLists.txt says."""
     if shutil.which("cmake") is None:
         pytest.skip("needs cmake on PATH to build examples/cpp")
-    build = tmp_path_factory.mktemp("example") / "build"
-    configure = subprocess.run(
-        ["cmake", "-S", EXAMPLE, "-B", str(build), "-DCMAKE_BUILD_TYPE=Release",
-         f"-DCMAKE_PREFIX_PATH={nt.cmake_prefix_path}"]
-        + (["-G", "Ninja"] if shutil.which("ninja") else []),
-        capture_output=True, text=True)
-    assert configure.returncode == 0, configure.stdout + configure.stderr
-    compiled = subprocess.run(["cmake", "--build", str(build)], capture_output=True, text=True)
-    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    build = build_against_package(EXAMPLE, tmp_path_factory.mktemp("example") / "build")
     return str(build / "train_cnn")
 
 

@@ -1,0 +1,48 @@
+// The hand-written LibTorch loop the C++ Step is compared with, and the comparisons.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <algorithm>
+
+#include "nimble_train/step.h"
+
+namespace nimble_train::testing {
+
+namespace F = torch::nn::functional;
+
+// The largest absolute difference between the parameters of two models of one architecture.
+inline double max_diff(torch::nn::Sequential& a, torch::nn::Sequential& b) {
+  double worst = 0;
+  auto pa = a->parameters();
+  auto pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    worst = std::max(worst, (pa[i] - pb[i]).abs().max().item<double>());
+  }
+  return worst;
+}
+
+// Per-sample cross-entropy: the Step averages it (and masks padding in a graph).
+inline ForwardLoss per_sample(torch::nn::Sequential& net) {
+  return [net](const Batch& b) mutable {
+    return F::cross_entropy(net->forward(b[0]), b[1],
+                            F::CrossEntropyFuncOptions().reduction(torch::kNone));
+  };
+}
+
+// One iteration of the hand-written loop: zero_grad, mean loss, backward, clipping, step.
+inline double reference_step(torch::nn::Sequential& net, torch::optim::Optimizer& opt,
+                             const Batch& b, double clip = 0) {
+  opt.zero_grad();
+  torch::Tensor loss = F::cross_entropy(net->forward(b[0]), b[1]);
+  loss.backward();
+  if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+  opt.step();
+  return loss.item<double>();
+}
+
+inline void set_lr(torch::optim::Optimizer& opt, double lr) {
+  for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+}
+
+}  // namespace nimble_train::testing
