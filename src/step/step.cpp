@@ -315,8 +315,8 @@ class Step::Impl {
   void make_template(const Batch& batch);
   int64_t check_batch(const Batch& batch) const;
   at::Tensor eager_step(const Batch& batch, int64_t samples, bool warmup);
-  at::Tensor capture_and_launch(const Batch& batch, int64_t samples);
-  at::Tensor launch(const Batch& batch, int64_t samples);
+  at::Tensor capture_and_launch(const Batch& batch);
+  at::Tensor launch(const Batch& batch);
   bool can_pad() const {
     return options_.partial_batch == PartialBatch::kPad && per_sample_ == 1 &&
            !has_batch_statistics(*module_);
@@ -806,7 +806,7 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
   return loss.detach().to(at::kFloat);
 }
 
-at::Tensor Step::Impl::capture_and_launch(const Batch& batch, int64_t samples) {
+at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
 #if NT_HAVE_CUDA
   if (!fused_) fuse();  // warmup == 1: the first step showed which parameters get gradients
   keep_state_bound();
@@ -870,17 +870,15 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, int64_t samples) {
   }
   ++captures_;
   phase_ = Phase::kReplay;
-  return launch(batch, samples);
+  return launch(batch);
 #else
   (void)batch;
-  (void)samples;
   throw Error("nimble_train::Step: this build has no CUDA");
 #endif
 }
 
-at::Tensor Step::Impl::launch(const Batch& batch, int64_t samples) {
+at::Tensor Step::Impl::launch(const Batch& batch) {
 #if NT_HAVE_CUDA
-  (void)samples;
   keep_state_bound();
   const std::vector<float> values = staged_values();
   if (fault_ == Fault::kAfterStaging) graph_->fail_next_launch(capture::LaunchFault::kAfterStaging);
@@ -892,7 +890,6 @@ at::Tensor Step::Impl::launch(const Batch& batch, int64_t samples) {
   return graph_loss_;
 #else
   (void)batch;
-  (void)samples;
   throw Error("nimble_train::Step: this build has no CUDA");
 #endif
 }
@@ -923,14 +920,14 @@ at::Tensor Step::Impl::call(const Batch& batch) {
       if (short_batch) {  // the capture waits for a full batch
         loss = eager_step(batch, samples, false);
       } else {
-        loss = capture_and_launch(batch, samples);
+        loss = capture_and_launch(batch);
       }
       break;
     case Phase::kReplay:
       if (short_batch && !can_pad()) {
         loss = eager_step(batch, samples, false);
       } else {
-        loss = launch(batch, samples);
+        loss = launch(batch);
       }
       break;
     default:
