@@ -281,6 +281,34 @@ std::string tuple_text(at::IntArrayRef sizes) {
   return os.str();
 }
 
+#if NT_HAVE_CUDA
+// While alive, work goes to `side`, which first waits for the current stream's work; at the
+// end (an exception included) the current stream waits for the side stream's.
+class SideStream {
+ public:
+  SideStream(c10::cuda::CUDAStream side, c10::DeviceIndex device)
+      : current_(c10::cuda::getCurrentCUDAStream(device)), side_(side) {
+    c10::Event before(at::kCUDA);
+    before.record(current_);
+    before.block(side_);
+    guard_.emplace(side_);
+  }
+  ~SideStream() {
+    guard_.reset();
+    c10::Event after(at::kCUDA);
+    after.record(side_);
+    after.block(current_);
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+
+ private:
+  c10::cuda::CUDAStream current_;
+  c10::cuda::CUDAStream side_;
+  std::optional<c10::cuda::CUDAStreamGuard> guard_;
+};
+#endif
+
 enum class Fault { kNone, kAfterStaging = 1, kAfterCopyIn = 2, kInCapture = 3 };
 
 }  // namespace
@@ -738,15 +766,9 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
 #if NT_HAVE_CUDA
   // Warm-up runs on the capture's side stream (per-stream workspaces then exist before the
   // capture, outside its pool), ordered after the current stream's work and before its later
-  // work.
-  std::optional<c10::cuda::CUDAStreamGuard> on_side;
-  const bool side = warmup && side_.has_value();
-  if (side) {
-    c10::Event before(at::kCUDA);
-    before.record(c10::cuda::getCurrentCUDAStream(device_.index()));
-    before.block(*side_);
-    on_side.emplace(*side_);
-  }
+  // work, however the step ends.
+  std::optional<SideStream> on_side;
+  if (warmup && side_.has_value()) on_side.emplace(*side_, device_.index());
 #endif
   // The first step runs the optimizer as it is (it shows which parameters get gradients); the
   // update is fused from the second on.
@@ -794,14 +816,6 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
     clip_unfused();
     optimizer_.step();
   }
-#if NT_HAVE_CUDA
-  if (side) {
-    on_side.reset();
-    c10::Event after(at::kCUDA);
-    after.record(*side_);
-    after.block(c10::cuda::getCurrentCUDAStream(device_.index()));
-  }
-#endif
   ++eager_steps_;
   return loss.detach().to(at::kFloat);
 }
