@@ -24,15 +24,6 @@ const char* const kFix =
     "The first batch fixed the template; pad or bucket inputs to that shape (a shorter last "
     "batch is handled), or build a Step per shape.";
 
-// A shape as Python prints a tuple: (8, 12), (8,), ().
-std::string tuple_text(at::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
-  os << (sizes.size() == 1 ? ",)" : ")");
-  return os.str();
-}
-
 std::string describe(const at::Tensor& t) {
   return "a tensor of shape " + tuple_text(t.sizes()) + ", " + torch_dtype_name(t.scalar_type()) +
          ", on " + t.device().str();
@@ -119,6 +110,14 @@ void copy_padded(const at::Tensor& dst, const at::Tensor& src, int64_t dim, doub
 }
 
 }  // namespace
+
+std::string tuple_text(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
+  os << (sizes.size() == 1 ? ",)" : ")");
+  return os.str();
+}
 
 std::string torch_dtype_name(at::ScalarType dtype) {
   switch (dtype) {

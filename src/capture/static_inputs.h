@@ -62,5 +62,7 @@ class StaticInputs {
 
 // "torch.float32", as Python prints a dtype (messages speak the user's language).
 std::string torch_dtype_name(at::ScalarType dtype);
+// A shape as Python prints a tuple: (8, 12), (8,), ().
+std::string tuple_text(at::IntArrayRef sizes);
 
 }  // namespace nimble_train::capture

@@ -22,7 +22,6 @@
 
 #include <map>
 #include <set>
-#include <sstream>
 #include <tuple>
 #include <utility>
 
@@ -61,6 +60,7 @@ namespace {
 using capture::BatchMismatch;
 using capture::LeafSpec;
 using capture::StaticInputs;
+using capture::tuple_text;
 
 // ------------------------------------------------------------------ torch::optim, fused
 
@@ -271,14 +271,6 @@ bool has_batch_statistics(const torch::nn::Module& module) {
     }
   }
   return false;
-}
-
-std::string tuple_text(at::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
-  os << (sizes.size() == 1 ? ",)" : ")");
-  return os.str();
 }
 
 #if NT_HAVE_CUDA

@@ -4,12 +4,40 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "nimble_train/step.h"
 
 namespace nimble_train::testing {
 
 namespace F = torch::nn::functional;
+
+// A two-layer MLP classifier: features -> hidden -> classes (then BatchNorm1d if asked).
+struct MlpShape {
+  int64_t features, hidden, classes;
+};
+
+inline torch::nn::Sequential make_mlp(int64_t seed, MlpShape shape, torch::Device device,
+                                      bool batch_norm = false) {
+  torch::manual_seed(seed);
+  torch::nn::Sequential net(torch::nn::Linear(shape.features, shape.hidden), torch::nn::ReLU(),
+                            torch::nn::Linear(shape.hidden, shape.classes));
+  if (batch_norm) net->push_back(torch::nn::BatchNorm1d(shape.classes));
+  net->to(device);
+  return net;
+}
+
+// `count` random batches of `size` samples (features, label) for that classifier.
+inline std::vector<Batch> make_mlp_batches(int64_t count, int64_t size, int64_t seed,
+                                           MlpShape shape, torch::Device device) {
+  torch::manual_seed(seed);
+  std::vector<Batch> batches;
+  for (int64_t i = 0; i < count; ++i) {
+    batches.push_back({torch::randn({size, shape.features}).to(device),
+                       torch::randint(0, shape.classes, {size}).to(device)});
+  }
+  return batches;
+}
 
 // The largest absolute difference between the parameters of two models of one architecture.
 inline double max_diff(torch::nn::Sequential& a, torch::nn::Sequential& b) {

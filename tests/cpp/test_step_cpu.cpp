@@ -21,21 +21,14 @@ using nimble_train::testing::set_lr;
 
 namespace {
 
+constexpr nimble_train::testing::MlpShape kShape{8, 16, 4};
+
 torch::nn::Sequential make_model(int64_t seed, bool batch_norm = false) {
-  torch::manual_seed(seed);
-  torch::nn::Sequential net(torch::nn::Linear(8, 16), torch::nn::ReLU(),
-                            torch::nn::Linear(16, 4));
-  if (batch_norm) net->push_back(torch::nn::BatchNorm1d(4));
-  return net;
+  return nimble_train::testing::make_mlp(seed, kShape, torch::kCPU, batch_norm);
 }
 
 std::vector<nt::Batch> make_batches(int64_t count, int64_t size, int64_t seed) {
-  torch::manual_seed(seed);
-  std::vector<nt::Batch> batches;
-  for (int64_t i = 0; i < count; ++i) {
-    batches.push_back({torch::randn({size, 8}), torch::randint(0, 4, {size})});
-  }
-  return batches;
+  return nimble_train::testing::make_mlp_batches(count, size, seed, kShape, torch::kCPU);
 }
 
 double max_change(torch::nn::Sequential& a, const std::vector<torch::Tensor>& before) {

@@ -35,24 +35,15 @@ class StepCuda : public testing::Test {
   torch::Device device{torch::kCUDA, 0};
 };
 
+constexpr nimble_train::testing::MlpShape kShape{32, 64, 10};
+
 torch::nn::Sequential make_model(int64_t seed, torch::Device device, bool batch_norm = false) {
-  torch::manual_seed(seed);
-  torch::nn::Sequential net(torch::nn::Linear(32, 64), torch::nn::ReLU(),
-                            torch::nn::Linear(64, 10));
-  if (batch_norm) net->push_back(torch::nn::BatchNorm1d(10));
-  net->to(device);
-  return net;
+  return nimble_train::testing::make_mlp(seed, kShape, device, batch_norm);
 }
 
 std::vector<nt::Batch> make_batches(int64_t count, int64_t size, int64_t seed,
                                     torch::Device device) {
-  torch::manual_seed(seed);
-  std::vector<nt::Batch> batches;
-  for (int64_t i = 0; i < count; ++i) {
-    batches.push_back({torch::randn({size, 32}).to(device),
-                       torch::randint(0, 10, {size}).to(device)});
-  }
-  return batches;
+  return nimble_train::testing::make_mlp_batches(count, size, seed, kShape, device);
 }
 
 }  // namespace
