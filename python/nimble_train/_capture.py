@@ -11,12 +11,14 @@ CaptureError. Either way the capture is abandoned in C++ and nothing of it stays
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
 
 from ._extension import _C
-from ._multistream import build_multistream, warn_single_stream
+from ._multistream import CHAIN, build_multistream, warn_single_stream
+from ._weight_grads import plan_weight_grads, split_weight_grads
 from .errors import CaptureError, NimbleError, SyncError
 
 class CapturedStep:
@@ -41,6 +43,9 @@ class CapturedStep:
         self.scales = (self.current[1], self.current[2:3]) if extra else (None, None)
         self.multistream = None  # the forward on several streams, once planned
         self.single_stream_reason: str | None = None
+        self.weight_grads = None  # the backward's weight-gradient side stream, once planned
+        self.weight_grads_off: str | None = None  # why there is none
+        self._split_model: torch.nn.Module | None = None  # whose layers the plan splits
 
     @property
     def valid(self) -> torch.Tensor:
@@ -62,13 +67,22 @@ class CapturedStep:
         self.unplanned.add(entry)
         return entry
 
-    def plan_streams(self, model: torch.nn.Module, streams, device: torch.device) -> None:
-        """Traces and plans the forward on several streams, once, before the first capture."""
+    def plan_streams(self, model: torch.nn.Module, streams, device: torch.device, *,
+                     data_parallel: bool = False) -> None:
+        """Plans the streams, once, before the first capture: the forward traced and assigned
+        to several streams, and the backward's weight gradients on a side stream."""
+        if self.weight_grads is None and self.weight_grads_off is None:
+            self.weight_grads, self.weight_grads_off = plan_weight_grads(
+                model, streams, device, data_parallel=data_parallel)
+            self._split_model = model if self.weight_grads is not None else None
         if self.multistream is None and self.single_stream_reason is None:
             self.multistream, self.single_stream_reason = build_multistream(model, streams,
                                                                             device)
-            if self.multistream is None and streams != 1:
-                warn_single_stream(self.single_stream_reason)
+            planned = self.weight_grads is not None
+            # A chain's forward loses nothing when the backward is planned: no warning.
+            if (self.multistream is None and streams != 1
+                    and not (planned and self.single_stream_reason == CHAIN)):
+                warn_single_stream(self.single_stream_reason, planned)
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                 sync_records: list) -> None:
@@ -80,11 +94,13 @@ class CapturedStep:
         try:
             self._capture_once(entry, body, stream, sync_records)
         except NimbleError as failure:
-            if self.multistream is None or isinstance(failure, SyncError):
+            several = self.multistream is not None or self.weight_grads is not None
+            if not several or isinstance(failure, SyncError):
                 raise
             cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
-            self.multistream = None
+            self.multistream = self.weight_grads = self._split_model = None
             self.single_stream_reason = f"capture on several streams failed ({cause})"
+            self.weight_grads_off = self.single_stream_reason
             warn_single_stream(self.single_stream_reason)
             for other in list(self.outputs):  # every training graph on one stream alike
                 if other != entry and other not in self.unplanned:
@@ -101,6 +117,11 @@ class CapturedStep:
     def _capture_once(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                       sync_records: list, planned: bool = True) -> None:
         forward = self.multistream if planned else None
+        side = self.weight_grads if planned else None
+        if side is not None:
+            side.release_early = forward is None  # see SideStream.release_early
+        split = (split_weight_grads(self._split_model, side) if side is not None
+                 else contextlib.nullcontext())
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
@@ -110,15 +131,19 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                loss = body(forward)
+                with split:  # the backward joins its weight-gradient stream as it ends
+                    loss = body(forward)
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream
             except BaseException as exc:
-                if forward is not None:
-                    try:
-                        forward.join()  # side streams rejoin, so the capture can end cleanly
-                    except Exception:
-                        pass  # the capture is abandoned whatever happens here
+                for part in (forward, side):
+                    if part is not None:
+                        try:
+                            part.join()  # side streams rejoin, so the capture can end cleanly
+                        except Exception:
+                            pass  # the capture is abandoned whatever happens here
+                if side is not None:
+                    side.drop()
                 result = self.graph.abandon_capture()
                 raise failure(result.invalidated, root_message(exc), sync_records) from exc
             result = self.graph.end_capture()

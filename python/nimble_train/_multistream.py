@@ -22,6 +22,9 @@ from ._torch_private import pytree
 
 _OPS = ("call_module", "call_function", "call_method")
 
+# Why a traced forward gets no plan when nothing in it can run side by side.
+CHAIN = "the traced forward is a chain: no two operators can run side by side"
+
 # With no limit asked for, more streams than this buy nothing on a GPU that runs a handful of
 # small kernels side by side, and each stream adds joins at the end of the step.
 AUTO_MAX_STREAMS = 8
@@ -149,7 +152,7 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device):
     limit = AUTO_MAX_STREAMS if streams == "auto" else int(streams)
     forward = MultiStreamForward(graph, limit, device)
     if forward.num_streams == 1:
-        return None, "the traced forward is a chain: no two operators can run side by side"
+        return None, CHAIN
     return forward, None
 
 
@@ -157,9 +160,14 @@ def _compiled(model: torch.nn.Module) -> bool:
     return any(_torch_private.is_compiled_module(m) for m in model.modules())
 
 
-def warn_single_stream(reason: str) -> None:
+def warn_single_stream(reason: str, backward_planned: bool = False) -> None:
+    if backward_planned:
+        what = ("nimble_train.Step plans only the backward (weight gradients on a side "
+                f"stream); the forward runs on one stream: {reason}")
+    else:
+        what = f"nimble_train.Step runs on one stream: {reason}"
     warnings.warn(
-        f"nimble_train.Step runs on one stream: {reason}. The step is still captured; only "
-        "independent operators will not overlap. Pass streams=1 to silence this.",
+        f"{what}. The step is still captured; only independent operators will not overlap. "
+        "Pass streams=1 to silence this.",
         # The user's step(batch): here, CapturedStep, Step._capture, Step._call, Step.__call__.
         stacklevel=6)

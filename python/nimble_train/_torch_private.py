@@ -58,6 +58,12 @@ def declare_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
     optimizer._step_supports_amp_scaling = True
 
 
+def at_end_of_backward(callback) -> None:
+    """Runs `callback()` when the running backward has finished every node, before it returns,
+    with its caller's current streams (as DistributedDataParallel finishes its reduction)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
 def cuda_sleep(cycles: int) -> None:
     """Enqueues a kernel that spins for `cycles` GPU clock cycles (tests and benchmarks keep the
     GPU busy with it while the host runs ahead)."""

@@ -76,7 +76,9 @@ class Step:
         loss_fn: ``loss_fn(outputs, target)`` for (inputs, target) batches, ``loss_fn(outputs,
             batch)`` for dict batches; None when the model returns its own loss. A scalar, or
             one loss per sample (a short last batch is then padded and masked in the graph).
-        streams: "auto", or the most CUDA streams to use (1: a single stream).
+        streams: "auto", or the most CUDA streams the forward's plan may use (1: a single
+            stream for the whole step). Beyond 1, the weight gradients of convolutions and
+            linear layers also leave the backward's critical path for a side stream.
         warmup: eager iterations before capture (at least 1); they are real training steps
             (with accumulation and an optimizer captured as it is, at least one window).
         amp: None, "bf16" (autocast to bfloat16) or "fp16" (loss scale kept on the device).
@@ -488,7 +490,8 @@ class Step:
         bucket no eager step has met, which is deferred."""
         graph = self._graph
         self._copy_in(bucket, tensors, samples)
-        graph.plan_streams(self.model, self.streams, self._device)
+        graph.plan_streams(self.model, self.streams, self._device,
+                           data_parallel=self._gradsync is not None)
         sizes = self._layout.sizes
         order = sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0))
         for b in order:
@@ -562,6 +565,10 @@ class Step:
             "syncs": ms.num_syncs if ms else 0,
             "traced_ops": len(ms.graph.nodes) if ms else None,
             "single_stream_reason": graph.single_stream_reason if graph else None,
+            # layers whose weight gradients the last capture ran on a side stream
+            "weight_grad_layers": graph.weight_grads.layers if graph and graph.weight_grads
+            else 0,
+            "weight_grads_off": graph.weight_grads_off if graph else None,
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
                                                   "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),

@@ -116,3 +116,25 @@ def test_cuda_sleep_keeps_the_gpu_busy():
     end.record()
     end.synchronize()
     assert start.elapsed_time(end) > 1.0
+
+
+def test_a_callback_runs_once_the_backward_has_finished_every_node():
+    seen = []
+    x = torch.randn(3, requires_grad=True)
+
+    class Tap(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            _torch_private.at_end_of_backward(lambda: seen.append(("end", x.grad.clone())))
+            seen.append("tap")
+            return grad * 2
+
+    (Tap.apply(x) * x).sum().backward()  # the callback sees x's finished gradient
+    assert [s if isinstance(s, str) else s[0] for s in seen] == ["tap", "end"]
+    torch.testing.assert_close(seen[1][1], x.grad)
+    (x * 3).sum().backward()  # queued for one backward only
+    assert len(seen) == 2

@@ -9,7 +9,7 @@ import nimble_train as nt
 from step_reference import (InceptionNet, RandomDagNet, TransformerBlock, assert_same_training,
                             classification_batches, eager_loop, nudged, training_gap)
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
 per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 # Not bitwise: where gradients of one tensor arrive from several streams, autograd sums them
@@ -17,16 +17,6 @@ per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 TOL = {"rtol": 1e-3, "atol": 1e-4}
 BF16_TOL = {"rtol": 2e-2, "atol": 2e-3}
 LOSS_TOL = {"rtol": 1e-3, "atol": 1e-3}
-
-
-@pytest.fixture(autouse=True)
-def deterministic_cudnn():
-    # cuDNN's default backward algorithms sum with atomics, in a different order on every
-    # run; deterministic ones make two runs of the same graph comparable bit for bit.
-    before = torch.backends.cudnn.deterministic
-    torch.backends.cudnn.deterministic = True
-    yield
-    torch.backends.cudnn.deterministic = before
 
 
 def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None,

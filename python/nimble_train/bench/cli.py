@@ -42,7 +42,9 @@ def _note(step) -> str:
     if not s.get("captured"):
         reason = s.get("capture_error") or "not captured"
         return f"eager: {reason}"[:120]
-    return f"{s.get('streams')} stream(s), {s.get('graph_nodes') or '?'} graph nodes"
+    split = s.get("weight_grad_layers")
+    backward = f", {split} weight grads on a side stream" if split else ""
+    return f"{s.get('streams')} stream(s){backward}, {s.get('graph_nodes') or '?'} graph nodes"
 
 
 def run_mode(w: Workload, mode: Mode, *, steps: int, repeats: int, profile: bool) -> dict:

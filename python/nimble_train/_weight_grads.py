@@ -1,0 +1,259 @@
+"""The backward's weight gradients on a side stream, off the critical path.
+
+In a chain network (ResNet, a transformer) the forward has no two operators that can run side
+by side, but the backward does: a convolution's or linear layer's backward is two independent
+products, the data gradient (which the next layer's backward waits for) and the weight
+gradient (which only the update reads). Autograd runs both on one stream, so each weight
+gradient delays every layer behind it. Here the eligible convolutions and linear layers run,
+while the step is captured, through an autograd function whose backward computes the data
+gradient on the current stream and hands the weight gradient (and bias gradient) to a side
+stream, which adds it into ``param.grad``. The current stream waits on each side-stream launch
+`lag` launches later — late enough to overlap it with the next layers' data gradients, early
+enough that the tensors it reads can be released — and on all of them when the backward ends,
+before the backward returns to its caller.
+
+Results are those of autograd's: the same aten products (``convolution_backward`` with one half
+of its output mask each; the two matrix products of a linear layer), accumulated into the
+same gradient tensors. What changes is only which stream runs them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _torch_private
+
+
+class SideStream:
+    """The side stream of weight gradients, with a bounded lag behind the current stream (see
+    the module docstring). One stream: launches that accumulate into the same gradient (a
+    layer called twice) stay in order."""
+
+    def __init__(self, device: torch.device, lag: int = 1):
+        if lag < 1:
+            raise ValueError(f"the lag must be >= 1 launch; got {lag}")
+        self.stream = torch.cuda.Stream(device)
+        self.lag = lag
+        self.launched = 0  # weight gradients handed to the side stream, in all
+        self.layers = 0  # layers split in the last split_weight_grads block
+        # Whether a launch's inputs may be released once the current stream has waited on it:
+        # only when every tensor of the backward is made on that stream. With the forward on
+        # several streams a gradient may come from another stream, which would reuse its
+        # memory without waiting; they are then held until the backward ends.
+        self.release_early = True
+        # (event, tensors kept alive until the current stream has waited on the event)
+        self._pending: collections.deque = collections.deque()
+        self._held: list[tuple] = []
+
+    def launch(self, work, keep: tuple) -> None:
+        """Runs `work()` on the side stream, after everything queued on the current one.
+        Called from a backward: the first launch of a backward has the current stream join
+        the side stream when that backward ends, before it returns to its caller."""
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            work()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        if not self._pending:
+            _torch_private.at_end_of_backward(self.join)
+        self._pending.append((done, keep))
+        self.launched += 1
+        while len(self._pending) > self.lag:
+            done, keep = self._pending.popleft()
+            main.wait_event(done)
+            if not self.release_early:
+                self._held.append(keep)
+
+    def join(self) -> None:
+        """The current stream waits for every launch so far; their inputs are released. At the
+        end of a backward that is the stream of its caller."""
+        main = torch.cuda.current_stream()
+        while self._pending:
+            main.wait_event(self._pending.popleft()[0])
+        self._held.clear()
+
+    def drop(self) -> None:
+        """Forgets pending launches without waiting (a capture that failed is thrown away)."""
+        self._pending.clear()
+        self._held.clear()
+
+
+def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad, as AccumulateGrad does (a first gradient is stored in the
+    parameter's dtype and layout)."""
+    if param.grad is None:
+        if grad.dtype != param.dtype or grad.stride() != param.stride():
+            grad = torch.empty_like(param).copy_(grad)  # the parameter's layout, as autograd
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
+
+
+def _amp_cast(*tensors):
+    """The tensors as autocast would hand them to a convolution or a matrix product."""
+    if not torch.is_autocast_enabled("cuda"):
+        return tensors
+    dtype = torch.get_autocast_dtype("cuda")
+    return tuple(t.to(dtype) if t is not None and t.is_floating_point() else t
+                 for t in tensors)
+
+
+class _Conv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, side, stride, padding, dilation, groups):
+        x_, w_, b_ = _amp_cast(x, weight, bias)
+        with torch.autocast("cuda", enabled=False):
+            y = torch.ops.aten.convolution(x_, w_, b_, stride, padding, dilation, False,
+                                           [0] * len(stride), groups)
+        ctx.save_for_backward(x_, w_)
+        ctx.conv = (stride, padding, dilation, groups)
+        ctx.module, ctx.side, ctx.has_bias = module, side, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conv
+        module, has_bias = ctx.module, ctx.has_bias
+        bias_sizes = [w.shape[0]] if has_bias else None
+        zeros = [0] * len(stride)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.convolution_backward(
+                grad_y, x, w, bias_sizes, stride, padding, dilation, False, zeros, groups,
+                [True, False, False])[0]
+
+        def weight_grads():
+            _, gw, gb = torch.ops.aten.convolution_backward(
+                grad_y, x, w, bias_sizes, stride, padding, dilation, False, zeros, groups,
+                [False, True, has_bias])
+            _accumulate(module.weight, gw)
+            if has_bias:
+                _accumulate(module.bias, gb)
+
+        ctx.side.launch(weight_grads, (grad_y, x, w))
+        return grad_x, None, None, None, None, None, None, None, None
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, side):
+        x_, w_, b_ = _amp_cast(x, weight, bias)
+        with torch.autocast("cuda", enabled=False):
+            y = F.linear(x_, w_, b_)
+        ctx.save_for_backward(x_, w_)
+        ctx.module, ctx.side, ctx.has_bias = module, side, bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w = ctx.saved_tensors
+        module, has_bias = ctx.module, ctx.has_bias
+        grad_x = grad_y.matmul(w) if ctx.needs_input_grad[0] else None
+
+        def weight_grads():
+            g2 = grad_y.reshape(-1, grad_y.shape[-1])
+            _accumulate(module.weight, g2.t().mm(x.reshape(-1, x.shape[-1])))
+            if has_bias:
+                _accumulate(module.bias, g2.sum(0))
+
+        ctx.side.launch(weight_grads, (grad_y, x, w))
+        return grad_x, None, None, None, None
+
+
+def _conv_padding(m: nn.Conv2d | nn.Conv1d | nn.Conv3d) -> list[int] | None:
+    """Integer padding for aten.convolution, or None where it needs more (asymmetric "same",
+    a non-zero padding mode)."""
+    if m.padding_mode != "zeros":
+        return None
+    if isinstance(m.padding, str):
+        if m.padding == "valid":
+            return [0] * len(m.kernel_size)
+        total = [d * (k - 1) for d, k in zip(m.dilation, m.kernel_size)]
+        if any(t % 2 for t in total):
+            return None  # "same" with an even extent pads one side more
+        return [t // 2 for t in total]
+    return list(m.padding)
+
+
+def eligible(m: nn.Module) -> bool:
+    """Modules whose weight gradient may leave the critical path: plain convolutions and linear
+    layers whose parameters have no hooks of their own (those hooks expect autograd's
+    accumulation) and whose weight requires a gradient."""
+    if type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        ok = _conv_padding(m) is not None
+    elif type(m) is nn.Linear:
+        ok = True
+    else:
+        return False
+    params = [p for p in (m.weight, getattr(m, "bias", None)) if p is not None]
+    return ok and m.weight.requires_grad and all(
+        p.requires_grad and not getattr(p, "_backward_hooks", None)
+        and not getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+
+
+def _split_forward(module: nn.Module, side: SideStream):
+    if isinstance(module, nn.Linear):
+        def forward(x):
+            if not (x.is_cuda and torch.is_grad_enabled()):
+                return type(module).forward(module, x)
+            return _Linear.apply(x, module.weight, module.bias, module, side)
+        return forward
+    padding = _conv_padding(module)
+
+    def forward(x):
+        if not (x.is_cuda and torch.is_grad_enabled()):
+            return type(module).forward(module, x)
+        return _Conv.apply(x, module.weight, module.bias, module, side, list(module.stride),
+                           padding, list(module.dilation), module.groups)
+    return forward
+
+
+def plan_weight_grads(model: nn.Module, streams, device: torch.device, *,
+                      data_parallel: bool) -> tuple[SideStream | None, str | None]:
+    """The side stream for `model`'s weight gradients, or None with the reason there is none."""
+    if streams == 1:
+        return None, "streams=1"
+    if data_parallel:
+        return None, ("data parallel: gradient buckets start from autograd's accumulation "
+                      "hooks")
+    if any(_torch_private.is_compiled_module(m) for m in model.modules()):
+        return None, "the model contains torch.compile'd modules, whose backward inductor plans"
+    if not any(eligible(m) for m in model.modules()):
+        return None, "no convolution or linear layer whose weight gradient can move"
+    # Waited on one launch later: more side streams or a longer lag gave nothing more on
+    # ResNet-18, the branchy network or BERT-base.
+    return SideStream(device, lag=1), None
+
+
+@contextlib.contextmanager
+def split_weight_grads(model: nn.Module, side: SideStream) -> Iterator[int]:
+    """Within the block, the eligible layers of `model` compute their weight gradients on
+    `side`; yields how many layers that is. The layers are restored on exit.
+
+    A parameter may also get a gradient from autograd (a weight tied to an embedding, a layer's
+    weight read by other code): a hook on it has the current stream join the side stream
+    first, so the two accumulations into its ``.grad`` never overlap."""
+    patched = [m for m in model.modules() if eligible(m) and "forward" not in vars(m)]
+    hooks = []
+    for m in patched:
+        m.forward = _split_forward(m, side)  # an instance attribute shadows the class's
+        for p in (m.weight, m.bias):
+            if p is not None:
+                hooks.append(p.register_hook(lambda grad: side.join() if grad is not None
+                                             else None))
+    side.layers = len(patched)
+    try:
+        yield len(patched)
+    finally:
+        for handle in hooks:
+            handle.remove()
+        for m in patched:
+            del m.forward

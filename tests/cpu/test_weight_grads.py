@@ -1,0 +1,56 @@
+"""Which layers the backward plan moves to a side stream, and when Step plans none (CPU)."""
+
+import pytest
+import torch
+from torch import nn
+
+from nimble_train._weight_grads import _conv_padding, eligible, plan_weight_grads
+
+
+def test_convolutions_and_linear_layers_are_eligible_unless_autograd_must_see_them():
+    assert eligible(nn.Linear(4, 3)) and eligible(nn.Linear(4, 3, bias=False))
+    assert eligible(nn.Conv2d(3, 8, 3, padding=1)) and eligible(nn.Conv1d(3, 8, 5))
+    assert eligible(nn.Conv3d(3, 8, 3, stride=2, padding="valid"))
+    assert not eligible(nn.BatchNorm2d(3)) and not eligible(nn.Embedding(5, 3))
+    assert not eligible(nn.ConvTranspose2d(3, 3, 3))
+    frozen = nn.Linear(4, 3)
+    frozen.bias.requires_grad_(False)
+    assert not eligible(frozen)  # one half of autograd's work would be lost
+    hooked = nn.Linear(4, 3)
+    hooked.weight.register_hook(lambda g: g)
+    assert not eligible(hooked)
+
+    class MyLinear(nn.Linear):  # a subclass may change forward: left alone
+        pass
+    assert not eligible(MyLinear(4, 3))
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(kernel_size=3, padding=1), [1, 1]),
+    (dict(kernel_size=(3, 5), padding="same"), [1, 2]),
+    (dict(kernel_size=3, padding="same", dilation=3), [3, 3]),
+    (dict(kernel_size=4, padding="valid"), [0, 0]),
+    (dict(kernel_size=2, padding="same"), None),        # one more row on one side
+    (dict(kernel_size=3, padding=1, padding_mode="circular"), None),
+])
+def test_padding_for_the_aten_convolution(kwargs, expected):
+    conv = nn.Conv2d(2, 2, **kwargs)
+    assert _conv_padding(conv) == expected
+    if expected is not None:  # the same output as the module's own padding
+        x = torch.randn(1, 2, 9, 9, dtype=torch.float64)
+        conv = conv.double()
+        ref = conv(x)
+        got = torch.ops.aten.convolution(x, conv.weight, conv.bias, list(conv.stride), expected,
+                                         list(conv.dilation), False, [0, 0], conv.groups)
+        torch.testing.assert_close(got, ref)
+
+
+def test_the_plan_says_why_it_splits_nothing():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    cpu = torch.device("cpu")
+    assert plan_weight_grads(model, 1, cpu, data_parallel=False) == (None, "streams=1")
+    side, why = plan_weight_grads(model, "auto", cpu, data_parallel=True)
+    assert side is None and "data parallel" in why
+    side, why = plan_weight_grads(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)), "auto", cpu,
+                                  data_parallel=False)
+    assert side is None and "no convolution or linear layer" in why

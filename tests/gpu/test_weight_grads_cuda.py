@@ -1,0 +1,215 @@
+"""Weight gradients on a side stream equal autograd's, and Step uses them only where safe."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nimble_train as nt
+from nimble_train._weight_grads import SideStream, eligible, split_weight_grads
+from step_reference import classification_batches, eager_loop
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
+
+per_sample = nn.CrossEntropyLoss(reduction="none")
+
+
+def grads_both_ways(model, inputs, *, amp=None, backwards=1, lag=1, calls=None):
+    """The gradients of sum(model(*inputs)) by autograd and with the split (same weights);
+    `calls`: layer calls per forward, when a layer is called more than once."""
+    ref, split = model.cuda(), copy.deepcopy(model).cuda()
+    side = SideStream(torch.device("cuda"), lag=lag)
+
+    def run(m):
+        for _ in range(backwards):  # accumulates, as micro-batches do
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp is not None):
+                out = m(*inputs)
+            out.float().square().sum().backward()
+
+    run(ref)
+    with split_weight_grads(split, side) as layers:
+        run(split)
+    # the backward's end joined the side stream: the gradients are ready on this stream
+    assert layers > 0 and side.launched == (calls or layers) * backwards
+    return ([p.grad for p in ref.parameters()], [p.grad for p in split.parameters()],
+            ref, split)
+
+
+def image(n=4, c=6, hw=10, channels_last=False, grad=False):
+    x = torch.randn(n, c, hw, hw, device="cuda")
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x.requires_grad_(grad)
+
+
+@pytest.mark.parametrize("conv", [
+    dict(kernel_size=3, padding=1),
+    dict(kernel_size=3, stride=2, padding=1, bias=False),
+    dict(kernel_size=3, padding="same", dilation=2),
+    dict(kernel_size=1, groups=2),
+    dict(kernel_size=5, padding="valid"),
+])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_convolution_gradients_equal_autograds(conv, channels_last):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(6, 8, **conv), nn.ReLU(), nn.Conv2d(8, 4, 3))
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    x = image(channels_last=channels_last, grad=True)
+    ref, got, _, _ = grads_both_ways(model, (x,))
+    for a, b in zip(ref, got):
+        assert a.stride() == b.stride()
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_conv1d_and_linear_on_3d_inputs_and_accumulation():
+    torch.manual_seed(1)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(5, 7, 3, padding=1)
+            self.fc = nn.Linear(7, 3)
+
+        def forward(self, x):  # [n, 5, t] -> [n, t, 3]
+            return self.fc(torch.tanh(self.conv(x)).transpose(1, 2))
+
+    x = torch.randn(4, 5, 9, device="cuda")  # the first layer's input needs no gradient
+    ref, got, _, _ = grads_both_ways(Net(), (x,), backwards=3)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_autocast_gradients_match_autocast_autograd():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
+    x = torch.randn(8, 5, 32, device="cuda")
+    ref, got, _, _ = grads_both_ways(model, (x,), amp="bf16")
+    for a, b in zip(ref, got):
+        assert b.dtype == torch.float32
+        torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-3)
+
+
+class Tied(nn.Module):
+    """A decoder whose weight is the embedding's, as in BERT's and GPT-2's language heads, and
+    a layer called twice."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+        self.decoder = nn.Linear(16, 50)
+        self.decoder.weight = self.embed.weight
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = self.mix(torch.tanh(self.mix(h)))
+        return self.decoder(h)
+
+
+def test_tied_weights_and_a_layer_called_twice_accumulate_in_order():
+    torch.manual_seed(3)
+    ids = torch.randint(0, 50, (6, 11), device="cuda")
+    for lag in (1, 3):
+        ref, got, _, split = grads_both_ways(Tied(), (ids,), lag=lag, backwards=2, calls=3)
+        for a, b in zip(ref, got):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert not any("forward" in vars(m) for m in split.modules())  # restored
+        assert not split.embed.weight._backward_hooks  # its hook removed
+
+
+def test_layers_with_hooks_of_their_own_keep_autograds_path():
+    fc = nn.Linear(4, 4).cuda()
+    assert eligible(fc)
+    handle = fc.weight.register_post_accumulate_grad_hook(lambda p: None)
+    assert not eligible(fc)
+    handle.remove()
+    fc.weight.requires_grad_(False)
+    assert not eligible(fc)
+    assert not eligible(nn.Conv2d(3, 3, 2, padding="same"))  # pads one side more
+    assert not eligible(nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"))
+
+
+def test_a_failing_forward_restores_the_layers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).cuda()
+    side = SideStream(torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="shape"):
+        with split_weight_grads(model, side):
+            model(torch.randn(3, 5, device="cuda"))
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert not model[0].weight._backward_hooks
+
+
+class SmallCnn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x).mean((2, 3)))
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-4),
+    lambda p: torch.optim.AdamW(p, lr=1e-3),
+    lambda p: torch.optim.RMSprop(p, lr=1e-3),  # captured as it is: gradients made in the graph
+], ids=["sgd", "adamw", "rmsprop"])
+def test_step_with_the_backward_planned_equals_one_stream_and_eager(make_opt):
+    torch.manual_seed(4)
+    batches = classification_batches(6, 8, classes=5, device="cuda", image=True)
+    model = SmallCnn()
+    models = [copy.deepcopy(model).cuda() for _ in range(3)]
+    opts = [make_opt(m.parameters()) for m in models]
+    auto = nt.Step(models[0], opts[0], per_sample, streams="auto", warmup=2)
+    single = nt.Step(models[1], opts[1], per_sample, streams=1, warmup=2)
+    losses_auto = torch.stack([auto(b).clone() for b in batches])
+    losses_single = torch.stack([single(b).clone() for b in batches])
+    losses_eager = torch.stack(eager_loop(models[2], opts[2], per_sample, batches))
+    stats = auto.stats()
+    assert stats["captured"] and stats["replays"] == 4
+    assert stats["weight_grad_layers"] == 4 and single.stats()["weight_grad_layers"] == 0
+    assert single.stats()["weight_grads_off"] == "streams=1"
+    torch.testing.assert_close(losses_auto, losses_single, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses_auto, losses_eager, rtol=1e-3, atol=1e-4)
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert not any("forward" in vars(m) for m in models[0].modules())
+
+
+def test_a_capture_failing_in_the_backward_leaves_the_step_as_it_was():
+    torch.manual_seed(5)
+    batches = classification_batches(4, 8, classes=5, device="cuda", image=True)
+    model = SmallCnn().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nt.Step(model, opt, per_sample, streams="auto", warmup=1)
+    while step.stats()["warmup_left"] > 0:
+        step(batches[0])  # warm-up, eager: the next call captures
+    before = copy.deepcopy(model.state_dict())
+    opt_before = copy.deepcopy(opt.state_dict())
+
+    armed = [True]
+
+    def fail(grad):  # runs in the capture's backward
+        if armed[0]:
+            raise RuntimeError("injected backward failure")
+        return grad
+
+    handle = model.body[4].weight.register_hook(fail)  # a BatchNorm weight: autograd's path
+    with pytest.raises(nt.CaptureError, match="injected backward failure"):
+        step(batches[1])
+    armed[0] = False
+    handle.remove()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for a, b in zip(opt.state_dict()["state"].values(), opt_before["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    assert not any("forward" in vars(m) for m in model.modules())
+    # later calls run eagerly, and train
+    loss = step(batches[2])
+    assert torch.isfinite(loss) and step.stats()["phase"] == "eager"
