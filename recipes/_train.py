@@ -53,9 +53,11 @@ def _streams(text: str):
     return value
 
 
-def base_parser(doc: str, *, batch: int, epochs: int, amp_help: str,
-                lr_warmup: float) -> argparse.ArgumentParser:
-    """The flags every recipe has: mode, Step options, length, checkpoints, device."""
+def base_parser(doc: str, *, batch: int | None, epochs: int, amp_help: str,
+                lr_warmup: float, batch_help: str | None = None) -> argparse.ArgumentParser:
+    """The flags every recipe has: mode, Step options, length, checkpoints, device. With
+    batch=None, --batch defaults to None and the recipe picks the batch after parsing (and says
+    how in `batch_help`)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=doc.split("\n\n", 1)[1] if "\n\n" in doc else None)
@@ -65,7 +67,8 @@ def base_parser(doc: str, *, batch: int, epochs: int, amp_help: str,
     p.add_argument("--steps", type=int, default=None,
                    help="stop after this many steps in this run (default: all epochs); the "
                         "learning-rate schedule still spans all epochs")
-    p.add_argument("--batch", type=int, default=batch, help=f"samples per step (default {batch})")
+    p.add_argument("--batch", type=int, default=batch,
+                   help=batch_help or f"samples per step (default {batch})")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate")
     p.add_argument("--lr-warmup", type=float, default=lr_warmup,
                    help=f"fraction of the steps with a linearly rising lr (default {lr_warmup})")

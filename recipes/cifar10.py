@@ -1,9 +1,12 @@
-"""CIFAR-10 training: ResNet-18 or the branchy inception-style network, one GPU (or the CPU).
+"""CIFAR-10 training: ResNet-18, the branchy inception-style network or airbench94's network,
+one GPU (or the CPU).
 
     python recipes/cifar10.py --data ~/data --epochs 10            # nt.Step, captured
     python recipes/cifar10.py --model branchy --streams auto --steps 300
+    python recipes/cifar10.py --model airbench --data ~/data --epochs 10   # batch 1024
     python recipes/cifar10.py --mode eager --batch 128 --save ckpt.pt
     python recipes/cifar10.py --device cpu --steps 5 --batch 8 --synthetic-size 512
+    python recipes/cifar10.py --model airbench --device cpu --steps 5 --batch 8 --synthetic-size 512
 
 The dataset lives in GPU memory, as in MLPerf: each epoch's augmentation (random crop with 4
 pixels of padding, horizontal flip, normalisation) is a few batched tensor ops over the whole
@@ -12,7 +15,12 @@ shapes never change. The real CIFAR-10 is read from --data (the python pickle ba
 cifar-10-batches-py/); without it, a synthetic dataset of the same shape is used and the
 output says so. SGD with Nesterov momentum and weight decay; the learning rate rises linearly
 for 15% of the steps, then follows a cosine to zero (momentum stays fixed: a captured step
-bakes it in, while the lr is read by the graph each step).
+bakes it in, while the lr is read by the graph each step). Each model brings its own training
+settings (workloads.CIFAR_TRAINING): ResNet-18 and branchy default to batch 256, momentum 0.9
+and a peak lr of 0.1 per 128 images; airbench to airbench94's batch of 1024, momentum 0.85 and
+label smoothing 0.2, with a peak lr of 0.2 per 1024 images (airbench's own schedule and
+augmentation, 2-pixel translations and flips alternating by epoch, its lookahead and its
+test-time augmentation are not reproduced: see nimble_train.models.airbench).
 """
 
 from __future__ import annotations
@@ -171,8 +179,10 @@ def _layout(x: torch.Tensor) -> torch.Tensor:
 
 
 def parse_args(argv=None):
-    p = _train.base_parser(__doc__, batch=256, epochs=10, lr_warmup=0.15,
-                           amp_help="autocast: none (default), bf16 or fp16")
+    batches = ", ".join(f"{t.batch} for {name}" for name, t in workloads.CIFAR_TRAINING.items())
+    p = _train.base_parser(__doc__, batch=None, epochs=10, lr_warmup=0.15,
+                           amp_help="autocast: none (default), bf16 or fp16",
+                           batch_help=f"samples per step (default: {batches})")
     p.add_argument("--model", choices=workloads.CIFAR_MODELS, default="resnet18")
     p.add_argument("--data", metavar="DIR", default=None,
                    help="folder with cifar-10-batches-py/ (default: synthetic data)")
@@ -186,7 +196,11 @@ def parse_args(argv=None):
                         "runs it eagerly for BatchNorm models); default: drop it")
     p.add_argument("--width", type=float, default=1.0, help="branchy: width multiplier")
     args = p.parse_args(argv)
+    if args.batch is None:
+        args.batch = workloads.CIFAR_TRAINING[args.model].batch
     _train.check_args(p, args)
+    if args.width != 1.0 and args.model != "branchy":
+        p.error(f"--width scales the branchy network; {args.model} has a fixed width")
     if args.synthetic_size < 10:
         p.error(f"--synthetic-size must be >= 10; got {args.synthetic_size}")
     return args
@@ -230,9 +244,11 @@ def main(argv=None) -> int:
               f"{dataset.size} training images", file=sys.stderr)
         return 2
 
+    training = workloads.CIFAR_TRAINING[args.model]
     model = workloads.cifar_model(args.model, device, width=args.width)
-    lr = args.lr if args.lr is not None else 0.1 * span / 128  # linear scaling from 0.1
-    optimizer = workloads.cifar_optimizer(model, lr)
+    # linear scaling from the model's lr at its default batch
+    lr = args.lr if args.lr is not None else training.lr * span / training.batch
+    optimizer = training.optimizer(model, lr)
     planned = _train.planned_steps(args, batches_per_epoch, RECIPE)
     scheduler = _train.make_scheduler(optimizer, args, planned, decay="cosine")
     config = {"model": args.model, "batch": args.batch, "width": args.width,
@@ -246,7 +262,7 @@ def main(argv=None) -> int:
           f", {batches_per_epoch} steps per epoch, peak lr {lr:.3g}")
     try:
         train_step = _train.make_train_step(
-            args.mode, model, optimizer, workloads.cifar_loss, device=device, amp=amp,
+            args.mode, model, optimizer, training.loss_fn, device=device, amp=amp,
             streams=args.streams, warmup=args.warmup, grad_clip=args.grad_clip,
             capture=not args.no_capture, compile_model=args.compile)
     except NotImplementedError as exc:

@@ -1,7 +1,7 @@
 """The recipes as importable modules (recipes/ is not a package), their tiny CPU settings, the
 transformers check, and eager references for what the recipes compute through nt.Step: the
-evaluations as the recipes ran them before step.evaluator, and fine-tuning as a plain loop over
-unpadded sequences."""
+evaluations as the recipes ran them before step.evaluator, CIFAR training as a plain loop, and
+fine-tuning as a plain loop over unpadded sequences."""
 
 import os
 import sys
@@ -26,6 +26,16 @@ TINY_BERT = ["--size", "tiny", "--device", "cpu", "--batch", "2", "--seq", "16",
 TINY_FINETUNE = ["--task", "finetune", "--size", "tiny", "--device", "cpu", "--batch", "4",
                  "--max-len", "64", "--median-len", "16", "--buckets", "16,32,64",
                  "--samples", "24", "--eval-samples", "10", "--log-every", "2"]
+
+
+def tiny_cifar(model: str) -> list[str]:
+    """TINY_CIFAR with `model`: branchy at a quarter width, the fixed-width models as they are."""
+    argv = list(TINY_CIFAR)
+    argv[argv.index("--model") + 1] = model
+    if model != "branchy":
+        i = argv.index("--width")
+        del argv[i:i + 2]
+    return argv
 
 
 @pytest.fixture(autouse=True)
@@ -80,6 +90,44 @@ def eager_masked_accuracy(model, data: dict, batch: int) -> float:
         total += int(masked.sum())
     model.train(was_training)
     return correct / max(total, 1)
+
+
+def eager_cifar(argv: list[str]):
+    """cifar10.main(argv)'s training (one process, synthetic data, no --resume) as the plain
+    eager loop: SGD with the model's Nesterov momentum and weight decay over the batch-mean
+    cross entropy with its label smoothing (one reduction, where nt.Step averages per-sample
+    losses). Returns the trained model and each step's loss."""
+    args = cifar10.parse_args(argv)
+    assert args.data is None and args.resume is None, "the reference trains on synthetic data"
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+    size = args.synthetic_size
+    data = cifar10.synthetic_cifar10(size, max(10, size // 5), device=device, seed=args.seed)
+    dataset = cifar10.GpuCifar.build(data, device)
+    training = workloads.CIFAR_TRAINING[args.model]
+    model = workloads.cifar_model(args.model, device, width=args.width)
+    lr = args.lr if args.lr is not None else training.lr * args.batch / training.batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=training.momentum,
+                                nesterov=True, weight_decay=training.weight_decay)
+    steps_per_epoch = size // args.batch
+    scheduler = _train.make_scheduler(optimizer, args, args.epochs * steps_per_epoch, "cosine")
+    steps = args.epochs * steps_per_epoch if args.steps is None else args.steps
+    smoothing = training.loss_fn.label_smoothing
+    losses = []
+    model.train()
+    for step in range(steps):
+        epoch, i = divmod(step, steps_per_epoch)
+        if i == 0:
+            images, labels = dataset.epoch(seed=args.seed * 1000 + epoch)
+        rows = slice(i * args.batch, (i + 1) * args.batch)
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(images[rows]), labels[rows],
+                                                 label_smoothing=smoothing)
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+    return model, optimizer, losses
 
 
 def unpadded(data, index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +193,6 @@ def eager_finetune(argv: list[str]):
 
 
 __all__ = ["HAVE_TRANSFORMERS", "RECIPES", "TINY_BERT", "TINY_CIFAR", "TINY_FINETUNE", "bert",
-           "cifar10", "eager_cifar_accuracy", "eager_classification_accuracy", "eager_finetune",
-           "eager_masked_accuracy", "finetune_data", "needs_transformers", "one_thread",
-           "unpadded"]
+           "cifar10", "eager_cifar", "eager_cifar_accuracy", "eager_classification_accuracy",
+           "eager_finetune", "eager_masked_accuracy", "finetune_data", "needs_transformers",
+           "one_thread", "tiny_cifar", "unpadded"]

@@ -20,9 +20,9 @@ from nimble_train.bench import MODES, add_ratios, busy_fraction, format_table, p
 from nimble_train.bench import workloads
 
 from recipe_reference import (RECIPES, TINY_BERT, TINY_CIFAR, TINY_FINETUNE,  # noqa: F401
-                              bert, cifar10, eager_cifar_accuracy, eager_classification_accuracy,
-                              eager_finetune, eager_masked_accuracy, finetune_data,
-                              needs_transformers, one_thread)
+                              bert, cifar10, eager_cifar, eager_cifar_accuracy,
+                              eager_classification_accuracy, eager_finetune, eager_masked_accuracy,
+                              finetune_data, needs_transformers, one_thread, tiny_cifar)
 
 
 # ---------------------------------------------------------------------- CIFAR-10 files
@@ -188,6 +188,40 @@ def test_cifar_resume_equals_an_uninterrupted_run(stop, tmp_path, capsys):
         torch.testing.assert_close(state["momentum_buffer"],
                                    b["optimizer"]["state"][p]["momentum_buffer"], rtol=0, atol=0)
     assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 10
+
+
+@pytest.mark.parametrize("mode", ["step", "eager"])
+@pytest.mark.parametrize("model", ["branchy", "airbench"])
+def test_cifar_recipe_equals_an_eager_loop(model, mode, tmp_path, capsys):
+    # One epoch of 5 steps (40 images, batch 8) against recipe_reference.eager_cifar, each
+    # model with its own optimizer and loss (airbench: momentum 0.85, label smoothing 0.2). The
+    # loop takes the batch-mean cross entropy where the recipe averages per-sample losses: the
+    # float32 sums run in another order, so weights, BatchNorm statistics and momentum agree
+    # to float32 tolerances, not bit for bit.
+    path = str(tmp_path / "c.pt")
+    argv = tiny_cifar(model) + ["--mode", mode, "--epochs", "1", "--lr", "0.05",
+                                "--eval-samples", "0", "--log-every", "1"]
+    assert cifar10.main(argv + ["--save", path]) == 0
+    out = capsys.readouterr().out
+    reference, optimizer, losses = eager_cifar(argv)
+    assert len(losses) == 5 and summary_of(out)["model"] == model
+    state = load(path)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    for p, value in optimizer.state_dict()["state"].items():
+        torch.testing.assert_close(state["optimizer"]["state"][p]["momentum_buffer"],
+                                   value["momentum_buffer"], rtol=1e-4, atol=1e-5)
+    assert logged_losses(out) == pytest.approx(losses, abs=2e-4)  # printed to 4 decimals
+
+
+def test_cifar_recipe_takes_each_models_batch_and_width(capsys):
+    assert cifar10.parse_args(["--model", "airbench"]).batch == 1024  # airbench94's batch
+    assert cifar10.parse_args([]).batch == cifar10.parse_args(["--model", "branchy"]).batch == 256
+    assert cifar10.parse_args(["--model", "airbench", "--batch", "8"]).batch == 8
+    with pytest.raises(SystemExit):
+        cifar10.parse_args(["--model", "airbench", "--width", "0.5"])
+    assert "--width scales the branchy network; airbench has a fixed width" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("recipe", ["cifar10", pytest.param("bert", marks=needs_transformers)])
@@ -506,13 +540,38 @@ def test_bench_refuses_to_time_without_a_gpu(capsys):
 
 
 @pytest.mark.parametrize("mode", ["eager", "eager-fused", "step"])
-def test_bench_modes_train_on_the_cpu(mode):
+@pytest.mark.parametrize("model", ["branchy", "airbench"])
+def test_bench_modes_train_on_the_cpu(model, mode):
     # The modes that need no GPU build and step on the CPU: same workload, falling loss.
-    w = workloads.make_workload("branchy", 4, "cpu", count=1)
-    w.make_model = lambda: workloads.cifar_model("branchy", "cpu", width=0.25)
+    w = workloads.make_workload(model, 4, "cpu", count=1)
+    if model == "branchy":
+        w.make_model = lambda: workloads.cifar_model("branchy", "cpu", width=0.25)
     step = MODES[mode].build(w)
     losses = [float(step(w.batches[0])) for _ in range(6)]
     assert losses[-1] < losses[0]
+
+
+def test_airbench_workload_is_sgd_nesterov_with_label_smoothing():
+    w = workloads.make_workload("airbench", 4, "cpu", count=2)
+    assert w.description == "airbench94 net, CIFAR 32×32, SGD Nesterov, label smoothing 0.2"
+    assert len(w.batches) == 2 and w.batches[0][0].shape == (4, 3, 32, 32) and w.amp is None
+    model = w.make_model()
+    assert isinstance(model, type(nt.models.airbench_cifar()))
+    (group,) = w.make_optimizer(model).param_groups
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (
+        0.2, 0.85, True, 5e-4)
+    assert len(group["params"]) == len(list(model.parameters()))
+    logits, labels = torch.randn(4, 10), torch.tensor([0, 3, 9, 3])
+    losses = w.loss_fn(logits, labels)  # per sample, smoothed
+    assert losses.shape == (4,)
+    torch.testing.assert_close(
+        losses, torch.nn.functional.cross_entropy(logits, labels, label_smoothing=0.2,
+                                                  reduction="none"))
+    # the other CIFAR workloads keep plain cross entropy and momentum 0.9
+    (group,) = workloads.make_workload("resnet18", 4, "cpu", count=1).make_optimizer(
+        nt.models.branchy_cifar(width=0.25)).param_groups
+    assert (group["lr"], group["momentum"]) == (0.05, 0.9)
+    assert workloads.make_workload("branchy", 4, "cpu", count=1).loss_fn.label_smoothing == 0
 
 
 def test_models_are_exported_with_the_advertised_sizes():

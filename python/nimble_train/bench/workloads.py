@@ -15,7 +15,6 @@ import torch
 
 from .. import models
 
-CIFAR_MODELS = ("resnet18", "branchy")
 BERT_SIZES = ("base", "tiny")
 
 # Token ids of BERT's uncased vocabulary that the synthetic data uses; content tokens come
@@ -28,12 +27,12 @@ FIRST_CONTENT_ID = 104
 
 
 def cifar_model(name: str, device: torch.device | str = "cpu", width: float = 1.0):
-    """ResNet-18 or the branchy network for 32×32 images, on `device` (channels-last on CUDA,
-    where cuDNN's convolutions are fastest in that layout)."""
-    if name == "resnet18":
+    """ResNet-18, the branchy network or airbench94's network for 32×32 images, on `device`
+    (channels-last on CUDA, where cuDNN's convolutions are fastest in that layout)."""
+    if name in ("resnet18", "airbench"):
         if width != 1.0:
-            raise ValueError(f"resnet18 has a fixed width; got width={width}")
-        model = models.resnet18_cifar()
+            raise ValueError(f"{name} has a fixed width; got width={width}")
+        model = models.resnet18_cifar() if name == "resnet18" else models.airbench_cifar()
     elif name == "branchy":
         model = models.branchy_cifar(width=width)
     else:
@@ -45,14 +44,54 @@ def cifar_model(name: str, device: torch.device | str = "cpu", width: float = 1.
 
 
 def cifar_optimizer(model: torch.nn.Module, lr: float, *, fused: bool | None = None,
-                    weight_decay: float = 5e-4) -> torch.optim.SGD:
-    """SGD with Nesterov momentum 0.9 and weight decay, as CIFAR ResNets are trained."""
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True,
+                    momentum: float = 0.9, weight_decay: float = 5e-4) -> torch.optim.SGD:
+    """SGD with Nesterov momentum (0.9 unless told) and weight decay, as CIFAR ResNets are
+    trained."""
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=True,
                            weight_decay=weight_decay, fused=fused)
 
 
 cifar_loss = torch.nn.CrossEntropyLoss(reduction="none")
 """Per-sample losses: Step can then pad a short last batch and average exactly."""
+
+
+@dataclass(frozen=True)
+class CifarTraining:
+    """How the recipe and the benchmark train one CIFAR model: SGD with Nesterov momentum and
+    weight decay over per-sample cross-entropy losses. The recipe's default batch is `batch`,
+    and its peak learning rate scales linearly from `lr` at `batch`."""
+
+    description: str     # the benchmark table's title line
+    batch: int
+    lr: float
+    bench_lr: float      # the benchmark's fixed learning rate (it times steps, nothing more)
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    loss_fn: Callable = cifar_loss
+
+    def optimizer(self, model: torch.nn.Module, lr: float, *,
+                  fused: bool | None = None) -> torch.optim.SGD:
+        return cifar_optimizer(model, lr, fused=fused, momentum=self.momentum,
+                               weight_decay=self.weight_decay)
+
+
+CIFAR_TRAINING: dict[str, CifarTraining] = {
+    # lr 0.1 per 128 images, the usual CIFAR ResNet setting.
+    "resnet18": CifarTraining("ResNet-18, CIFAR 32×32, SGD momentum",
+                              batch=256, lr=0.2, bench_lr=0.05),
+    "branchy": CifarTraining("branchy inception-style net, CIFAR 32×32, SGD momentum",
+                             batch=256, lr=0.2, bench_lr=0.05),
+    # airbench94's batch, momentum and label smoothing. Its learning rate and weight decay are
+    # not taken over: airbench sums the losses of a batch (rather than averaging them), trains
+    # its BatchNorm shifts at 64x the learning rate and freezes its BatchNorm scales and its
+    # whitening conv, so its values (lr 11.5 and wd 0.0153 "per 1024 examples", 1.5 and 1.3e-3
+    # for averaged losses) do not carry over to this plain optimizer over every parameter.
+    "airbench": CifarTraining(
+        "airbench94 net, CIFAR 32×32, SGD Nesterov, label smoothing 0.2",
+        batch=1024, lr=0.2, bench_lr=0.2, momentum=0.85,
+        loss_fn=torch.nn.CrossEntropyLoss(label_smoothing=0.2, reduction="none")),
+}
+CIFAR_MODELS = tuple(CIFAR_TRAINING)
 
 
 def random_cifar_batches(batch: int, count: int, device, seed: int = 0) -> list[tuple]:
@@ -170,7 +209,7 @@ def slice_batches(data: dict[str, torch.Tensor], batch: int) -> list[dict[str, t
 class Workload:
     """One training step's ingredients, for the benchmark."""
 
-    name: str          # "resnet18", "branchy", "bert"
+    name: str          # "resnet18", "branchy", "airbench", "bert"
     description: str   # one line for the table's title
     batch: int
     make_model: Callable[[], torch.nn.Module]
@@ -187,13 +226,13 @@ def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: s
     """The workload of the recipe `name` with `count` distinct batches of size `batch`."""
     device = torch.device(device)
     if name in CIFAR_MODELS:
-        title = {"resnet18": "ResNet-18", "branchy": "branchy inception-style net"}[name]
+        training = CIFAR_TRAINING[name]
         return Workload(
-            name=name, description=f"{title}, CIFAR 32×32, SGD momentum", batch=batch,
+            name=name, description=training.description, batch=batch,
             make_model=lambda: cifar_model(name, device),
-            make_optimizer=lambda m, fused=None, capturable=False: cifar_optimizer(
-                m, 0.05, fused=fused),
-            loss_fn=cifar_loss, batches=random_cifar_batches(batch, count, device, seed))
+            make_optimizer=lambda m, fused=None, capturable=False: training.optimizer(
+                m, training.bench_lr, fused=fused),
+            loss_fn=training.loss_fn, batches=random_cifar_batches(batch, count, device, seed))
     if name == "bert":
         config = bert_config(bert_size)
         data = synthetic_mlm(batch * count, seq, config.vocab_size, device=device, seed=seed)
@@ -219,7 +258,8 @@ def forward_loss(model: Callable, loss_fn: Callable | None, batch: Any) -> torch
 
 
 __all__ = [
-    "BERT_SIZES", "CIFAR_MODELS", "Workload", "bert_config", "bert_model", "bert_optimizer",
-    "cifar_loss", "cifar_model", "cifar_optimizer", "forward_loss", "make_workload",
-    "random_cifar_batches", "require_transformers", "slice_batches", "synthetic_mlm",
+    "BERT_SIZES", "CIFAR_MODELS", "CIFAR_TRAINING", "CifarTraining", "Workload", "bert_config",
+    "bert_model", "bert_optimizer", "cifar_loss", "cifar_model", "cifar_optimizer",
+    "forward_loss", "make_workload", "random_cifar_batches", "require_transformers",
+    "slice_batches", "synthetic_mlm",
 ]
