@@ -342,3 +342,17 @@ class RandomDagNet(torch.nn.Module):
         for op, inputs in zip(self.ops, self.inputs):
             values.append(op(sum(values[i] for i in inputs)))
         return self.head(values[-1] + values[len(values) // 2])
+
+
+class SmallSideOperators(torch.nn.Module):
+    """Two products and small reads of one hidden tensor: a shape, a mean, views."""
+
+    def __init__(self, dim=64):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        n = h.shape[0]
+        m = h.mean(dim=1, keepdim=True)
+        return (self.b(h) + self.c(h) + m).view(n, -1)

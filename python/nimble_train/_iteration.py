@@ -82,13 +82,13 @@ class Iteration:
         return torch.autocast(self.device.type, dtype=dtype, cache_enabled=False)
 
     def _forward(self, batch: Any, model: Callable) -> torch.Tensor:
+        args, kwargs = model_arguments(batch)
+        outputs = model(*args, **kwargs)
         if isinstance(batch, dict):
-            outputs = model(**batch)
             if self.loss_fn is not None:
                 return self.loss_fn(outputs, batch)
             return own_loss(outputs)
-        inputs, target = batch
-        outputs = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+        _, target = batch
         return self.loss_fn(outputs, target)
 
     def _classify(self, losses: Any, batch_size: int) -> bool:
@@ -229,6 +229,15 @@ class Iteration:
             sync.after_update()  # sharded: every rank gets every updated part
         if self.ema is not None:
             self.ema.update()
+
+
+def model_arguments(batch: Any) -> tuple[tuple, dict]:
+    """The model's arguments in `batch` (DESIGN.md's batch conventions): a dict's items as
+    keywords; of an (inputs, target) pair, the inputs, a tuple of them spread."""
+    if isinstance(batch, dict):
+        return (), batch
+    inputs, _ = batch
+    return (inputs if isinstance(inputs, tuple) else (inputs,)), {}
 
 
 def own_loss(outputs: Any) -> torch.Tensor:

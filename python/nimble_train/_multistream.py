@@ -6,15 +6,26 @@ the step is captured, each operator runs on its stream and waits, through an eve
 producers the plan marks as synchronisations; every other cross-stream dependency is implied
 by stream order. Autograd runs each backward kernel on the stream of its forward operator and
 inserts the waits where gradients cross streams, so the one plan covers the backward too.
+
+The cost option: an operator too small to gain from running side by side (a view, a shape
+query, an element-wise kernel on a few hundred kilobytes) would still cost a fork and a join
+on a stream of its own, and keep its inputs out of reuse until the capture ends. Sizes come
+from one run of the traced forward on fake tensors shaped like the batch; an operator that is
+not a product (convolution, matrix product, attention) and moves fewer than
+SMALL_OPERATOR_BYTES, and follows its only producer, is planned as part of that producer: it
+runs on its producer's stream, right after it.
 """
 
 from __future__ import annotations
 
+import operator
 import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.fx
+import torch.nn.functional as F
+from torch import nn
 
 from . import _torch_private
 from ._extension import _C
@@ -28,6 +39,20 @@ CHAIN = "the traced forward is a chain: no two operators can run side by side"
 # With no limit asked for, more streams than this buy nothing on a GPU that runs a handful of
 # small kernels side by side, and each stream adds joins at the end of the step.
 AUTO_MAX_STREAMS = 8
+
+# Below this many bytes read and written, an element-wise or reduction kernel is over in about
+# the time of the fork and join a stream of its own would add (about 1 µs at 1-3 TB/s).
+SMALL_OPERATOR_BYTES = 1 << 20
+
+# Products: their time grows with arithmetic, not bytes, so none is small.
+_PRODUCT_MODULES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+                    nn.ConvTranspose3d, nn.Linear, nn.Bilinear, nn.MultiheadAttention,
+                    nn.RNNBase)
+_PRODUCT_FUNCTIONS = {F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose1d,
+                      F.conv_transpose2d, F.conv_transpose3d, F.scaled_dot_product_attention,
+                      torch.matmul, torch.mm, torch.bmm, torch.addmm, torch.baddbmm,
+                      torch.einsum, operator.matmul}
+_PRODUCT_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
 
 
 @dataclass
@@ -48,19 +73,111 @@ def trace_operators(model: torch.nn.Module) -> OperatorGraph:
     return OperatorGraph(module, nodes, edges)
 
 
+def operator_bytes(graph: OperatorGraph, args: tuple, kwargs: dict) -> list[int] | None:
+    """The bytes each operator reads and writes, from one run of the traced forward on fake
+    tensors shaped like `args` and `kwargs`: 0 where no kernel runs (a view, whose outputs
+    share storage with an input; a shape query, which makes no tensor); None for every
+    operator when the fake run fails (data-dependent shapes, say)."""
+    try:
+        _torch_private.fake_tensor_values(graph.module,
+                                          tuple(positional(graph.module, args, kwargs)))
+    except Exception:  # an optimisation: the plan then has no small operators
+        return None
+    return [_traffic(graph.module, node) for node in graph.nodes]
+
+
+def _traffic(module: torch.fx.GraphModule, node: torch.fx.Node) -> int:
+    outs = _tensors(node.meta.get("val"))
+    ins = [t for u in node.all_input_nodes for t in _tensors(u.meta.get("val"))]
+    if all(any(_torch_private.shares_storage(o, i) for i in ins) for o in outs):
+        return 0
+    held = []
+    if node.op == "call_module":
+        sub = module.get_submodule(node.target)
+        held = [*sub.parameters(), *sub.buffers()]
+    return sum(t.numel() * t.element_size() for t in (*ins, *outs, *held))
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _is_product(module: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return isinstance(module.get_submodule(node.target), _PRODUCT_MODULES)
+    if node.op == "call_method":
+        return node.target in _PRODUCT_METHODS
+    return node.target in _PRODUCT_FUNCTIONS
+
+
+def small_operators(graph: OperatorGraph, nbytes: list[int] | None,
+                    limit: int | None = None) -> list[bool]:
+    """Which operators are too small to gain from a stream of their own (the cost option):
+    fewer than `limit` bytes (default SMALL_OPERATOR_BYTES) and not a product."""
+    if nbytes is None:
+        return [False] * len(graph.nodes)
+    limit = SMALL_OPERATOR_BYTES if limit is None else limit
+    return [b < limit and not _is_product(graph.module, n) for n, b in zip(graph.nodes, nbytes)]
+
+
+def group_operators(graph: OperatorGraph, small: list[bool]) -> list[int]:
+    """The head of each operator's group: a small operator joins the group of its only
+    producer when that group's last operator runs just before it; every other operator heads
+    its own. Groups are then runs of consecutive operators, and every edge into a group ends
+    at its head, so the groups, in the order of their heads, form a DAG in topological order
+    whose stream order is the order the operators run in. (Moving an operator next to its
+    producer would reach more, but would change the order autograd sums gradients in.)"""
+    producers: list[set[int]] = [set() for _ in graph.nodes]
+    for u, v in graph.edges:
+        producers[v].add(u)
+    head = list(range(len(graph.nodes)))
+    for v, p in enumerate(producers):
+        if small[v] and len(p) == 1 and head[v - 1] == head[next(iter(p))]:
+            head[v] = head[v - 1]
+    return head
+
+
+@dataclass
+class ForwardPlan:
+    """Which stream runs each operator, and the events it records and waits on."""
+
+    stream_of: dict[torch.fx.Node, int]
+    waits_on: dict[torch.fx.Node, list[torch.fx.Node]]  # before running: wait on their events
+    signals: set[torch.fx.Node]  # after running: record an event
+    num_streams: int
+    num_syncs: int
+    kept: int  # small operators planned as part of their producer
+
+
+def plan_forward(graph: OperatorGraph, max_streams: int,
+                 small: list[bool] | None = None) -> ForwardPlan:
+    """Nimble's plan over the operator groups (group_operators)."""
+    head = group_operators(graph, small or [False] * len(graph.nodes))
+    heads = sorted(set(head))
+    group = {h: g for g, h in enumerate(heads)}
+    edges = sorted({(group[head[u]], group[head[v]]) for u, v in graph.edges
+                    if head[u] != head[v]})
+    plan = _C.assign_streams(len(heads), edges, max_streams)
+    last = {}  # each group's last operator: a group's consumers wait on its event
+    for i, h in enumerate(head):
+        last[group[h]] = graph.nodes[i]
+    waits_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for u, v in plan.syncs:
+        waits_on.setdefault(graph.nodes[heads[v]], []).append(last[u])
+    return ForwardPlan(
+        stream_of={node: plan.stream_of[group[head[i]]] for i, node in enumerate(graph.nodes)},
+        waits_on=waits_on, signals={last[u] for u, _ in plan.syncs},
+        num_streams=max(plan.num_streams, 1), num_syncs=len(plan.syncs),
+        kept=len(graph.nodes) - len(heads))
+
+
 class MultiStreamForward:
     """Calls the traced forward with each operator on its planned stream (for capture)."""
 
-    def __init__(self, graph: OperatorGraph, max_streams: int, device: torch.device):
-        plan = _C.assign_streams(len(graph.nodes), graph.edges, max_streams)
+    def __init__(self, graph: OperatorGraph, plan: ForwardPlan, device: torch.device):
         self.graph = graph
-        self.num_streams = max(plan.num_streams, 1)
-        self.num_syncs = len(plan.syncs)
-        self.stream_of = {node: plan.stream_of[i] for i, node in enumerate(graph.nodes)}
-        self.waits_on: dict[torch.fx.Node, list[torch.fx.Node]] = {}
-        for u, v in plan.syncs:
-            self.waits_on.setdefault(graph.nodes[v], []).append(graph.nodes[u])
-        self.signals = {graph.nodes[u] for u, _ in plan.syncs}
+        self.num_streams, self.num_syncs, self.kept = plan.num_streams, plan.num_syncs, plan.kept
+        self.stream_of, self.waits_on, self.signals = plan.stream_of, plan.waits_on, plan.signals
         self.device = device
         self._side_streams = [torch.cuda.Stream(device) for _ in range(self.num_streams - 1)]
 
@@ -71,7 +188,7 @@ class MultiStreamForward:
         for side in self._side_streams:
             side.wait_stream(main)
         runner = _StreamInterpreter(self, streams)
-        out = runner.run(*self._positional(args, kwargs))
+        out = runner.run(*positional(self.graph.module, args, kwargs))
         self.join(main)
         # The loss and backward run on the main stream: tensors made elsewhere are used there.
         for t in pytree.tree_leaves(out):
@@ -85,18 +202,19 @@ class MultiStreamForward:
         for side in self._side_streams:
             main.wait_stream(side)
 
-    def _positional(self, args: tuple, kwargs: dict) -> list:
-        """The call's arguments in placeholder order, defaults filled in (fx runs positionally)."""
-        placeholders = [n for n in self.graph.module.graph.nodes if n.op == "placeholder"]
-        values = list(args)
-        for node in placeholders[len(args):]:
-            if node.target in kwargs:
-                values.append(kwargs[node.target])
-            elif node.args:
-                values.append(node.args[0])
-            else:
-                raise TypeError(f"the traced forward needs argument {node.target!r}")
-        return values
+
+def positional(module: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
+    """The call's arguments in placeholder order, defaults filled in (fx runs positionally)."""
+    placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+    values = list(args)
+    for node in placeholders[len(args):]:
+        if node.target in kwargs:
+            values.append(kwargs[node.target])
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise TypeError(f"the traced forward needs argument {node.target!r}")
+    return values
 
 
 class _StreamInterpreter(torch.fx.Interpreter):
@@ -132,8 +250,10 @@ class _StreamInterpreter(torch.fx.Interpreter):
         return result
 
 
-def build_multistream(model: torch.nn.Module, streams, device: torch.device):
+def build_multistream(model: torch.nn.Module, streams, device: torch.device,
+                      example: tuple[tuple, dict] | None = None):
     """The multi-stream forward for `streams` ("auto" or a limit), or None with the reason.
+    `example`: the forward's (args, kwargs) for the cost option; None plans every operator.
 
     None means one stream: streams == 1, a model fx cannot trace (the reason names the
     error), or a plan with a single stream (nothing runs side by side).
@@ -150,10 +270,11 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device):
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return None, f"torch.fx could not trace the model ({type(exc).__name__}: {first})"
     limit = AUTO_MAX_STREAMS if streams == "auto" else int(streams)
-    forward = MultiStreamForward(graph, limit, device)
-    if forward.num_streams == 1:
+    small = small_operators(graph, operator_bytes(graph, *example) if example else None)
+    plan = plan_forward(graph, limit, small)
+    if plan.num_streams == 1:
         return None, CHAIN
-    return forward, None
+    return MultiStreamForward(graph, plan, device), None
 
 
 def _compiled(model: torch.nn.Module) -> bool:

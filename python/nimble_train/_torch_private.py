@@ -79,3 +79,34 @@ def disable_compile_caches() -> None:
         return
     if hasattr(inductor_config, "force_disable_caches"):
         inductor_config.force_disable_caches = True
+
+
+def fake_tensor_values(module: torch.fx.GraphModule, args: tuple) -> None:
+    """Runs `module` on fake tensors (shapes, dtypes and aliasing only: no data, no kernels)
+    made like `args` and leaves each node's fake output in ``node.meta["val"]``. The module's
+    parameters and buffers are swapped for fake ones while it runs, so nothing it holds is
+    changed (a batch norm's counters included). Raises what the propagation raises."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    class Propagate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.traced = module
+
+        def forward(self, *values):
+            return FakeTensorProp(self.traced, mode).propagate(*values)
+
+    holder = Propagate()
+    held = [*holder.named_parameters(remove_duplicate=False),
+            *holder.named_buffers(remove_duplicate=False)]
+    state = {name: mode.from_tensor(t) for name, t in held}  # tied tensors: one fake
+    fake_args = tuple(mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args)
+    torch.func.functional_call(holder, state, fake_args)
+
+
+def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors (fake ones included) are views of one storage."""
+    return torch._C._is_alias_of(a, b)

@@ -43,7 +43,7 @@ from ._ema import EMA, check_decay, unique_tensors
 from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
-from ._iteration import Call, Iteration
+from ._iteration import Call, Iteration, model_arguments
 from ._padding import mixing_reason
 from ._sync import SyncRecorder
 from ._update import Update
@@ -491,7 +491,8 @@ class Step:
         graph = self._graph
         self._copy_in(bucket, tensors, samples)
         graph.plan_streams(self.model, self.streams, self._device,
-                           data_parallel=self._gradsync is not None)
+                           data_parallel=self._gradsync is not None,
+                           example=model_arguments(graph.batches[bucket]))
         sizes = self._layout.sizes
         order = sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0))
         for b in order:
@@ -564,6 +565,7 @@ class Step:
             "streams": ms.num_streams if ms else 1,
             "syncs": ms.num_syncs if ms else 0,
             "traced_ops": len(ms.graph.nodes) if ms else None,
+            "small_ops_kept": ms.kept if ms else 0,  # planned on their producer's stream
             "single_stream_reason": graph.single_stream_reason if graph else None,
             # layers whose weight gradients the last capture ran on a side stream
             "weight_grad_layers": graph.weight_grads.layers if graph and graph.weight_grads

@@ -1,10 +1,14 @@
 """Tracing a forward into an operator DAG and planning it (the CUDA part runs in tests/gpu)."""
 
+import random
+
+import pytest
 import torch
 
 from nimble_train import _C
-from nimble_train._multistream import build_multistream, trace_operators
-from step_reference import MLP, InceptionNet
+from nimble_train._multistream import (SMALL_OPERATOR_BYTES, build_multistream, operator_bytes,
+                                       plan_forward, small_operators, trace_operators)
+from step_reference import MLP, InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock
 
 
 def test_inception_cells_plan_four_streams():
@@ -51,3 +55,124 @@ def test_compiled_modules_keep_one_stream_with_the_reason():
     for compiled in (torch.compile(model), torch.nn.Sequential(torch.compile(model))):
         forward, reason = build_multistream(compiled, "auto", torch.device("cpu"))
         assert forward is None and "torch.compile'd modules" in reason
+
+
+def happens_before(graph, plan) -> dict:
+    """For each operator, the operators certainly finished when it starts, given the traced
+    module's order of execution, stream order, and the plan's events."""
+    done_on_stream: dict[int, frozenset] = {}
+    event: dict = {}
+    before = {}
+    for node in graph.module.graph.nodes:
+        if node not in plan.stream_of:
+            continue
+        s = plan.stream_of[node]
+        known = set(done_on_stream.get(s, frozenset()))
+        for u in plan.waits_on.get(node, ()):
+            known |= event[u]  # KeyError: a wait on an event not recorded yet
+        before[node] = frozenset(known)
+        done_on_stream[s] = frozenset(known | {node})
+        if node in plan.signals:
+            event[node] = done_on_stream[s]
+    return before
+
+
+def assert_plan_orders_every_edge(graph, plan):
+    before = happens_before(graph, plan)
+    for u, v in graph.edges:
+        assert graph.nodes[u] in before[graph.nodes[v]], (graph.nodes[u], graph.nodes[v])
+
+
+def test_small_operators_run_with_their_producer():
+    torch.manual_seed(0)
+    model, x = SmallSideOperators(), torch.randn(8, 64)
+    full = plan_forward(trace_operators(model), 0)
+    graph = trace_operators(model)
+    nbytes = operator_bytes(graph, (x,), {})
+    sizes = dict(zip((n.name for n in graph.nodes), nbytes))
+    shape = next(b for n, b in zip(graph.nodes, nbytes) if n.target is getattr)
+    assert shape == sizes["getitem"] == sizes["view"] == 0  # no kernel runs for these
+    assert sizes["mean"] == 8 * 64 * 4 + 8 * 4  # reads h, writes one value per row
+    assert sizes["b"] == 8 * 64 * 4 * 2 + (64 * 64 + 64) * 4  # input, output and parameters
+    plan = plan_forward(graph, 0, small_operators(graph, nbytes))
+    # Without sizes the shape query, the mean and the two products each get a stream; with
+    # them only the products run side by side.
+    assert (full.num_streams, full.num_syncs, full.kept) == (4, 6, 0)
+    assert (plan.num_streams, plan.num_syncs, plan.kept) == (2, 2, 4)
+    by_name = {n.name: n for n in graph.nodes}
+    assert plan.stream_of[by_name["mean"]] == plan.stream_of[by_name["relu"]]
+    assert_plan_orders_every_edge(graph, plan)
+    torch.testing.assert_close(graph.module(x), model(x), rtol=0, atol=0)
+
+
+def test_products_are_never_small_and_large_operators_are_not():
+    model = SmallSideOperators(dim=4)
+    graph = trace_operators(model)
+    small = dict(zip((n.name for n in graph.nodes),
+                     small_operators(graph, operator_bytes(graph, (torch.randn(2, 4),), {}))))
+    assert not small["a"] and not small["b"] and small["mean"] and small["relu"]
+    big = torch.randn(SMALL_OPERATOR_BYTES // (4 * 4) + 1, 4)  # relu reads and writes it
+    small = small_operators(graph, operator_bytes(graph, (big,), {}))
+    assert not small[[n.name for n in graph.nodes].index("relu")]
+
+
+def test_sizing_runs_on_fake_tensors_and_changes_nothing():
+    model = InceptionNet(cells=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    graph = trace_operators(model)
+    nbytes = operator_bytes(graph, (torch.randn(4, 3, 16, 16),), {})
+    assert all(b > 0 for b in nbytes)
+    for k, v in model.state_dict().items():  # batch-norm statistics and counters included
+        assert torch.equal(v, before[k]), k
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h)[torch.nonzero(h[:, 0] > 0).squeeze(1)].sum() + h.sum()
+
+
+def test_a_forward_fake_tensors_cannot_size_plans_every_operator():
+    graph = trace_operators(DataDependent())
+    nbytes = operator_bytes(graph, (torch.randn(8, 4),), {})
+    assert nbytes is None
+    assert small_operators(graph, nbytes) == [False] * len(graph.nodes)
+
+
+def test_sizes_from_keyword_arguments():
+    model = TransformerBlock()
+    graph = trace_operators(model)
+    nbytes = operator_bytes(graph, (), {"x": torch.randn(2, 8, 32)})
+    assert nbytes is not None and len(nbytes) == len(graph.nodes)
+    plan = plan_forward(graph, 0, small_operators(graph, nbytes))
+    assert plan.num_streams >= 3 and plan.kept > 0  # q, k, v side by side; views with them
+    assert_plan_orders_every_edge(graph, plan)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("max_streams", [0, 2, 3])
+def test_every_dependency_is_ordered_with_random_small_operators(seed, max_streams):
+    model = RandomDagNet(seed, nodes=16)
+    graph = trace_operators(model)
+    rng = random.Random(seed)
+    small = [rng.random() < 0.5 for _ in graph.nodes]
+    plan = plan_forward(graph, max_streams, small)
+    assert plan.kept > 0
+    if max_streams:
+        assert plan.num_streams <= max_streams
+    assert_plan_orders_every_edge(graph, plan)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(graph.module(x), model(x), rtol=0, atol=0)
+
+
+def test_the_check_finds_a_missing_wait():
+    graph = trace_operators(InceptionNet(cells=1))
+    plan = plan_forward(graph, 0)
+    cat = next(n for n in graph.nodes if n.name == "cat")
+    plan.waits_on[cat] = plan.waits_on[cat][1:]
+    with pytest.raises(AssertionError):
+        assert_plan_orders_every_edge(graph, plan)

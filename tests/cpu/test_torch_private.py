@@ -138,3 +138,26 @@ def test_a_callback_runs_once_the_backward_has_finished_every_node():
     torch.testing.assert_close(seen[1][1], x.grad)
     (x * 3).sum().backward()  # queued for one backward only
     assert len(seen) == 2
+
+
+def test_fake_tensor_values_give_shapes_and_leave_the_module_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    traced = torch.fx.symbolic_trace(model)
+    _torch_private.fake_tensor_values(traced, (torch.randn(5, 6),))
+    shapes = {n.name: tuple(n.meta["val"].shape) for n in traced.graph.nodes
+              if n.op != "output"}
+    assert shapes == {"input_1": (5, 6), "_0": (5, 4), "_1": (5, 4)}
+    for k, v in model.state_dict().items():  # running statistics and the batch counter
+        assert torch.equal(v, before[k]), k
+
+
+def test_shares_storage_sees_views_of_fake_and_real_tensors():
+    t = torch.randn(4, 4)
+    assert _torch_private.shares_storage(t.t(), t) and not _torch_private.shares_storage(
+        t.clone(), t)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        f = mode.from_tensor(t)
+        assert _torch_private.shares_storage(f.view(16), f)
+        assert not _torch_private.shares_storage(f + 1, f)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import nimble_train as nt
-from step_reference import (InceptionNet, RandomDagNet, TransformerBlock, assert_same_training,
-                            classification_batches, eager_loop, nudged, training_gap)
+from step_reference import (InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock,
+                            assert_same_training, classification_batches, eager_loop, nudged,
+                            training_gap)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -121,6 +122,18 @@ def test_random_dag_models(seed):
     stats = three_ways(RandomDagNet(seed), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
                        batches)
     assert stats["captured"]
+
+
+def test_small_operators_run_on_their_producers_stream():
+    torch.manual_seed(4)
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 64, generator=g).cuda(),
+                torch.randint(0, 64, (8,), generator=g).cuda()) for _ in range(6)]
+    stats = three_ways(SmallSideOperators(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+                       batches)
+    # The two products side by side; the shape query, the mean and the views on their
+    # producers' streams (tests/cpu/test_multistream.py checks the plan itself).
+    assert (stats["streams"], stats["syncs"], stats["small_ops_kept"]) == (2, 2, 4)
 
 
 def test_googlenet_from_torchvision():
