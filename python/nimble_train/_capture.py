@@ -119,8 +119,6 @@ class CapturedStep:
                       sync_records: list, planned: bool = True) -> None:
         forward = self.multistream if planned else None
         side = self.weight_grads if planned else None
-        if side is not None:
-            side.release_early = forward is None  # see SideStream.release_early
         split = (split_weight_grads(self._split_model, side) if side is not None
                  else contextlib.nullcontext())
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot

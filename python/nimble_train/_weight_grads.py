@@ -7,10 +7,10 @@ gradient (which only the update reads). Autograd runs both on one stream, so eac
 gradient delays every layer behind it. Here the eligible convolutions and linear layers run,
 while the step is captured, through an autograd function whose backward computes the data
 gradient on the current stream and hands the weight gradient (and bias gradient) to a side
-stream, which adds it into ``param.grad``. The current stream waits on each side-stream launch
-`lag` launches later — late enough to overlap it with the next layers' data gradients, early
-enough that the tensors it reads can be released — and on all of them when the backward ends,
-before the backward returns to its caller.
+stream, which adds it into ``param.grad``. The launching stream waits on each side-stream
+launch `lag` of its own launches later — late enough to overlap it with the next layers' data
+gradients, early enough that the tensors it reads can be released — and the backward's caller
+waits on all of them when the backward ends, before the backward returns.
 
 Results are those of autograd's: the same aten products (``convolution_backward`` with one half
 of its output mask each; the two matrix products of a linear layer), accumulated into the
@@ -42,14 +42,12 @@ class SideStream:
         self.lag = lag
         self.launched = 0  # weight gradients handed to the side stream, in all
         self.layers = 0  # layers split in the last split_weight_grads block
-        # Whether a launch's inputs may be released once the current stream has waited on it:
-        # only when every tensor of the backward is made on that stream. With the forward on
-        # several streams a gradient may come from another stream, which would reuse its
-        # memory without waiting; they are then held until the backward ends.
-        self.release_early = True
-        # (event, tensors kept alive until the current stream has waited on the event)
-        self._pending: collections.deque = collections.deque()
-        self._held: list[tuple] = []
+        # Per stream that launches (the current stream in a backward: the forward stream of
+        # the layer), its launches not yet waited on: (event, tensors kept alive until then).
+        # A launch's inputs are made on its own stream (an input from another stream is kept
+        # out of reuse by record_stream, as the multi-stream forward and autograd do), so the
+        # launching stream's own wait is what makes them safe to release.
+        self._pending: dict[int, collections.deque] = {}
 
     def launch(self, work, keep: tuple) -> None:
         """Runs `work()` on the side stream, after everything queued on the current one.
@@ -63,26 +61,24 @@ class SideStream:
             done.record(self.stream)
         if not self._pending:
             _torch_private.at_end_of_backward(self.join)
-        self._pending.append((done, keep))
+        pending = self._pending.setdefault(main.cuda_stream, collections.deque())
+        pending.append((done, keep))
         self.launched += 1
-        while len(self._pending) > self.lag:
-            done, keep = self._pending.popleft()
-            main.wait_event(done)
-            if not self.release_early:
-                self._held.append(keep)
+        while len(pending) > self.lag:
+            main.wait_event(pending.popleft()[0])
 
     def join(self) -> None:
         """The current stream waits for every launch so far; their inputs are released. At the
         end of a backward that is the stream of its caller."""
         main = torch.cuda.current_stream()
-        while self._pending:
-            main.wait_event(self._pending.popleft()[0])
-        self._held.clear()
+        for pending in self._pending.values():
+            while pending:
+                main.wait_event(pending.popleft()[0])
+        self._pending.clear()
 
     def drop(self) -> None:
         """Forgets pending launches without waiting (a capture that failed is thrown away)."""
         self._pending.clear()
-        self._held.clear()
 
 
 def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:

@@ -1,6 +1,7 @@
 """Weight gradients on a side stream equal autograd's, and Step uses them only where safe."""
 
 import copy
+import weakref
 
 import pytest
 import torch
@@ -130,6 +131,38 @@ def test_layers_with_hooks_of_their_own_keep_autograds_path():
     assert not eligible(fc)
     assert not eligible(nn.Conv2d(3, 3, 2, padding="same"))  # pads one side more
     assert not eligible(nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"))
+
+
+def test_a_launch_is_released_once_its_own_stream_has_waited_on_it():
+    # Two forward streams launching in turn. A launch's inputs are made on its stream, which
+    # reuses their memory once released: only that stream's own wait (one of its launches
+    # later) may release them, never another stream's; the backward's end releases the rest.
+    side = SideStream(torch.device("cuda"), lag=1)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    kept, alive = [], []
+
+    class Launches(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            for stream in (a, b, a, a, b):
+                with torch.cuda.stream(stream):
+                    t = torch.ones(4, device="cuda")
+                    kept.append(weakref.ref(t))
+                    side.launch(lambda: None, (t,))
+                    del t
+                alive.append([r() is not None for r in kept])
+            return grad
+
+    x = torch.ones(2, device="cuda", requires_grad=True)
+    Launches.apply(x).sum().backward()
+    assert alive == [[True], [True, True], [False, True, True], [False, True, False, True],
+                     [False, False, False, True, True]]
+    assert all(r() is None for r in kept) and side.launched == 5
+    torch.cuda.synchronize()
 
 
 def test_a_failing_forward_restores_the_layers():
