@@ -175,11 +175,8 @@ class MultiStreamForward:
     """Calls the traced forward with each operator on its planned stream (for capture)."""
 
     def __init__(self, graph: OperatorGraph, plan: ForwardPlan, device: torch.device):
-        self.graph = graph
-        self.num_streams, self.num_syncs, self.kept = plan.num_streams, plan.num_syncs, plan.kept
-        self.stream_of, self.waits_on, self.signals = plan.stream_of, plan.waits_on, plan.signals
-        self.device = device
-        self._side_streams = [torch.cuda.Stream(device) for _ in range(self.num_streams - 1)]
+        self.graph, self.plan, self.device = graph, plan, device
+        self._side_streams = [torch.cuda.Stream(device) for _ in range(plan.num_streams - 1)]
 
     def __call__(self, *args, **kwargs):
         main = torch.cuda.current_stream(self.device)
@@ -226,11 +223,11 @@ class _StreamInterpreter(torch.fx.Interpreter):
         self.produced_on: dict[torch.fx.Node, int] = {}
 
     def run_node(self, n: torch.fx.Node):
-        if n not in self.forward.stream_of:
+        if n not in self.forward.plan.stream_of:
             return super().run_node(n)
-        s = self.forward.stream_of[n]
+        s = self.forward.plan.stream_of[n]
         stream = self.streams[s]
-        for u in self.forward.waits_on.get(n, ()):
+        for u in self.forward.plan.waits_on.get(n, ()):
             stream.wait_event(self.events[u])
         # A block made on one stream and read on another must not be reused by its own stream
         # until the reader is done: record_stream tells the allocator (and, during capture,
@@ -242,7 +239,7 @@ class _StreamInterpreter(torch.fx.Interpreter):
                         t.record_stream(stream)
         with torch.cuda.stream(stream):
             result = super().run_node(n)
-            if n in self.forward.signals:
+            if n in self.forward.plan.signals:
                 event = torch.cuda.Event()
                 event.record(stream)
                 self.events[n] = event

@@ -562,10 +562,10 @@ class Step:
         return {
             "phase": self._phase.value,
             "captured": captured,
-            "streams": ms.num_streams if ms else 1,
-            "syncs": ms.num_syncs if ms else 0,
+            "streams": ms.plan.num_streams if ms else 1,
+            "syncs": ms.plan.num_syncs if ms else 0,
             "traced_ops": len(ms.graph.nodes) if ms else None,
-            "small_ops_kept": ms.kept if ms else 0,  # planned on their producer's stream
+            "small_ops_kept": ms.plan.kept if ms else 0,  # planned on their producer's stream
             "single_stream_reason": graph.single_stream_reason if graph else None,
             # layers whose weight gradients the last capture ran on a side stream
             "weight_grad_layers": graph.weight_grads.layers if graph and graph.weight_grads
