@@ -159,6 +159,9 @@ def finish(recipe: str, args, model_name: str, result: Result, train_step, job: 
     if job.world_size > 1:
         if isinstance(train_step, nt.Step):
             train_step.close()
+        # Every rank done with every collective before any tears its connections down: gloo
+        # aborts a process whose peer left while it was still closing.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
