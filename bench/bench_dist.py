@@ -11,11 +11,13 @@ through torch.distributed.run and reads what rank 0 reports.
 Each worker runs the same modes one after the other, each with a fresh model and optimizer
 from the same seed and its own synthetic data (seed + rank), --batch samples per GPU:
 ddp-eager (DistributedDataParallel, eager loop), ddp-graph (PyTorch's recipe for capturing
-a whole DDP step as one CUDA graph) and step (nt.Step, which all-reduces gradients inside its
-own graph). A row's time is the slowest rank's median of --repeats runs of --steps steps.
-With --shard-optimizer a last row times nt.Step(shard_optimizer=True) (ZeRO-1: reduce-scatter,
-each rank's update of its part, all-gather, in the graph; each GPU keeps 1/N of the optimizer
-state). With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
+a whole DDP step as one CUDA graph), step-serial (nt.Step(overlap_update=False): the update
+after the backward, as one pass) and step (nt.Step, which all-reduces gradients inside its own
+graph and updates each bucket right after its all-reduce, while the backward goes on). A row's
+time is the slowest rank's median of --repeats runs of --steps steps. With --shard-optimizer
+two last rows time nt.Step(shard_optimizer=True) (ZeRO-1: reduce-scatter, each rank's update
+of its part, all-gather, in the graph; each GPU keeps 1/N of the optimizer state), with the
+update and all-gather after the backward and per bucket. With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
 (statistics over all GPUs' samples: one all-gather in the forward and one all-reduce in the
 backward per layer); the one-GPU
 baseline keeps BatchNorm.
@@ -43,7 +45,8 @@ from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import Workload, forward_loss, make_workload
 
 LABELS = {"ddp-eager": "DDP eager", "ddp-graph": "DDP whole-step graph", "step": "nt.Step",
-          "step-shard": "nt.Step, sharded opt."}
+          "step-serial": "nt.Step, update after bw", "step-shard": "nt.Step, sharded opt.",
+          "step-shard-serial": "nt.Step, sharded, after bw"}
 SEED = 0
 TORCHRUN_TIMEOUT_S = 500
 DDP_WARMUP = 11  # DDP needs this many eager iterations before capture (torch's docs)
@@ -91,20 +94,31 @@ def ddp_graph(w: Workload, local_rank: int):
 
 
 def nt_step(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0,
-            shard: bool = False) -> nt.Step:
+            shard: bool = False, overlap_update: bool = True) -> nt.Step:
     # Step finds an initialised process group by itself: the same call on one GPU and on N
     # (local_rank is unused; it keeps the modes' signatures alike).
     model, optimizer = _fresh(w)
     return nt.Step(model, optimizer, w.loss_fn, amp=w.amp, bucket_mb=bucket_mb,
-                   shard_optimizer=shard)
+                   shard_optimizer=shard, overlap_update=overlap_update)
+
+
+def nt_step_serial(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0):
+    """nt.Step with the update after the backward, as one pass (the lever's other side)."""
+    return nt_step(w, local_rank, bucket_mb, overlap_update=False)
 
 
 def nt_step_sharded(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0):
     return nt_step(w, local_rank, bucket_mb, shard=True)
 
 
+def nt_step_sharded_serial(w: Workload, local_rank: int | None = None,
+                           bucket_mb: float = 25.0):
+    return nt_step(w, local_rank, bucket_mb, shard=True, overlap_update=False)
+
+
 MODES = {"ddp-eager": ddp_eager, "ddp-graph": ddp_graph, "step": nt_step,
-         "step-shard": nt_step_sharded}
+         "step-serial": nt_step_serial, "step-shard": nt_step_sharded,
+         "step-shard-serial": nt_step_sharded_serial}
 
 
 def _release_memory() -> None:
@@ -157,9 +171,10 @@ def worker(args) -> int:
         w.make_model = lambda: torch.nn.SyncBatchNorm.convert_sync_batchnorm(make_model())
     rows, step, last_step_wall = [], None, None
     # "step" last, so that its communicator is the last one to close; one row per bucket size.
-    runs = [("ddp-eager", None), ("ddp-graph", None)] + [("step", mb) for mb in args.bucket_mb]
+    runs = ([("ddp-eager", None), ("ddp-graph", None), ("step-serial", args.bucket_mb[0])]
+            + [("step", mb) for mb in args.bucket_mb])
     if args.shard_optimizer:
-        runs.append(("step-shard", args.bucket_mb[0]))
+        runs += [("step-shard-serial", args.bucket_mb[0]), ("step-shard", args.bucket_mb[0])]
     for i, (key, mb) in enumerate(runs):
         row, step, last_step_wall = measure(key, w, info, args, mb)
         if key.startswith("step") and step is not None and info.rank == 0:

@@ -356,3 +356,18 @@ class SmallSideOperators(torch.nn.Module):
         n = h.shape[0]
         m = h.mean(dim=1, keepdim=True)
         return (self.b(h) + self.c(h) + m).view(n, -1)
+
+
+class ReadsTheHeadLate(torch.nn.Module):
+    """An MLP whose backward reads the head's weight after the head's gradient arrived: the
+    hidden layer is scaled by a detached row of it (saved for the backward of the product)."""
+
+    def __init__(self, features=20, hidden=48, classes=5):
+        super().__init__()
+        self.body = torch.nn.Linear(features, hidden)
+        self.mid = torch.nn.Linear(hidden, hidden)
+        self.head = torch.nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x)) * self.head.weight.detach()[0]
+        return self.head(torch.relu(self.mid(h)))

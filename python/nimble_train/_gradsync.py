@@ -86,6 +86,9 @@ class GradientSync:
         self._active = False
         self._checked_first = False
         self._order: dict[int, int] | None = None  # id(param) -> place in the arrival order
+        self._late: set[int] = set()  # id(param) of those the backward reads after their grad
+        self._early: list[bool] = []  # per bucket: may be updated as soon as it is reduced
+        self._fused = None            # the fused optimizer, while a step updates in buckets
         self.joined = False
 
     # ---------------------------------------------------------------- set-up
@@ -158,27 +161,48 @@ class GradientSync:
         self._stream = torch.cuda.Stream(self.device)
 
     @contextlib.contextmanager
-    def noting_arrival_order(self, params: Sequence[torch.Tensor]):
-        """Around the first backward: notes the order in which gradients arrive (the buckets
-        are planned from it); later, does nothing."""
+    def observing(self, params: Sequence[torch.Tensor]):
+        """Around the first forward and backward: notes the order in which gradients arrive
+        (the buckets are planned from it) and which parameters the backward still reads after
+        their gradient was accumulated (a tensor saved for the backward that shares a
+        parameter's storage, unpacked after that parameter's gradient arrived: a `p.detach()`
+        in a product, say). Those parameters' buckets are not updated before the backward
+        ends. Later, does nothing."""
         if self._order is not None:
             yield
             return
         order: dict[int, int] = {}
+        late: set[int] = set()
+        owners: dict[int, list[int]] = {}  # storage address -> ids of its parameters
+        for p in params:
+            if p.requires_grad:
+                owners.setdefault(_storage_address(p), []).append(id(p))
 
-        def hook(p):
+        def arrived(p):
             order.setdefault(id(p), len(order))
-        handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+
+        def pack(t):
+            return t, owners.get(_storage_address(t), ())
+
+        def unpack(packed):
+            t, ids = packed
+            late.update(i for i in ids if i in order)
+            return t
+        handles = [p.register_post_accumulate_grad_hook(arrived) for p in params
+                   if p.requires_grad]
         try:
-            yield
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                yield
         finally:
             for handle in handles:
                 handle.remove()
-        self._order = order
+        self._order, self._late = order, late
 
-    def use_buckets(self, fused) -> None:
+    def use_buckets(self, fused, overlap_update: bool = False) -> None:
         """Plans buckets over the fused optimizer's flat gradient buffers and hooks them; when
-        sharded, gives each rank its part of every bucket to update (fused.shard)."""
+        sharded, gives each rank its part of every bucket to update (fused.shard).
+        `overlap_update`: the update goes in parts, one per bucket (fused.split), for steps
+        that update each bucket right after its collective (begin(update=True))."""
         bucket_bytes = max(1, int(self.bucket_mb * 2 ** 20))
         self._order = self._order or {}
         unseen = len(self._order)
@@ -198,8 +222,10 @@ class GradientSync:
                 bucket.params = [segments[i][0] for i in bucket.members]
             self._buckets += planned
         self._buckets.sort(key=lambda b: b.ready_at)
+        self._early = [not any(id(p) in self._late for p in b.params) for b in self._buckets]
         self.world.agree("gradient buckets", {
-            "buckets": fingerprint([(str(b.dtype), b.start, b.stop) for b in self._buckets])})
+            "buckets": fingerprint([(str(b.dtype), b.start, b.stop) for b in self._buckets]),
+            "updated as soon as reduced": fingerprint(self._early)})
         for index, bucket in enumerate(self._buckets):
             for p in bucket.params:
                 self._bucket_of[id(p)] = index
@@ -208,6 +234,8 @@ class GradientSync:
             self._flat_params = dict(fused.flat_params)
             fused.shard(self.pieces())
             fused.reduce_partials = self._sum_
+        elif overlap_update:
+            fused.split([(b.dtype, b.start, b.stop) for b in self._buckets])
 
     def pieces(self) -> list[tuple[torch.dtype, int, int, int, int]]:
         """This rank's part of every bucket, in the buckets' order: (dtype, start, stop,
@@ -229,13 +257,31 @@ class GradientSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    @property
+    def early_buckets(self) -> int:
+        """Buckets a step that overlaps its update updates as soon as they are reduced."""
+        return sum(self._early)
+
     # ---------------------------------------------------------------- per step
 
-    def begin(self) -> None:
-        """Before a backward that uses the buckets."""
+    def begin(self, update=None, grad_scale: torch.Tensor | None = None) -> None:
+        """Before a backward that uses the buckets. `update`: the fused optimizer (split or
+        sharded, see use_buckets) when this step updates each bucket on the communication
+        stream right after its collective (and, sharded, all-gathers it there); its step
+        starts now (begin_update, with `grad_scale`) and ends in finish()."""
         self._remaining = [len(b.params) for b in self._buckets]
         self._launched = 0
         self._active = True
+        self._fused = update
+        if update is not None:
+            update.begin_update(grad_scale=grad_scale)
+            if self._stream is not None:  # every part's update comes after the prepare
+                self._stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def cancel(self) -> None:
+        """A backward begun with begin() raised: its hooks go quiet until the next begin()."""
+        self._active = False
+        self._fused = None
 
     def _on_ready(self, p: torch.Tensor) -> None:
         if not self._active:
@@ -247,29 +293,51 @@ class GradientSync:
             # order): a bucket that fills early waits for those planned before it.
             while (self._launched < len(self._buckets)
                    and self._remaining[self._launched] <= 0):
-                self._launch(self._buckets[self._launched])
+                self._launch(self._launched)
                 self._launched += 1
 
-    def _launch(self, bucket: Bucket) -> None:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))  # where the gradient was made
-        self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
+    def _launch(self, index: int) -> None:
+        bucket = self._buckets[index]
+        on_comm = contextlib.nullcontext()  # the CPU runs each collective at once
+        if self._stream is not None:
+            # after the work on the stream that made the gradient
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            on_comm = torch.cuda.stream(self._stream)
+        with on_comm:
             if self.sharded:  # this rank's part gets the average; the optimizer updates it
                 self.comm.reduce_scatter_(self._flat[bucket.dtype], bucket.start,
                                           bucket.stop - bucket.start, "avg")
             else:
                 self.comm.all_reduce_(self._flat[bucket.dtype], bucket.start,
                                       bucket.stop - bucket.start, "avg")
+            if self._fused is not None and self._early[index]:
+                self._update(index)
+
+    def _update(self, index: int) -> None:
+        """Bucket `index`'s update (sharded: this rank's part, then the all-gather of the
+        bucket's parameters), on the current stream."""
+        self._fused.update_part(index)
+        if self.sharded:
+            bucket = self._buckets[index]
+            self.comm.all_gather_(self._flat_params[bucket.dtype], bucket.start,
+                                  bucket.stop - bucket.start)
 
     def finish(self) -> None:
         """After the backward: launches what is left (parameters without a gradient this step)
-        and makes the current stream wait for every bucket."""
-        for bucket in self._buckets[self._launched:]:
-            self._launch(bucket)
+        and makes the current stream wait for every bucket. A step that updates in buckets
+        then updates those the backward read late, and its update is done."""
+        for index in range(self._launched, len(self._buckets)):
+            self._launch(index)
         self._launched = len(self._buckets)
         self._active = False
-        torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        if self._fused is not None:
+            for index, early in enumerate(self._early):
+                if not early:
+                    self._update(index)
+            self._fused.end_update()
+            self._fused = None
         self._check_first()
 
     def after_update(self) -> None:
@@ -327,7 +395,7 @@ class GradientSync:
     def _check_first(self) -> None:
         # Once, in an eager step: the host waits (bounded) for the first all-reduce, so a rank
         # that never joins ends the job with a message instead of a hang.
-        if self._checked_first or self.comm is None:
+        if self._checked_first or self.comm is None or self.device.type != "cuda":
             return
         if torch.cuda.is_current_stream_capturing():
             return
@@ -342,6 +410,14 @@ class GradientSync:
             if self._stream is not None:
                 self._stream.synchronize()
             self.comm = None  # the communicator finalizes and is destroyed with its last reference
+
+
+def _storage_address(t) -> int | None:
+    """The address of a tensor's storage (None for tensors without one: sparse, subclasses)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
 
 
 def _shape_text(t: torch.Tensor, vary_dim: int | None) -> tuple:

@@ -46,6 +46,9 @@ class Iteration:
         self.params, self.device, self.update = params, device, update
         self.gradsync, self.sync, self.ema = gradsync, sync_recorder, ema
         self.accumulate = accumulate
+        # Data parallel: captured steps update each bucket after its collective (set by Step
+        # once the buckets are planned, when nothing global is needed).
+        self.overlap_update = False
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
         self._got_grad = [False] * len(params)  # which parameters a backward reached
@@ -122,8 +125,13 @@ class Iteration:
         self.keep_accumulated_grads()
         if call.zero:
             self.zero_grad(captured)
-        loss = self.loss(batch, batch_size, valid)
-        self.backward_and_update(loss, call)
+        sync = self.gradsync
+        # Before the buckets are planned: the order gradients arrive in, and which parameters
+        # the backward reads after their gradient (sync.observing).
+        with (sync.observing(self.params) if sync is not None and self.update.needs_fusing
+              else contextlib.nullcontext()):
+            loss = self.loss(batch, batch_size, valid)
+            self.backward_and_update(loss, call)
         return loss.detach()
 
     def zero_grad(self, captured: bool) -> None:
@@ -169,10 +177,7 @@ class Iteration:
             self._fused_backward_and_update(loss, call)
             return
         scaler = self.update.grad_scaler
-        noting = (sync.noting_arrival_order(self.params)
-                  if sync is not None and self.update.needs_fusing else contextlib.nullcontext())
-        with noting:
-            (scaler.scale(loss) if scaler else loss).backward()
+        (scaler.scale(loss) if scaler else loss).backward()
         self._note_gradients()
         if self.accumulate > 1:
             self.window_grads = [p.grad for p in self.params]
@@ -208,15 +213,30 @@ class Iteration:
 
     def _fused_backward_and_update(self, loss: torch.Tensor, call: Call) -> None:
         fused, scaler, sync = self.update.fused, self.update.scaler, self.gradsync
+        correction = call.correction  # a device tensor: the staging ring's (fused => a graph)
+        assert correction is None or isinstance(correction, torch.Tensor), correction
+        # A captured step updates each bucket right after its collective when nothing global
+        # is needed; an eager step updates after its backward, so that one that raises
+        # part-way leaves the parameters as they were.
+        in_buckets = (call.update and self.overlap_update and sync is not None
+                      and torch.cuda.is_current_stream_capturing())
         if sync is not None and call.update:
-            sync.begin()  # buckets are all-reduced as their gradients arrive
-        (loss if scaler is None else scaler.scale_loss(loss)).backward()
+            # buckets are all-reduced as their gradients arrive (and, in_buckets, updated)
+            sync.begin(fused if in_buckets else None, correction)
+        try:
+            (loss if scaler is None else scaler.scale_loss(loss)).backward()
+        except BaseException:
+            if sync is not None:
+                sync.cancel()
+            raise
         if not call.update:
             return  # a micro-batch: its gradients accumulate, nothing else happens
         if sync is not None:
-            sync.finish()  # the update waits for every bucket
-        correction = call.correction  # a device tensor: the staging ring's (fused => a graph)
-        assert correction is None or isinstance(correction, torch.Tensor), correction
+            sync.finish()  # the update waits for every bucket (in_buckets: the update is done)
+        if in_buckets:
+            if self.ema is not None:
+                self.ema.update()
+            return
         if scaler is None:  # clipping fused in
             norm = fused.step(max_grad_norm=self.grad_clip, grad_scale=correction)
         else:

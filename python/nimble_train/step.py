@@ -107,6 +107,11 @@ class Step:
             :meth:`ema_weights`, :meth:`ema_state_dict`.
         init_sync: data parallel: at the first step every rank takes rank 0's parameters and
             buffers (as DDP does when it is built); False keeps each rank's own.
+        overlap_update: data parallel on GPUs: the captured step updates each gradient bucket
+            (sharded: this rank's part, then its all-gather) on the communication stream right
+            after its collective, while the backward goes on, whenever nothing global is
+            needed (no grad_clip, no fp16 loss scale, not LAMB); :meth:`stats` says whether it
+            does ("update_in_buckets") or why not. False: after the backward, as one pass.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -115,7 +120,8 @@ class Step:
                  grad_clip: float | None = None, partial_batch: str = "pad",
                  capture: bool = True, bucket_mb: float = DEFAULT_BUCKET_MB,
                  shard_optimizer: bool = False, buckets: Buckets | None = None,
-                 accumulate: int = 1, ema: float | None = None, init_sync: bool = True):
+                 accumulate: int = 1, ema: float | None = None, init_sync: bool = True,
+                 overlap_update: bool = True):
         _options.validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip,
                           partial_batch, capture, bucket_mb, shard_optimizer)
         _options.check_accumulate(accumulate)
@@ -123,12 +129,15 @@ class Step:
         check_decay(ema)
         if not isinstance(init_sync, bool):
             raise TypeError(f"init_sync must be True or False; got {init_sync!r}")
+        if not isinstance(overlap_update, bool):
+            raise TypeError(f"overlap_update must be True or False; got {overlap_update!r}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.streams, self.warmup, self.amp, self.grad_clip = streams, warmup, amp, grad_clip
         self.partial_batch, self.capture = partial_batch, capture
         self.shard_optimizer, self.accumulate, self.ema = shard_optimizer, accumulate, ema
         self.buckets = buckets
         self.init_sync = init_sync
+        self.overlap_update = overlap_update
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _options.single_device(model, self._params)
         cuda = self._device.type == "cuda"
@@ -393,7 +402,7 @@ class Step:
         if sync is not None and not sync.joined:
             options = {key: getattr(self, key) for key in (
                 "streams", "warmup", "amp", "grad_clip", "partial_batch", "capture",
-                "accumulate", "ema", "init_sync")}
+                "accumulate", "ema", "init_sync", "overlap_update")}
             options["buckets"] = repr(self.buckets)
             sync.join(self._params, self.optimizer, template, options,
                       vary_dim=self.buckets.dim if self.buckets is not None else None)
@@ -475,9 +484,27 @@ class Step:
             used = sync.used_anywhere(used)
         self._update.fuse(self._params, self._graph.update_values, shards, used)
         if sync is not None:
-            sync.use_buckets(self._update.fused)
+            in_buckets = self._why_not_in_buckets() is None
+            sync.use_buckets(self._update.fused, overlap_update=in_buckets)
+            self._iteration.overlap_update = in_buckets
         if self._ema is not None:
             self._ema.use_flat(self._update.fused)
+
+    def _why_not_in_buckets(self) -> str | None:
+        """Why a captured data-parallel step does not update each bucket right after its
+        collective (None: it does)."""
+        if self._gradsync is None:
+            return "not data parallel"
+        if not self.overlap_update:
+            return "overlap_update=False"
+        if self.grad_clip is not None:
+            return "grad_clip needs the global gradient norm"
+        if self.amp == "fp16":
+            return "the fp16 loss scale needs every gradient's overflow check"
+        fused = self._update.fused
+        if fused is None:
+            return "the optimizer is not fused"
+        return fused.why_not_in_parts()
 
     # ------------------------------------------------------------------ capture
 
@@ -581,6 +608,8 @@ class Step:
             "evaluators": [e.stats() for e in self._evaluators],
             "world_size": sync.world.size if sync else 1,
             "buckets": sync.num_buckets if sync else 0,
+            # data parallel: whether each bucket is updated right after its collective, or why not
+            "update_in_buckets": self._in_buckets_stats(),
             "optimizer_shards": sync.world.size if sync and sync.sharded else 1,
             "optimizer_state_bytes": fused.state_bytes if fused else None,
             "optimizer": self._update.kind,
@@ -590,6 +619,18 @@ class Step:
             "ema_bytes": self._ema.nbytes if self._ema else None,
             **self._counts,
         }
+
+    def _in_buckets_stats(self) -> str | None:
+        sync = self._gradsync
+        if sync is None or self._update.fused is None:
+            return None
+        why = self._why_not_in_buckets()
+        if why is not None:
+            return f"no: {why}"
+        late = sync.num_buckets - sync.early_buckets
+        return ("yes" if late == 0 else
+                f"yes, but {late} bucket(s) after the backward: it reads their parameters after "
+                "their gradients")
 
     def _bucket_stats(self) -> dict | None:
         """Per bucket length: whether its graphs are captured, its replays and eager steps,

@@ -192,6 +192,43 @@ at::Tensor assign_partials(std::vector<UpdateTarget>& targets, at::Device device
   return partials;
 }
 
+void prepare_update_(const StepTables& tables, const std::optional<at::Tensor>& grad_scale) {
+  if (grad_scale.has_value()) {
+    const at::Tensor& x = *grad_scale;
+    NT_CHECK(x.numel() == 1 && x.scalar_type() == at::kFloat &&
+                 x.device() == tables.control.device(),
+             "fused optimizer prepare: grad_scale must be a one-element float32 tensor on ",
+             tables.control.device(), "; got ", x.numel(), " elements of ", x.scalar_type(),
+             " on ", x.device());
+  }
+  prepare_step_(tables, std::nullopt, grad_scale, std::nullopt, 0.0, false);
+}
+
+void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
+             const StepTables& tables) {
+  const auto state = [](const UpdateTarget& t, size_t k) -> std::optional<at::Tensor> {
+    if (k < t.state.size()) return t.state[k];
+    return std::nullopt;
+  };
+  for (const UpdateTarget& t : targets) {
+    switch (algorithm) {
+      case Algorithm::kSgd:
+        sgd_update_(t.param, t.grad, state(t, 0), t.chunks, tables.hyper, tables.control);
+        break;
+      case Algorithm::kAdam:
+        NT_CHECK(t.state.size() >= 2, "fused Adam: exp_avg and exp_avg_sq are missing");
+        adam_update_(t.param, t.grad, t.state[0], t.state[1], state(t, 2), t.chunks,
+                     tables.hyper, tables.control);
+        break;
+      case Algorithm::kLamb:
+        NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
+        lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk,
+                     tables.hyper, tables.control, t.chunk_norms, t.trust);
+        break;
+    }
+  }
+}
+
 at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
                       const StepTables& tables, const at::Tensor& partials,
                       const FusedStepArgs& args) {
@@ -221,27 +258,7 @@ at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targ
   }
   prepare_step_(tables, stats ? std::optional<at::Tensor>(partials) : std::nullopt, factor,
                 args.found_inf, args.max_grad_norm, skip_nonfinite);
-  const auto state = [](const UpdateTarget& t, size_t k) -> std::optional<at::Tensor> {
-    if (k < t.state.size()) return t.state[k];
-    return std::nullopt;
-  };
-  for (const UpdateTarget& t : targets) {
-    switch (algorithm) {
-      case Algorithm::kSgd:
-        sgd_update_(t.param, t.grad, state(t, 0), t.chunks, tables.hyper, tables.control);
-        break;
-      case Algorithm::kAdam:
-        NT_CHECK(t.state.size() >= 2, "fused Adam: exp_avg and exp_avg_sq are missing");
-        adam_update_(t.param, t.grad, t.state[0], t.state[1], state(t, 2), t.chunks,
-                     tables.hyper, tables.control);
-        break;
-      case Algorithm::kLamb:
-        NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
-        lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk,
-                     tables.hyper, tables.control, t.chunk_norms, t.trust);
-        break;
-    }
-  }
+  update_(algorithm, targets, tables);
   if (!stats) return at::Tensor();
   return tables.control.select(0, kGradNorm);
 }

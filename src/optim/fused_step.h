@@ -105,4 +105,14 @@ at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targ
                       const StepTables& tables, const at::Tensor& partials,
                       const FusedStepArgs& args);
 
+// The step in two parts, for updates that overlap the backward (a data-parallel step updates
+// each all-reduce bucket right after its collective): prepare_update_, which needs no gradient
+// (so no unscaling, clipping or overflow check: nothing global), then update_ over the targets
+// in any grouping, each target once per step, on streams ordered after prepare_update_.
+// Together they do what fused_step does when it computes no statistics. grad_scale: as
+// FusedStepArgs'.
+void prepare_update_(const StepTables& tables, const std::optional<at::Tensor>& grad_scale);
+void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
+             const StepTables& tables);
+
 }  // namespace nimble_train::optim

@@ -190,6 +190,23 @@ void bind_optim(py::module_& m) {
         "The fused step (src/optim/fused_step.h): gradient statistics when asked for, the sum "
         "over ranks (reduce_partials, sharded), prepare, the updates. Returns the global "
         "gradient norm (0-dim) when computed, else None.");
+  m.def("optim_prepare_update",
+        [](const optim::StepTables& tables, std::optional<at::Tensor> grad_scale) {
+          const py::gil_scoped_release release;
+          optim::prepare_update_(tables, grad_scale);
+        },
+        py::arg("tables"), py::arg("grad_scale"),
+        "The first part of a step split in two (src/optim/fused_step.h): prepare without "
+        "gradient statistics.");
+  m.def("optim_update",
+        [](const std::string& algorithm, const std::vector<optim::UpdateTarget>& targets,
+           const optim::StepTables& tables) {
+          const optim::Algorithm parsed = optim::parse_algorithm(algorithm);
+          const py::gil_scoped_release release;
+          optim::update_(parsed, targets, tables);
+        },
+        py::arg("algorithm"), py::arg("targets"), py::arg("tables"),
+        "The second part: the updates of these targets, after optim_prepare_update.");
 }
 
 }  // namespace nimble_train

@@ -492,3 +492,59 @@ def test_close_removes_the_hooks_and_the_optimizer_trains_on_eagerly():
         twin.step()
     for a, b in zip(params, twin_params):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _random_slices(fused, seed):
+    """The flat buffers cut into runs of whole segments at random, as buckets cut them."""
+    g = torch.Generator().manual_seed(seed)
+    slices = []
+    for dtype, flat in fused.flat_grads.items():
+        offsets = [offset for _, offset, _ in fused.segments(dtype)] + [flat.numel()]
+        cuts = sorted({0, len(offsets) - 1, *torch.randint(1, len(offsets) - 1, (2,),
+                                                           generator=g).tolist()})
+        slices += [(dtype, offsets[a], offsets[b]) for a, b in zip(cuts, cuts[1:])]
+    return slices
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if not n.startswith("lamb")])
+def test_a_step_in_parts_matches_torch(name):
+    """begin_update, then each part (in any order), then end_update: torch.optim's step, with
+    accumulation's gradient factor too."""
+    make = OPTIMIZERS[name]
+    ref_params, params = make_params(), make_params()
+    ref, opt = make(ref_params), make(params)
+    fused = FusedOptimizer(opt)
+    fused.split(_random_slices(fused, seed=len(name)))
+    assert fused.num_parts >= 2
+    order = torch.Generator().manual_seed(7)
+    for step in range(4):
+        grads = random_grads(params, step)
+        factor = 0.25 + step / 4
+        set_grads(ref_params, [g * factor for g in grads])
+        set_grads(params, grads)
+        ref.step()
+        fused.begin_update(grad_scale=torch.tensor([factor]))
+        for index in torch.randperm(fused.num_parts, generator=order).tolist():
+            fused.update_part(index)
+        fused.end_update()
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ours, theirs = state_tensors(opt), state_tensors(ref)
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key].to(ours[key].dtype), rtol=1e-5,
+                                   atol=1e-6, msg=f"state {key}")
+
+
+def test_a_step_in_parts_is_refused_where_it_cannot_be_right():
+    params = make_params()
+    fused = FusedOptimizer(torch.optim.SGD(params, lr=0.1))
+    with pytest.raises(RuntimeError, match="split"):
+        fused.begin_update()
+    lamb = FusedOptimizer(LAMB(make_params(), lr=1e-2))
+    assert "trust ratio" in lamb.why_not_in_parts()
+    with pytest.raises(ValueError, match="trust ratio"):
+        lamb.split([(torch.float32, 0, 8)])
+    fused.split(_random_slices(fused, seed=0))
+    with pytest.raises(ValueError, match="grad_scale must be a one-element float32"):
+        fused.begin_update(grad_scale=torch.tensor([1.0, 2.0]))

@@ -30,7 +30,7 @@ def checksum(model) -> torch.Tensor:
 
 
 def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05, shard=False,
-                after=None, after_close=None):
+                after=None, after_close=None, **options):
     """N ranks of batch b train as one GPU with batch N*b; replicas stay identical.
     after(step, optimizer, reference optimizer) runs last, before the step is closed;
     after_close(optimizer, reference optimizer) once it is."""
@@ -41,7 +41,7 @@ def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05, shard=F
     start = copy.deepcopy(model)
     opt = make_optimizer(model.parameters())
     step = nt.Step(model, opt, per_sample, warmup=2, grad_clip=grad_clip, bucket_mb=bucket_mb,
-                   shard_optimizer=shard)
+                   shard_optimizer=shard, **options)
     batches = classification_batches(8, per_rank * world, features=32, classes=7, seed=3,
                                      device=device)
     mine = [(x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank])
@@ -71,10 +71,14 @@ def _as_one_gpu(info, make_optimizer, *, grad_clip=None, bucket_mb=0.05, shard=F
 
 
 def equivalence(info):
-    # Tiny buckets: several all-reduces per step, launched as their gradients arrive.
-    stats = _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9,
-                                                             weight_decay=1e-4))
-    assert stats["buckets"] >= 3, stats
+    # Tiny buckets: several all-reduces per step, launched as their gradients arrive, each
+    # bucket updated right after its all-reduce (or, overlap_update=False, after the backward).
+    for overlap, expected in ((True, "yes"), (False, "no: overlap_update=False")):
+        stats = _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9,
+                                                                 weight_decay=1e-4),
+                            overlap_update=overlap)
+        assert stats["buckets"] >= 3, stats
+        assert stats["update_in_buckets"] == expected, stats
 
 
 def clipped(info):
@@ -117,10 +121,12 @@ def sharded(info):
             torch.testing.assert_close(ours[key]["momentum_buffer"], ref[key]["momentum_buffer"],
                                        rtol=1e-3, atol=1e-6)
 
-    _as_one_gpu(info, lambda params: torch.optim.AdamW(params, lr=1e-3), grad_clip=0.05,
-                shard=True, after=check)
-    _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9), shard=True,
-                after_close=closed)
+    stats = _as_one_gpu(info, lambda params: torch.optim.AdamW(params, lr=1e-3), grad_clip=0.05,
+                        shard=True, after=check)
+    assert stats["update_in_buckets"].startswith("no: grad_clip"), stats
+    stats = _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+                        shard=True, after_close=closed)
+    assert stats["update_in_buckets"] == "yes", stats  # each part's update and all-gather
 
 
 def unfused(info):
@@ -151,10 +157,10 @@ def accumulating(info):
         outside = []  # bucket collectives launched (or captured) by calls that do not update
         real_launch = step._gradsync._launch
 
-        def launch(bucket, real_launch=real_launch, step=step, outside=outside):
+        def launch(index, real_launch=real_launch, step=step, outside=outside):
             if step.stats()["micro_batch"] != k - 1:
                 outside.append(step.stats()["micro_batch"])
-            real_launch(bucket)
+            real_launch(index)
         step._gradsync._launch = launch
         for x, y in batches:
             step((x[rank * per_rank:(rank + 1) * per_rank],
@@ -215,7 +221,8 @@ def syncbn(info):
 
 
 def overlap(info):
-    """The first bucket's all-reduce starts while the backward is still running."""
+    """The first bucket's all-reduce, and its update, start while the backward is still
+    running."""
     torch.manual_seed(1)
     model = nt.models.resnet18_cifar().to(info.device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -238,6 +245,11 @@ def overlap(info):
     during = [e.name for e in kernels if "nccl" not in e.name.lower()
               and "nimble_train" not in e.name and e.time_range.start > first]
     assert during, "no backward kernel ran after the first all-reduce started: no overlap"
+    updates = [e.time_range.start for e in kernels if "sgd_kernel" in e.name]
+    assert len(updates) == step.stats()["buckets"], [e.name for e in kernels]
+    assert any(e.time_range.start > min(updates) for e in kernels
+               if "nccl" not in e.name.lower() and "nimble_train" not in e.name), \
+        "no backward kernel ran after the first bucket's update: the update did not overlap"
     print(f"rank {info.rank}: {len(nccl)} all-reduce kernels; {len(during)} backward kernels "
           "started after the first one", flush=True)
     step.close()

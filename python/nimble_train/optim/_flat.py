@@ -133,9 +133,10 @@ def update_targets(targets: list, state_keys: list[str],
 
 
 def cut_pieces(flats: list[FlatBuffers], slices, chunk_elems: int,
-               device: torch.device) -> list[Piece]:
+               device: torch.device, copy_state: bool = True) -> list[Piece]:
     """This rank's Pieces: slices (dtype, start, stop, range_start, range_count) of the flat
-    buffers, each with a copy of its part of the state and a chunk table of its own."""
+    buffers, each with a copy of its part of the state (`copy_state`; else views of the flat
+    state buffers) and a chunk table of its own."""
     by_dtype = {f.dtype: f for f in flats}
     pieces = []
     for dtype, start, stop, range_start, range_count in slices:
@@ -145,6 +146,7 @@ def cut_pieces(flats: list[FlatBuffers], slices, chunk_elems: int,
         chunks, _ = chunk_table(list(local), [flat.groups[i] for i in members], chunk_elems,
                                 device)
         piece = Piece(flat, start, stop, (range_start, range_count), chunks=chunks)
-        piece.state = {key: buf[start:stop].clone() for key, buf in flat.state.items()}
+        piece.state = {key: buf[start:stop].clone() if copy_state else buf[start:stop]
+                       for key, buf in flat.state.items()}
         pieces.append(piece)
     return pieces

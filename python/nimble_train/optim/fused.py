@@ -78,6 +78,7 @@ class FusedOptimizer:
                                          lamb=self._algorithm == "lamb")
         self._cores = [flat.core for flat in self._flats]
         self._partials, self._targets = update_targets(self._flats, keys, self.device)
+        self._parts: list | None = None  # split(): the update's parts, as UpdateTargets
         self._ring = None if staged is not None else _C.StagingRing(
             self.num_staged_values(optimizer), self.device, ring_slots)
         self._captured = False
@@ -133,6 +134,34 @@ class FusedOptimizer:
         pieces = cut_pieces(self._flats, slices, self._chunk_elems, self.device)
         self._partials, self._targets = update_targets(pieces, self._keys, self.device)
         self._state.shard(pieces)
+
+    def why_not_in_parts(self) -> str | None:
+        """Why this optimizer's step cannot go in parts (split, begin_update), or None."""
+        if self._algorithm == "lamb":
+            return "LAMB's trust ratio is computed over every parameter in one pass"
+        return None
+
+    def split(self, slices: list[tuple[torch.dtype, int, int]]) -> None:
+        """Cuts the update into parts, one per slice (dtype, start, stop) of whole segments of
+        the flat buffers, for a step in parts (:meth:`begin_update`); the state stays where it
+        is. A sharded optimizer is in parts already: one per slice given to :meth:`shard`."""
+        why = self.why_not_in_parts()
+        if why is not None:
+            raise ValueError(f"FusedOptimizer.split: {why}; update it with step()")
+        if self.sharded:
+            raise RuntimeError("FusedOptimizer.split: a sharded optimizer is in parts already "
+                               "(its shards)")
+        pieces = cut_pieces(self._flats, [(d, start, stop, start, stop - start)
+                                          for d, start, stop in slices],
+                            self._chunk_elems, self.device, copy_state=False)
+        _, self._parts = update_targets(pieces, self._keys, self.device)
+
+    @property
+    def num_parts(self) -> int:
+        """How many parts a step in parts updates (0: not split)."""
+        if self.sharded:
+            return len(self._targets)
+        return len(self._parts) if self._parts is not None else 0
 
     def consolidate(self, gather: Callable[[torch.Tensor, int, int], None]) -> None:
         """Sharded: puts the whole state back into ``optimizer.state`` (in torch's format, so
@@ -279,6 +308,38 @@ class FusedOptimizer:
         # LR schedulers check that optimizer.step() ran before them; this step stands for it.
         _torch_private.mark_optimizer_stepped(self.optimizer)
         return norm
+
+    def begin_update(self, *, grad_scale: torch.Tensor | None = None) -> None:
+        """A step in parts, for updates that overlap the backward: this first (the step count,
+        the hyper-parameters), then :meth:`update_part` once for each part (after its gradients
+        are final, on any stream ordered after this call's), then :meth:`end_update`. Together
+        they do what ``step(grad_scale=grad_scale)`` does; nothing global (unscaling, clipping,
+        the overflow skip) can be asked for: the parts are updated before all gradients exist.
+        """
+        if self.num_parts == 0:
+            raise RuntimeError("FusedOptimizer.begin_update: split() the update (or shard() the "
+                               "state) first")
+        if grad_scale is not None and (grad_scale.numel() != 1
+                                       or grad_scale.dtype != torch.float32
+                                       or grad_scale.device != self.device):
+            raise ValueError(f"FusedOptimizer.begin_update: grad_scale must be a one-element "
+                             f"float32 tensor on {self.device}; got {grad_scale.numel()} "
+                             f"elements of {grad_scale.dtype} on {grad_scale.device}")
+        self._state.before_update()
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._reattach()
+        self._fetch(capturing)
+        _C.optim_prepare_update(self._tables, grad_scale)
+
+    def update_part(self, index: int) -> None:
+        """Updates part `index` (of :meth:`split`, or shard `index`) on the current stream."""
+        parts = self._targets if self.sharded else self._parts
+        _C.optim_update(self._algorithm, [parts[index]], self._tables)
+
+    def end_update(self) -> None:
+        """After every part's update: the step stands for ``optimizer.step()``."""
+        _torch_private.mark_optimizer_stepped(self.optimizer)
 
     # ------------------------------------------------------------------ introspection
 

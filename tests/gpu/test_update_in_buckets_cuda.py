@@ -1,0 +1,135 @@
+"""A data-parallel Step's update in buckets, on one GPU: a job of one rank.
+
+torch.distributed makes no data-parallel world of one process, so these tests hand Step a
+World of one rank over a file store: its buckets, NCCL communicator, collectives and the
+update of each bucket right after its collective then run as they do on N GPUs (the
+collectives of one rank copy nothing). tests/dist runs the same on 2 and more GPUs.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nimble_train as nt
+import nimble_train.step as step_module
+from nimble_train import _C
+from nimble_train.distributed import World
+from step_reference import (MLP, ReadsTheHeadLate, SmallCNN, assert_same_training,
+                            classification_batches, eager_loop, twin)
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not _C.has_nccl(), reason="built without NCCL")]
+
+per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+TOL = {"rtol": 2e-4, "atol": 2e-5}
+
+
+@pytest.fixture
+def one_rank(monkeypatch, tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    monkeypatch.setattr(step_module, "current_world",
+                        lambda: World(0, 1, store, timeout_s=60.0))
+
+
+def train(model, optimizer, batches, bucket_mb=0.05, **options):
+    step = nt.Step(model, optimizer, per_sample, warmup=2, bucket_mb=bucket_mb, init_sync=False,
+                   **options)
+    for batch in batches:
+        step(batch)
+    torch.cuda.synchronize()
+    return step
+
+
+def features_of(model):
+    return 20 if isinstance(model, ReadsTheHeadLate) else 12
+
+
+@pytest.mark.parametrize("net, make_opt, shard, expected", [
+    ("mlp", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True,
+                                      weight_decay=1e-4), False, "yes"),
+    ("mlp", lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.05), True, "yes"),
+    ("reads-late", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), False,
+     "yes, but 1 bucket(s) after the backward"),
+    ("reads-late", lambda p: torch.optim.Adam(p, lr=2e-3), True,
+     "yes, but 1 bucket(s) after the backward"),
+], ids=["sgd", "adamw-sharded", "reads-late", "reads-late-sharded"])
+def test_updates_in_buckets_train_as_the_eager_loop(one_rank, no_tf32, net, make_opt, shard,
+                                                    expected):
+    torch.manual_seed(0)
+    model = MLP(hidden=256) if net == "mlp" else ReadsTheHeadLate(hidden=256)
+    (m1, o1), (m2, o2) = twin(model.cuda(), make_opt)
+    batches = classification_batches(8, 16, features=features_of(model), device="cuda")
+    step = train(m1, o1, batches, shard_optimizer=shard)
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 6 and stats["buckets"] >= 3, stats
+    assert stats["update_in_buckets"].startswith(expected), stats["update_in_buckets"]
+    eager_loop(m2, o2, per_sample, batches)
+    if shard:
+        step.consolidate_optimizer_state()
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    step.close()
+
+
+@pytest.mark.parametrize("net", ["mlp", "cnn"])
+def test_the_update_in_buckets_is_the_update_after_the_backward_bit_for_bit(
+        one_rank, deterministic_cudnn, net):
+    """The same kernels on the same values, only earlier: identical parameters and state."""
+    torch.manual_seed(0)
+    model = MLP(hidden=256) if net == "mlp" else SmallCNN()
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    (m1, o1), (m2, o2) = twin(model.cuda(), make_opt)
+    batches = classification_batches(8, 16, image=net == "cnn", device="cuda")
+    early = train(m1, o1, batches)
+    late = train(m2, o2, batches, overlap_update=False)
+    assert early.stats()["update_in_buckets"] == "yes"
+    assert late.stats()["update_in_buckets"] == "no: overlap_update=False"
+    assert_same_training(m1, o1, m2, o2, rtol=0, atol=0)
+
+
+def test_accumulation_updates_in_buckets_in_the_window_s_last_call(one_rank, no_tf32):
+    from step_reference import eager_accumulation_loop
+    torch.manual_seed(0)
+    make_opt = lambda p: torch.optim.AdamW(p, lr=2e-3)  # noqa: E731
+    (m1, o1), (m2, o2) = twin(MLP(hidden=256).cuda(), make_opt)
+    batches = classification_batches(12, 8, device="cuda")
+    step = train(m1, o1, batches, accumulate=3)
+    assert step.stats()["update_in_buckets"] == "yes" and step.stats()["updates"] == 4
+    eager_accumulation_loop(m2, o2, per_sample, batches, 3)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+@pytest.mark.parametrize("options, why", [
+    ({"grad_clip": 1.0}, "grad_clip needs the global gradient norm"),
+    ({"amp": "fp16"}, "the fp16 loss scale needs every gradient's overflow check"),
+])
+def test_a_step_that_needs_a_global_quantity_updates_after_the_backward(one_rank, options, why):
+    torch.manual_seed(0)
+    model = MLP(hidden=256).cuda()
+    step = train(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                 classification_batches(4, 16, device="cuda"), **options)
+    assert step.stats()["captured"]
+    assert step.stats()["update_in_buckets"] == f"no: {why}"
+
+
+def test_the_first_bucket_is_updated_while_the_backward_runs(one_rank):
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(1)
+    model = nt.models.resnet18_cifar().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(32, 3, 32, 32, device="cuda")
+    y = torch.randint(0, 10, (32,), device="cuda")
+    step = train(model, opt, [(x, y)] * 4, bucket_mb=4)
+    assert step.stats()["update_in_buckets"] == "yes" and step.stats()["buckets"] >= 3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step((x, y))
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and e.time_range.elapsed_us() >= 0]
+    updates = [e for e in kernels if "sgd_kernel" in e.name]
+    backward = [e for e in kernels if "nimble_train" not in e.name
+                and "nccl" not in e.name.lower()]
+    assert len(updates) == step.stats()["buckets"], [e.name for e in updates]
+    first_update = min(e.time_range.start for e in updates)
+    after = [e for e in backward if e.time_range.start > first_update]
+    assert after, "no backward kernel started after the first bucket's update: no overlap"
+    step.close()
