@@ -371,3 +371,15 @@ class ReadsTheHeadLate(torch.nn.Module):
     def forward(self, x):
         h = torch.relu(self.body(x)) * self.head.weight.detach()[0]
         return self.head(torch.relu(self.mid(h)))
+
+
+class UsesALayerTwice(torch.nn.Module):
+    """A linear layer called twice between two called once."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.head(self.b(torch.relu(self.b(torch.relu(self.a(x))))))

@@ -68,13 +68,14 @@ class CapturedStep:
         return entry
 
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device, *,
-                     data_parallel: bool = False, example: tuple | None = None) -> None:
+                     gradients=None, example: tuple | None = None) -> None:
         """Plans the streams, once, before the first capture: the forward traced and assigned
-        to several streams, and the backward's weight gradients on a side stream. `example`:
+        to several streams, and the backward's weight gradients on a side stream
+        (`gradients`: data parallel, the GradientSync that side stream reports to). `example`:
         the model's (args, kwargs), which size the operators."""
         if self.weight_grads is None and self.weight_grads_off is None:
             self.weight_grads, self.weight_grads_off = plan_weight_grads(
-                model, streams, device, data_parallel=data_parallel)
+                model, streams, device, gradients=gradients)
             self._split_model = model if self.weight_grads is not None else None
         if self.multistream is None and self.single_stream_reason is None:
             self.multistream, self.single_stream_reason = build_multistream(

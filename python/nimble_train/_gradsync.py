@@ -87,6 +87,11 @@ class GradientSync:
         self._checked_first = False
         self._order: dict[int, int] | None = None  # id(param) -> place in the arrival order
         self._late: set[int] = set()  # id(param) of those the backward reads after their grad
+        self._single_use: set[int] = set()  # id(param) of those one autograd node alone uses
+        self._made_on: list[dict] = []  # per bucket: the streams its gradients were made on
+        # id(param) of those a side stream reports (ready()) while its layers are split:
+        # autograd's accumulation hook still fires for them, with no gradient, and is ignored
+        self._side_reported: set[int] = set()
         self._early: list[bool] = []  # per bucket: may be updated as soon as it is reduced
         self._fused = None            # the fused optimizer, while a step updates in buckets
         self.joined = False
@@ -167,12 +172,15 @@ class GradientSync:
         their gradient was accumulated (a tensor saved for the backward that shares a
         parameter's storage, unpacked after that parameter's gradient arrived: a `p.detach()`
         in a product, say). Those parameters' buckets are not updated before the backward
-        ends. Later, does nothing."""
+        ends. Yields a function to call with the loss before the backward: it counts the
+        autograd nodes that use each parameter (see splittable). Later, does nothing and
+        yields None."""
         if self._order is not None:
-            yield
+            yield None
             return
         order: dict[int, int] = {}
         late: set[int] = set()
+        uses: dict[int, int] = {}
         owners: dict[int, list[int]] = {}  # storage address -> ids of its parameters
         for p in params:
             if p.requires_grad:
@@ -192,11 +200,12 @@ class GradientSync:
                    if p.requires_grad]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                yield
+                yield lambda loss: uses.update(_autograd_uses(loss))
         finally:
             for handle in handles:
                 handle.remove()
         self._order, self._late = order, late
+        self._single_use = {i for i, n in uses.items() if n == 1}
 
     def use_buckets(self, fused, overlap_update: bool = False) -> None:
         """Plans buckets over the fused optimizer's flat gradient buffers and hooks them; when
@@ -257,6 +266,26 @@ class GradientSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    def splittable(self, p: torch.Tensor) -> bool:
+        """Whether a side stream may compute `p`'s gradient and report it (ready()) in place of
+        autograd's accumulation hook: the only hooks on `p` are the buckets' and, in the first
+        step, a single autograd node used it (its layer, called once); otherwise a gradient
+        from elsewhere could arrive after the side stream's report."""
+        if not self._bucket_of:  # no buckets: the gradients are averaged after the backward
+            return not getattr(p, "_post_accumulate_grad_hooks", None)
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        return (id(p) in self._single_use and id(p) in self._bucket_of
+                and all(fn == self._on_ready for fn in hooks.values()))
+
+    def ready(self, p: torch.Tensor) -> None:
+        """`p`'s gradient is complete on the current stream (a side stream's report)."""
+        self._count(p)
+
+    def reported_by_side(self, params: Sequence[torch.Tensor]) -> None:
+        """From now on these parameters' gradients are reported by ready() alone (empty: by
+        autograd's accumulation hooks again)."""
+        self._side_reported = {id(p) for p in params}
+
     @property
     def early_buckets(self) -> int:
         """Buckets a step that overlaps its update updates as soon as they are reduced."""
@@ -270,6 +299,7 @@ class GradientSync:
         stream right after its collective (and, sharded, all-gathers it there); its step
         starts now (begin_update, with `grad_scale`) and ends in finish()."""
         self._remaining = [len(b.params) for b in self._buckets]
+        self._made_on = [{} for _ in self._buckets]
         self._launched = 0
         self._active = True
         self._fused = update
@@ -284,9 +314,16 @@ class GradientSync:
         self._fused = None
 
     def _on_ready(self, p: torch.Tensor) -> None:
+        if id(p) not in self._side_reported:
+            self._count(p)
+
+    def _count(self, p: torch.Tensor) -> None:
         if not self._active:
             return
         index = self._bucket_of[id(p)]
+        if self._stream is not None:
+            stream = torch.cuda.current_stream(self.device)
+            self._made_on[index][stream.cuda_stream] = stream
         self._remaining[index] -= 1
         if self._remaining[index] == 0:
             # Buckets go out in one fixed order on every rank (NCCL matches collectives by
@@ -300,8 +337,12 @@ class GradientSync:
         bucket = self._buckets[index]
         on_comm = contextlib.nullcontext()  # the CPU runs each collective at once
         if self._stream is not None:
-            # after the work on the stream that made the gradient
-            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            # after the work on the streams that made its gradients (autograd's, the weight
+            # gradients' side stream) and on the current one
+            made_on = self._made_on[index] if self._made_on else {}
+            current = torch.cuda.current_stream(self.device)
+            for stream in {**made_on, current.cuda_stream: current}.values():
+                self._stream.wait_stream(stream)
             on_comm = torch.cuda.stream(self._stream)
         with on_comm:
             if self.sharded:  # this rank's part gets the average; the optimizer updates it
@@ -410,6 +451,26 @@ class GradientSync:
             if self._stream is not None:
                 self._stream.synchronize()
             self.comm = None  # the communicator finalizes and is destroyed with its last reference
+
+
+def _autograd_uses(loss: torch.Tensor) -> dict[int, int]:
+    """id(leaf) -> how many autograd nodes of `loss`'s graph use it (edges into its
+    accumulation node)."""
+    uses: dict[int, int] = {}
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            leaf = getattr(child, "variable", None)
+            if leaf is not None:
+                uses[id(leaf)] = uses.get(id(leaf), 0) + 1
+            stack.append(child)
+    return uses
 
 
 def _storage_address(t) -> int | None:

@@ -129,8 +129,10 @@ class Iteration:
         # Before the buckets are planned: the order gradients arrive in, and which parameters
         # the backward reads after their gradient (sync.observing).
         with (sync.observing(self.params) if sync is not None and self.update.needs_fusing
-              else contextlib.nullcontext()):
+              else contextlib.nullcontext()) as count_uses:
             loss = self.loss(batch, batch_size, valid)
+            if count_uses is not None:
+                count_uses(loss)
             self.backward_and_update(loss, call)
         return loss.detach()
 

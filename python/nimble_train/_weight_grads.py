@@ -35,11 +35,14 @@ class SideStream:
     the module docstring). One stream: launches that accumulate into the same gradient (a
     layer called twice) stay in order."""
 
-    def __init__(self, device: torch.device, lag: int = 1):
+    def __init__(self, device: torch.device, lag: int = 1, gradients=None):
         if lag < 1:
             raise ValueError(f"the lag must be >= 1 launch; got {lag}")
         self.stream = torch.cuda.Stream(device)
         self.lag = lag
+        # Data parallel: the GradientSync whose buckets learn here that a split layer's
+        # gradients are complete (autograd's accumulation hooks never see them).
+        self.gradients = gradients
         self.launched = 0  # weight gradients handed to the side stream, in all
         self.layers = 0  # layers split in the last split_weight_grads block
         # Per stream that launches (the current stream in a backward: the forward stream of
@@ -75,6 +78,14 @@ class SideStream:
             while pending:
                 main.wait_event(pending.popleft()[0])
         self._pending.clear()
+
+    def accumulated(self, *params: torch.Tensor | None) -> None:
+        """Inside a launch's work: these parameters' gradients are complete (on the side
+        stream, where the all-reduce buckets must wait for them)."""
+        if self.gradients is not None:
+            for p in params:
+                if p is not None:
+                    self.gradients.ready(p)
 
     def drop(self) -> None:
         """Forgets pending launches without waiting (a capture that failed is thrown away)."""
@@ -133,6 +144,7 @@ class _Conv(torch.autograd.Function):
             _accumulate(module.weight, gw)
             if has_bias:
                 _accumulate(module.bias, gb)
+            ctx.side.accumulated(module.weight, module.bias)
 
         ctx.side.launch(weight_grads, (grad_y, x, w))
         return grad_x, None, None, None, None, None, None, None, None
@@ -159,6 +171,7 @@ class _Linear(torch.autograd.Function):
             _accumulate(module.weight, g2.t().mm(x.reshape(-1, x.shape[-1])))
             if has_bias:
                 _accumulate(module.bias, g2.sum(0))
+            ctx.side.accumulated(module.weight, module.bias)
 
         ctx.side.launch(weight_grads, (grad_y, x, w))
         return grad_x, None, None, None, None
@@ -179,10 +192,21 @@ def _conv_padding(m: nn.Conv2d | nn.Conv1d | nn.Conv3d) -> list[int] | None:
     return list(m.padding)
 
 
-def eligible(m: nn.Module) -> bool:
+def _accepts(p: torch.Tensor, gradients) -> bool:
+    """Whether a side stream may accumulate `p`'s gradient: no hooks of the user's on it (they
+    expect autograd's accumulation); data parallel (`gradients`, the GradientSync), its
+    buckets' hooks are the only ones and only its layer uses it (GradientSync.splittable)."""
+    if getattr(p, "_backward_hooks", None):
+        return False
+    if gradients is not None:
+        return gradients.splittable(p)
+    return not getattr(p, "_post_accumulate_grad_hooks", None)
+
+
+def eligible(m: nn.Module, gradients=None) -> bool:
     """Modules whose weight gradient may leave the critical path: plain convolutions and linear
-    layers whose parameters have no hooks of their own (those hooks expect autograd's
-    accumulation) and whose weight requires a gradient."""
+    layers whose weight requires a gradient and whose parameters a side stream accepts
+    (`gradients`: data parallel, the GradientSync; see _accepts)."""
     if type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         ok = _conv_padding(m) is not None
     elif type(m) is nn.Linear:
@@ -190,9 +214,8 @@ def eligible(m: nn.Module) -> bool:
     else:
         return False
     params = [p for p in (m.weight, getattr(m, "bias", None)) if p is not None]
-    return ok and m.weight.requires_grad and all(
-        p.requires_grad and not getattr(p, "_backward_hooks", None)
-        and not getattr(p, "_post_accumulate_grad_hooks", None) for p in params)
+    return ok and m.weight.requires_grad and all(p.requires_grad and _accepts(p, gradients)
+                                                 for p in params)
 
 
 def _split_forward(module: nn.Module, side: SideStream):
@@ -213,20 +236,22 @@ def _split_forward(module: nn.Module, side: SideStream):
 
 
 def plan_weight_grads(model: nn.Module, streams, device: torch.device, *,
-                      data_parallel: bool) -> tuple[SideStream | None, str | None]:
-    """The side stream for `model`'s weight gradients, or None with the reason there is none."""
+                      gradients=None) -> tuple[SideStream | None, str | None]:
+    """The side stream for `model`'s weight gradients, or None with the reason there is none.
+    `gradients`: data parallel, the Step's GradientSync (its buckets learn from the side
+    stream when a split layer's gradients are complete)."""
     if streams == 1:
         return None, "streams=1"
-    if data_parallel:
-        return None, ("data parallel: gradient buckets start from autograd's accumulation "
-                      "hooks")
     if any(_torch_private.is_compiled_module(m) for m in model.modules()):
         return None, "the model contains torch.compile'd modules, whose backward inductor plans"
-    if not any(eligible(m) for m in model.modules()):
-        return None, "no convolution or linear layer whose weight gradient can move"
+    if not any(eligible(m, gradients) for m in model.modules()):
+        why = ("no convolution or linear layer whose weight gradient can move"
+               + (" (data parallel: only layers that alone use their parameters, once)"
+                  if gradients is not None else ""))
+        return None, why
     # Waited on one launch later: more side streams or a longer lag gave nothing more on
     # ResNet-18, the branchy network or BERT-base.
-    return SideStream(device, lag=1), None
+    return SideStream(device, lag=1, gradients=gradients), None
 
 
 @contextlib.contextmanager
@@ -237,7 +262,8 @@ def split_weight_grads(model: nn.Module, side: SideStream) -> Iterator[int]:
     A parameter may also get a gradient from autograd (a weight tied to an embedding, a layer's
     weight read by other code): a hook on it has the current stream join the side stream
     first, so the two accumulations into its ``.grad`` never overlap."""
-    patched = [m for m in model.modules() if eligible(m) and "forward" not in vars(m)]
+    patched = [m for m in model.modules()
+               if eligible(m, side.gradients) and "forward" not in vars(m)]
     hooks = []
     for m in patched:
         m.forward = _split_forward(m, side)  # an instance attribute shadows the class's
@@ -246,9 +272,14 @@ def split_weight_grads(model: nn.Module, side: SideStream) -> Iterator[int]:
                 hooks.append(p.register_hook(lambda grad: side.join() if grad is not None
                                              else None))
     side.layers = len(patched)
+    if side.gradients is not None:  # their buckets hear of them from the side stream alone
+        side.gradients.reported_by_side([p for m in patched for p in (m.weight, m.bias)
+                                         if p is not None])
     try:
         yield len(patched)
     finally:
+        if side.gradients is not None:
+            side.gradients.reported_by_side([])
         for handle in hooks:
             handle.remove()
         for m in patched:

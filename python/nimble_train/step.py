@@ -518,7 +518,7 @@ class Step:
         graph = self._graph
         self._copy_in(bucket, tensors, samples)
         graph.plan_streams(self.model, self.streams, self._device,
-                           data_parallel=self._gradsync is not None,
+                           gradients=self._gradsync,
                            example=model_arguments(graph.batches[bucket]))
         sizes = self._layout.sizes
         order = sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0))

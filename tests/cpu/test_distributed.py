@@ -262,6 +262,32 @@ def test_buckets_go_out_in_the_planned_order_whatever_order_they_fill():
     assert launched == [0, 1, 2]
 
 
+def test_a_side_stream_s_report_replaces_autograd_s_hook_while_its_layers_are_split():
+    # Autograd's accumulation hook fires for a split layer's parameters too, with no gradient
+    # (the side stream accumulates it): counted twice, a bucket would go out before it is full.
+    from nimble_train._gradsync import Bucket, GradientSync
+
+    params = [torch.nn.Parameter(torch.zeros(2)) for _ in range(2)]
+    sync = GradientSync(World(0, 2, dist.HashStore(), prefix="t"), torch.device("cpu"), 1.0)
+    sync._buckets = [Bucket(torch.float32, 0, 4, [0, 1], params=params)]
+    sync._bucket_of = {id(p): 0 for p in params}
+    launched = []
+    sync._launch = launched.append
+    sync.reported_by_side([params[0]])
+    sync.begin()
+    sync._on_ready(params[0])  # autograd's hook, after the side stream's launch: ignored
+    sync._on_ready(params[0])
+    sync._on_ready(params[1])
+    assert launched == []
+    sync.ready(params[0])  # the side stream's report
+    assert launched == [0]
+    sync.reported_by_side([])
+    sync.begin()
+    sync._on_ready(params[0])
+    sync._on_ready(params[1])
+    assert launched == [0, 0]
+
+
 def test_buckets_over_the_fused_flat_buffers_follow_the_backward():
     # The set-up the captured step uses, on the CPU with a one-rank store: the first backward
     # notes the arrival order, buckets are cut from the fused optimizer's flat gradients, and

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from nimble_train._weight_grads import _conv_padding, eligible, plan_weight_grads
+from step_reference import UsesALayerTwice
 
 
 def test_convolutions_and_linear_layers_are_eligible_unless_autograd_must_see_them():
@@ -48,9 +49,35 @@ def test_padding_for_the_aten_convolution(kwargs, expected):
 def test_the_plan_says_why_it_splits_nothing():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     cpu = torch.device("cpu")
-    assert plan_weight_grads(model, 1, cpu, data_parallel=False) == (None, "streams=1")
-    side, why = plan_weight_grads(model, "auto", cpu, data_parallel=True)
-    assert side is None and "data parallel" in why
-    side, why = plan_weight_grads(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)), "auto", cpu,
-                                  data_parallel=False)
+    assert plan_weight_grads(model, 1, cpu) == (None, "streams=1")
+    side, why = plan_weight_grads(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)), "auto", cpu)
     assert side is None and "no convolution or linear layer" in why
+
+
+def test_data_parallel_splits_the_layers_that_alone_use_their_parameters_once():
+    # The side stream reports a split layer's gradients to the buckets in place of autograd's
+    # accumulation hook, once per backward: a layer called twice (or a weight tied elsewhere)
+    # would be reported before its last gradient arrived.
+    import torch.distributed as dist
+
+    from nimble_train._gradsync import GradientSync
+    from nimble_train.distributed import World
+    from nimble_train.optim import FusedOptimizer
+
+    torch.manual_seed(0)
+    net = UsesALayerTwice()
+    sync = GradientSync(World(0, 1, dist.HashStore(), prefix="w"), torch.device("cpu"), 1e-4)
+    with sync.observing(list(net.parameters())) as count_uses:
+        loss = net(torch.randn(4, 6)).sum()
+        count_uses(loss)
+        loss.backward()
+    sync.use_buckets(FusedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1)))
+    assert eligible(net.a, sync) and eligible(net.head, sync)
+    assert not eligible(net.b, sync)
+    assert not eligible(net.a)  # one process: hooks on the parameters are the user's
+    user_hook = net.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+    assert not eligible(net.head, sync)
+    user_hook.remove()
+    side, why = plan_weight_grads(nn.Sequential(net.b), "auto", torch.device("cpu"),
+                                  gradients=sync)
+    assert side is None and "data parallel: only layers that alone use their parameters" in why

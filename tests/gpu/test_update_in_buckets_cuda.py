@@ -14,8 +14,8 @@ import nimble_train as nt
 import nimble_train.step as step_module
 from nimble_train import _C
 from nimble_train.distributed import World
-from step_reference import (MLP, ReadsTheHeadLate, SmallCNN, assert_same_training,
-                            classification_batches, eager_loop, twin)
+from step_reference import (MLP, ReadsTheHeadLate, SmallCNN, UsesALayerTwice,
+                            assert_same_training, classification_batches, eager_loop, twin)
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not _C.has_nccl(), reason="built without NCCL")]
@@ -63,6 +63,8 @@ def test_updates_in_buckets_train_as_the_eager_loop(one_rank, no_tf32, net, make
     stats = step.stats()
     assert stats["captured"] and stats["replays"] == 6 and stats["buckets"] >= 3, stats
     assert stats["update_in_buckets"].startswith(expected), stats["update_in_buckets"]
+    # Every linear layer's weight gradient on the side stream, which reports it to the buckets.
+    assert stats["weight_grad_layers"] == 3 and stats["weight_grads_off"] is None, stats
     eager_loop(m2, o2, per_sample, batches)
     if shard:
         step.consolidate_optimizer_state()
@@ -84,6 +86,22 @@ def test_the_update_in_buckets_is_the_update_after_the_backward_bit_for_bit(
     assert early.stats()["update_in_buckets"] == "yes"
     assert late.stats()["update_in_buckets"] == "no: overlap_update=False"
     assert_same_training(m1, o1, m2, o2, rtol=0, atol=0)
+
+
+def test_a_layer_called_twice_keeps_its_weight_gradient_on_autograd_s_stream(one_rank,
+                                                                             no_tf32):
+    """Data parallel, the side stream reports a split layer's gradient to the buckets once:
+    a layer called twice is not split (its bucket would go out before its second gradient)."""
+    torch.manual_seed(0)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    (m1, o1), (m2, o2) = twin(UsesALayerTwice().cuda(), make_opt)
+    batches = classification_batches(8, 16, features=6, classes=3, device="cuda")
+    step = train(m1, o1, batches, bucket_mb=1e-4)
+    stats = step.stats()
+    assert stats["captured"] and stats["buckets"] >= 3, stats
+    assert stats["weight_grad_layers"] == 2, stats  # a and head, not b
+    eager_loop(m2, o2, per_sample, batches)
+    assert_same_training(m1, o1, m2, o2, **TOL)
 
 
 def test_accumulation_updates_in_buckets_in_the_window_s_last_call(one_rank, no_tf32):
