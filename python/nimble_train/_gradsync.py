@@ -94,6 +94,7 @@ class GradientSync:
         self._side_reported: set[int] = set()
         self._early: list[bool] = []  # per bucket: may be updated as soon as it is reduced
         self._fused = None            # the fused optimizer, while a step updates in buckets
+        self.update_in_buckets = False  # captured steps update each bucket after its collective
         self.joined = False
 
     # ---------------------------------------------------------------- set-up
@@ -207,11 +208,11 @@ class GradientSync:
         self._order, self._late = order, late
         self._single_use = {i for i, n in uses.items() if n == 1}
 
-    def use_buckets(self, fused, overlap_update: bool = False) -> None:
+    def use_buckets(self, fused, update_in_buckets: bool = False) -> None:
         """Plans buckets over the fused optimizer's flat gradient buffers and hooks them; when
         sharded, gives each rank its part of every bucket to update (fused.shard).
-        `overlap_update`: the update goes in parts, one per bucket (fused.split), for steps
-        that update each bucket right after its collective (begin(update=True))."""
+        `update_in_buckets`: the update goes in parts, one per bucket (fused.split), for
+        captured steps that update each bucket right after its collective (begin(fused))."""
         bucket_bytes = max(1, int(self.bucket_mb * 2 ** 20))
         self._order = self._order or {}
         unseen = len(self._order)
@@ -243,8 +244,9 @@ class GradientSync:
             self._flat_params = dict(fused.flat_params)
             fused.shard(self.pieces())
             fused.reduce_partials = self._sum_
-        elif overlap_update:
+        elif update_in_buckets:
             fused.split([(b.dtype, b.start, b.stop) for b in self._buckets])
+        self.update_in_buckets = update_in_buckets
 
     def pieces(self) -> list[tuple[torch.dtype, int, int, int, int]]:
         """This rank's part of every bucket, in the buckets' order: (dtype, start, stop,
@@ -339,9 +341,8 @@ class GradientSync:
         if self._stream is not None:
             # after the work on the streams that made its gradients (autograd's, the weight
             # gradients' side stream) and on the current one
-            made_on = self._made_on[index] if self._made_on else {}
             current = torch.cuda.current_stream(self.device)
-            for stream in {**made_on, current.cuda_stream: current}.values():
+            for stream in {**self._made_on[index], current.cuda_stream: current}.values():
                 self._stream.wait_stream(stream)
             on_comm = torch.cuda.stream(self._stream)
         with on_comm:

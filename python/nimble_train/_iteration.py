@@ -46,9 +46,6 @@ class Iteration:
         self.params, self.device, self.update = params, device, update
         self.gradsync, self.sync, self.ema = gradsync, sync_recorder, ema
         self.accumulate = accumulate
-        # Data parallel: captured steps update each bucket after its collective (set by Step
-        # once the buckets are planned, when nothing global is needed).
-        self.overlap_update = False
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
         self._got_grad = [False] * len(params)  # which parameters a backward reached
@@ -220,7 +217,7 @@ class Iteration:
         # A captured step updates each bucket right after its collective when nothing global
         # is needed; an eager step updates after its backward, so that one that raises
         # part-way leaves the parameters as they were.
-        in_buckets = (call.update and self.overlap_update and sync is not None
+        in_buckets = (call.update and sync is not None and sync.update_in_buckets
                       and torch.cuda.is_current_stream_capturing())
         if sync is not None and call.update:
             # buckets are all-reduced as their gradients arrive (and, in_buckets, updated)
@@ -235,10 +232,14 @@ class Iteration:
             return  # a micro-batch: its gradients accumulate, nothing else happens
         if sync is not None:
             sync.finish()  # the update waits for every bucket (in_buckets: the update is done)
-        if in_buckets:
-            if self.ema is not None:
-                self.ema.update()
-            return
+        if not in_buckets:
+            self._fused_update(correction)
+        if self.ema is not None:
+            self.ema.update()
+
+    def _fused_update(self, correction: torch.Tensor | None) -> None:
+        """The fused update after the backward, as one pass."""
+        fused, scaler, sync = self.update.fused, self.update.scaler, self.gradsync
         if scaler is None:  # clipping fused in
             norm = fused.step(max_grad_norm=self.grad_clip, grad_scale=correction)
         else:
@@ -249,8 +250,6 @@ class Iteration:
             self.grad_norm = norm
         if sync is not None:
             sync.after_update()  # sharded: every rank gets every updated part
-        if self.ema is not None:
-            self.ema.update()
 
 
 def model_arguments(batch: Any) -> tuple[tuple, dict]:

@@ -484,9 +484,8 @@ class Step:
             used = sync.used_anywhere(used)
         self._update.fuse(self._params, self._graph.update_values, shards, used)
         if sync is not None:
-            in_buckets = self._why_not_in_buckets() is None
-            sync.use_buckets(self._update.fused, overlap_update=in_buckets)
-            self._iteration.overlap_update = in_buckets
+            sync.use_buckets(self._update.fused,
+                             update_in_buckets=self._why_not_in_buckets() is None)
         if self._ema is not None:
             self._ema.use_flat(self._update.fused)
 

@@ -495,7 +495,7 @@ def test_updates_in_buckets_during_the_backward_train_as_one_process(net, shard,
         with sync.observing(params):
             loss_fn(model(mine[0][0]), mine[0][1]).backward()
         fused = FusedOptimizer(opt, shard_world=ranks if shard else 1)
-        sync.use_buckets(fused, overlap_update=True)
+        sync.use_buckets(fused, update_in_buckets=True)
         assert sync.num_buckets >= 3
         late = sync.num_buckets - sync.early_buckets
         assert late == (0 if net == "mlp" else 1), late

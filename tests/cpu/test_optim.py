@@ -48,6 +48,17 @@ def state_tensors(optimizer):
             for k, v in optimizer.state[p].items() if torch.is_tensor(v)}
 
 
+def assert_same_params_and_state(params, opt, ref_params, ref):
+    """float32 parameters and optimizer state as torch.optim's, to rounding."""
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ours, theirs = state_tensors(opt), state_tensors(ref)
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu().to(ours[key].dtype),
+                                   rtol=1e-5, atol=1e-6, msg=f"state {key}")
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_float32_matches_torch(name):
     make = OPTIMIZERS[name]
@@ -60,13 +71,7 @@ def test_float32_matches_torch(name):
         set_grads(params, grads)
         ref.step()
         fused.step()
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    ours, theirs = state_tensors(opt), state_tensors(ref)
-    assert ours.keys() == theirs.keys()
-    for key in theirs:
-        torch.testing.assert_close(ours[key].cpu(), theirs[key].cpu().to(ours[key].dtype),
-                                   rtol=1e-5, atol=1e-6, msg=f"state {key}")
+    assert_same_params_and_state(params, opt, ref_params, ref)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -527,13 +532,7 @@ def test_a_step_in_parts_matches_torch(name):
         for index in torch.randperm(fused.num_parts, generator=order).tolist():
             fused.update_part(index)
         fused.end_update()
-    for a, b in zip(params, ref_params):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    ours, theirs = state_tensors(opt), state_tensors(ref)
-    assert ours.keys() == theirs.keys()
-    for key in theirs:
-        torch.testing.assert_close(ours[key], theirs[key].to(ours[key].dtype), rtol=1e-5,
-                                   atol=1e-6, msg=f"state {key}")
+    assert_same_params_and_state(params, opt, ref_params, ref)
 
 
 def test_a_step_in_parts_is_refused_where_it_cannot_be_right():

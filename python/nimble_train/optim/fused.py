@@ -294,11 +294,7 @@ class FusedOptimizer:
                 "FusedOptimizer.step: the state is sharded and this step needs the global "
                 "gradient norm or overflow flag; set reduce_partials (an in-place sum over the "
                 "ranks) after shard()")
-        self._state.before_update()
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            self._reattach()
-        self._fetch(capturing)
+        self._before_update()
         # The step itself is C++ (src/optim/fused_step.h), shared with the LibTorch Step.
         norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables,
                                    self._partials, inv_scale, found_inf, grad_scale,
@@ -308,6 +304,15 @@ class FusedOptimizer:
         # LR schedulers check that optimizer.step() ran before them; this step stands for it.
         _torch_private.mark_optimizer_stepped(self.optimizer)
         return norm
+
+    def _before_update(self) -> None:
+        """What every step does before its device work: shard copies dropped, user-moved
+        views put back (eagerly), this step's staged values fetched (standalone)."""
+        self._state.before_update()
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            self._reattach()
+        self._fetch(capturing)
 
     def begin_update(self, *, grad_scale: torch.Tensor | None = None) -> None:
         """A step in parts, for updates that overlap the backward: this first (the step count,
@@ -319,18 +324,8 @@ class FusedOptimizer:
         if self.num_parts == 0:
             raise RuntimeError("FusedOptimizer.begin_update: split() the update (or shard() the "
                                "state) first")
-        if grad_scale is not None and (grad_scale.numel() != 1
-                                       or grad_scale.dtype != torch.float32
-                                       or grad_scale.device != self.device):
-            raise ValueError(f"FusedOptimizer.begin_update: grad_scale must be a one-element "
-                             f"float32 tensor on {self.device}; got {grad_scale.numel()} "
-                             f"elements of {grad_scale.dtype} on {grad_scale.device}")
-        self._state.before_update()
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            self._reattach()
-        self._fetch(capturing)
-        _C.optim_prepare_update(self._tables, grad_scale)
+        self._before_update()
+        _C.optim_prepare_update(self._tables, grad_scale)  # checks grad_scale
 
     def update_part(self, index: int) -> None:
         """Updates part `index` (of :meth:`split`, or shard `index`) on the current stream."""
