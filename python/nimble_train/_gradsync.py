@@ -3,12 +3,14 @@
 On CUDA the fused optimizer's flat gradient buffer is cut into buckets (src/optim/flat_layout.h
 plans them from the order gradients arrived in warm-up); when a bucket's last gradient has been
 accumulated, the communication stream waits on that point and all-reduces the bucket in place
-through our NCCL communicator, while the backward goes on; the update waits for every bucket.
-Sharded (ZeRO-1), each bucket is reduce-scattered instead, each rank updates its part, and the
-parameters are all-gathered after the update. Before the fused optimizer exists (the first
-warm-up steps), and for optimizers captured as they are, the gradients of each dtype are
-concatenated, all-reduced once and copied back; on the CPU through torch.distributed (gloo).
-"""
+through our NCCL communicator, while the backward goes on. Sharded (ZeRO-1), each bucket is
+reduce-scattered instead, each rank updates its part, and the parameters are all-gathered.
+A captured step updates each bucket (sharded: and all-gathers it) on the communication stream
+right after its collective; when the update needs every gradient first (clipping, the fp16
+overflow check), each bucket's share of the gradient statistics is taken there instead and the
+update follows the backward. Before the fused optimizer exists (the first warm-up steps), and
+for optimizers captured as they are, the gradients of each dtype are concatenated, all-reduced
+once and copied back; on the CPU through torch.distributed (gloo)."""
 
 from __future__ import annotations
 
@@ -295,24 +297,28 @@ class GradientSync:
 
     # ---------------------------------------------------------------- per step
 
-    def begin(self, update=None, grad_scale: torch.Tensor | None = None) -> None:
+    def begin(self, update=None, **step_args) -> None:
         """Before a backward that uses the buckets. `update`: the fused optimizer (split or
         sharded, see use_buckets) when this step updates each bucket on the communication
         stream right after its collective (and, sharded, all-gathers it there); its step
-        starts now (begin_update, with `grad_scale`) and ends in finish()."""
+        starts now (begin_update, with `step_args`) and ends in finish(). When the step needs
+        the gradient statistics (unscaling, clipping, the overflow skip), each bucket's share of
+        them is taken there instead, and the update follows the backward."""
         self._remaining = [len(b.params) for b in self._buckets]
         self._made_on = [{} for _ in self._buckets]
         self._launched = 0
         self._active = True
         self._fused = update
         if update is not None:
-            update.begin_update(grad_scale=grad_scale)
+            update.begin_update(**step_args)
             if self._stream is not None:  # every part's update comes after the prepare
                 self._stream.wait_stream(torch.cuda.current_stream(self.device))
 
     def cancel(self) -> None:
         """A backward begun with begin() raised: its hooks go quiet until the next begin()."""
         self._active = False
+        if self._fused is not None:
+            self._fused.abandon_update()
         self._fused = None
 
     def _on_ready(self, p: torch.Tensor) -> None:
@@ -352,35 +358,43 @@ class GradientSync:
             else:
                 self.comm.all_reduce_(self._flat[bucket.dtype], bucket.start,
                                       bucket.stop - bucket.start, "avg")
-            if self._fused is not None and self._early[index]:
-                self._update(index)
+            if self._fused is not None and (self._early[index]
+                                            or self._fused.update_waits_for_all_parts):
+                self._update(index)  # statistics read only the gradients: never late
 
     def _update(self, index: int) -> None:
         """Bucket `index`'s update (sharded: this rank's part, then the all-gather of the
-        bucket's parameters), on the current stream."""
+        bucket's parameters), or its share of the gradient statistics, on the current stream."""
         self._fused.update_part(index)
-        if self.sharded:
+        if self.sharded and not self._fused.update_waits_for_all_parts:
             bucket = self._buckets[index]
             self.comm.all_gather_(self._flat_params[bucket.dtype], bucket.start,
                                   bucket.stop - bucket.start)
 
-    def finish(self) -> None:
+    def finish(self) -> torch.Tensor | None:
         """After the backward: launches what is left (parameters without a gradient this step)
         and makes the current stream wait for every bucket. A step that updates in buckets
-        then updates those the backward read late, and its update is done."""
+        then updates those the backward read late, and its update is done; or, when it took
+        only the statistics in buckets, updates every part now (sharded: then all-gathers).
+        Returns the step's global gradient norm when it computed one (see begin)."""
         for index in range(self._launched, len(self._buckets)):
             self._launch(index)
         self._launched = len(self._buckets)
         self._active = False
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._stream)
+        norm = None
         if self._fused is not None:
+            waits = self._fused.update_waits_for_all_parts
             for index, early in enumerate(self._early):
-                if not early:
+                if not early and not waits:
                     self._update(index)
-            self._fused.end_update()
+            norm = self._fused.end_update()
             self._fused = None
+            if waits:
+                self.after_update()
         self._check_first()
+        return norm
 
     def after_update(self) -> None:
         """Sharded: after the update of this rank's parts, every rank gets every part of the

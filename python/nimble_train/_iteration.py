@@ -214,14 +214,20 @@ class Iteration:
         fused, scaler, sync = self.update.fused, self.update.scaler, self.gradsync
         correction = call.correction  # a device tensor: the staging ring's (fused => a graph)
         assert correction is None or isinstance(correction, torch.Tensor), correction
-        # A captured step updates each bucket right after its collective when nothing global
-        # is needed; an eager step updates after its backward, so that one that raises
-        # part-way leaves the parameters as they were.
+        # A captured step updates each bucket right after its collective (or, when clipping or
+        # the fp16 loss scale needs every gradient first, takes its share of the gradient
+        # statistics there); an eager step updates after its backward, so that one that
+        # raises part-way leaves the parameters as they were.
         in_buckets = (call.update and sync is not None and sync.update_in_buckets
                       and torch.cuda.is_current_stream_capturing())
+        step_args = {}
+        if in_buckets:
+            step_args = {"grad_scale": correction, "max_grad_norm": self.grad_clip}
+            if scaler is not None:
+                step_args.update(inv_scale=scaler.inv_scale(), found_inf=scaler.found_inf)
         if sync is not None and call.update:
             # buckets are all-reduced as their gradients arrive (and, in_buckets, updated)
-            sync.begin(fused if in_buckets else None, correction)
+            sync.begin(fused if in_buckets else None, **step_args)
         try:
             (loss if scaler is None else scaler.scale_loss(loss)).backward()
         except BaseException:
@@ -230,10 +236,16 @@ class Iteration:
             raise
         if not call.update:
             return  # a micro-batch: its gradients accumulate, nothing else happens
+        norm = None
         if sync is not None:
-            sync.finish()  # the update waits for every bucket (in_buckets: the update is done)
+            norm = sync.finish()  # waits for every bucket (in_buckets: the update is done)
         if not in_buckets:
             self._fused_update(correction)
+        else:
+            if scaler is not None:
+                scaler.update()
+            if self.grad_clip is not None:
+                self.grad_norm = norm
         if self.ema is not None:
             self.ema.update()
 

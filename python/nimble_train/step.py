@@ -109,9 +109,11 @@ class Step:
             buffers (as DDP does when it is built); False keeps each rank's own.
         overlap_update: data parallel on GPUs: the captured step updates each gradient bucket
             (sharded: this rank's part, then its all-gather) on the communication stream right
-            after its collective, while the backward goes on, whenever nothing global is
-            needed (no grad_clip, no fp16 loss scale, not LAMB); :meth:`stats` says whether it
-            does ("update_in_buckets") or why not. False: after the backward, as one pass.
+            after its collective, while the backward goes on (not LAMB, whose trust ratios
+            need whole parameters). With grad_clip or the fp16 loss scale the update needs
+            every gradient first: each bucket's share of the gradient norm and overflow check
+            is taken there instead, and the update follows the backward. :meth:`stats` says
+            which ("update_in_buckets") or why neither. False: after the backward, as one pass.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -496,14 +498,18 @@ class Step:
             return "not data parallel"
         if not self.overlap_update:
             return "overlap_update=False"
-        if self.grad_clip is not None:
-            return "grad_clip needs the global gradient norm"
-        if self.amp == "fp16":
-            return "the fp16 loss scale needs every gradient's overflow check"
         fused = self._update.fused
         if fused is None:
             return "the optimizer is not fused"
         return fused.why_not_in_parts()
+
+    def _why_update_waits(self) -> str | None:
+        """Why a step's update needs every gradient first (None: it does not)."""
+        if self.grad_clip is not None:
+            return "grad_clip needs the global gradient norm"
+        if self.amp == "fp16":
+            return "the fp16 loss scale needs every gradient's overflow check"
+        return None
 
     # ------------------------------------------------------------------ capture
 
@@ -626,6 +632,10 @@ class Step:
         why = self._why_not_in_buckets()
         if why is not None:
             return f"no: {why}"
+        waits = self._why_update_waits()
+        if waits is not None:
+            return (f"statistics only: {waits}; each bucket's share of it is taken right after "
+                    "its collective, and the update follows the backward")
         late = sync.num_buckets - sync.early_buckets
         return ("yes" if late == 0 else
                 f"yes, but {late} bucket(s) after the backward: it reads their parameters after "

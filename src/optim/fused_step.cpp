@@ -229,10 +229,11 @@ void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
   }
 }
 
-at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
-                      const StepTables& tables, const at::Tensor& partials,
-                      const FusedStepArgs& args) {
-  const at::Device device = tables.control.device();
+bool needs_stats(const FusedStepArgs& args) {
+  return args.inv_scale.has_value() || args.found_inf.has_value() || args.max_grad_norm > 0;
+}
+
+std::optional<at::Tensor> gradient_factor(const FusedStepArgs& args, at::Device device) {
   const std::pair<const char*, const std::optional<at::Tensor>*> scalars[] = {
       {"inv_scale", &args.inv_scale}, {"found_inf", &args.found_inf},
       {"grad_scale", &args.grad_scale}};
@@ -246,16 +247,34 @@ at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targ
   NT_CHECK(args.max_grad_norm >= 0 && std::isfinite(args.max_grad_norm),
            "fused optimizer step: max_grad_norm must be a positive finite number (0: none); "
            "got ", args.max_grad_norm);
-  const bool skip_nonfinite = args.inv_scale.has_value() || args.found_inf.has_value();
-  const bool stats = skip_nonfinite || args.max_grad_norm > 0;
   std::optional<at::Tensor> factor = args.inv_scale;  // one factor for the norm and the update
   if (args.grad_scale.has_value()) {
     factor = factor.has_value() ? at::mul(*factor, *args.grad_scale) : *args.grad_scale;
   }
+  return factor;
+}
+
+void grad_stats_parts_(const std::vector<UpdateTarget>& targets,
+                       const std::optional<at::Tensor>& factor) {
+  for (const UpdateTarget& t : targets) {
+    NT_CHECK(t.partials.defined(), "fused optimizer statistics: a target without its rows of "
+             "partials (assign_partials)");
+    grad_stats_(t.grad, factor, t.partials);
+  }
+}
+
+at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
+                      const StepTables& tables, const at::Tensor& partials,
+                      const FusedStepArgs& args) {
+  const std::optional<at::Tensor> factor = gradient_factor(args, tables.control.device());
+  const bool stats = needs_stats(args);
+  NT_CHECK(stats || !args.stats_done, "fused optimizer step: stats_done is set, but this step "
+           "computes no gradient statistics (no inv_scale, found_inf or max_grad_norm)");
   if (stats) {
-    for (const UpdateTarget& t : targets) grad_stats_(t.grad, factor, t.partials);
+    if (!args.stats_done) grad_stats_parts_(targets, factor);
     if (args.reduce_partials) args.reduce_partials(partials);  // over every shard
   }
+  const bool skip_nonfinite = args.inv_scale.has_value() || args.found_inf.has_value();
   prepare_step_(tables, stats ? std::optional<at::Tensor>(partials) : std::nullopt, factor,
                 args.found_inf, args.max_grad_norm, skip_nonfinite);
   update_(algorithm, targets, tables);

@@ -94,7 +94,17 @@ struct FusedStepArgs {
   double max_grad_norm = 0;              // > 0: clip the global norm to it
   // Sharded state: sums the partials over the ranks, in place, before prepare.
   std::function<void(const at::Tensor&)> reduce_partials;
+  // The gradient statistics were computed already, into `partials`, by grad_stats_parts_
+  // with gradient_factor(args) (a step whose statistics overlap the backward).
+  bool stats_done = false;
 };
+
+// Whether a step with these arguments computes gradient statistics: unscaling, an overflow
+// check or clipping asks for the global norm or overflow flag.
+bool needs_stats(const FusedStepArgs& args);
+// What the statistics and the update multiply the gradients by: inv_scale times grad_scale
+// (either alone; neither: none). Checks the arguments.
+std::optional<at::Tensor> gradient_factor(const FusedStepArgs& args, at::Device device);
 
 // The step: gradient statistics (when unscaling, clipping or a gradient factor asks for
 // them), prepare_step_, then the algorithm's update over every target, on the current stream
@@ -104,6 +114,15 @@ struct FusedStepArgs {
 at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
                       const StepTables& tables, const at::Tensor& partials,
                       const FusedStepArgs& args);
+
+// The statistics in parts, for a step that needs them and overlaps the backward (a
+// data-parallel step takes each all-reduce bucket's share of the norm right after its
+// collective): gradient_factor once, then grad_stats_parts_ over the targets in any grouping,
+// each target once per step, on streams ordered after the factor was computed; then fused_step
+// with args.stats_done and the partials the targets wrote. The update itself still waits for
+// the last gradient: clipping and the overflow skip need every one.
+void grad_stats_parts_(const std::vector<UpdateTarget>& targets,
+                       const std::optional<at::Tensor>& factor);
 
 // The step in two parts, for updates that overlap the backward (a data-parallel step updates
 // each all-reduce bucket right after its collective): prepare_update_, which needs no gradient

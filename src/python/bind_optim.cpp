@@ -167,8 +167,10 @@ void bind_optim(py::module_& m) {
            const optim::StepTables& tables, const at::Tensor& partials,
            std::optional<at::Tensor> inv_scale, std::optional<at::Tensor> found_inf,
            std::optional<at::Tensor> grad_scale, double max_grad_norm,
-           std::optional<py::function> reduce_partials) -> std::optional<at::Tensor> {
-          optim::FusedStepArgs args{inv_scale, found_inf, grad_scale, max_grad_norm, {}};
+           std::optional<py::function> reduce_partials,
+           bool stats_done) -> std::optional<at::Tensor> {
+          optim::FusedStepArgs args{inv_scale, found_inf, grad_scale, max_grad_norm, {},
+                                    stats_done};
           if (reduce_partials.has_value()) {
             args.reduce_partials = [fn = *reduce_partials](const at::Tensor& p) {
               const py::gil_scoped_acquire gil;
@@ -186,10 +188,31 @@ void bind_optim(py::module_& m) {
         },
         py::arg("algorithm"), py::arg("targets"), py::arg("tables"), py::arg("partials"),
         py::arg("inv_scale"), py::arg("found_inf"), py::arg("grad_scale"),
-        py::arg("max_grad_norm"), py::arg("reduce_partials"),
-        "The fused step (src/optim/fused_step.h): gradient statistics when asked for, the sum "
-        "over ranks (reduce_partials, sharded), prepare, the updates. Returns the global "
-        "gradient norm (0-dim) when computed, else None.");
+        py::arg("max_grad_norm"), py::arg("reduce_partials"), py::arg("stats_done") = false,
+        "The fused step (src/optim/fused_step.h): gradient statistics when asked for (and not "
+        "done already, stats_done), the sum over ranks (reduce_partials, sharded), prepare, the "
+        "updates. Returns the global gradient norm (0-dim) when computed, else None.");
+  m.def("optim_gradient_factor",
+        [](std::optional<at::Tensor> inv_scale, std::optional<at::Tensor> found_inf,
+           std::optional<at::Tensor> grad_scale, double max_grad_norm,
+           at::Device device) -> std::optional<at::Tensor> {
+          const optim::FusedStepArgs args{inv_scale, found_inf, grad_scale, max_grad_norm, {},
+                                          false};
+          const py::gil_scoped_release release;
+          return optim::gradient_factor(args, device);
+        },
+        py::arg("inv_scale"), py::arg("found_inf"), py::arg("grad_scale"),
+        py::arg("max_grad_norm"), py::arg("device"),
+        "Checks a step's arguments; the factor its statistics and update multiply the "
+        "gradients by (None: 1).");
+  m.def("optim_grad_stats_parts",
+        [](const std::vector<optim::UpdateTarget>& targets, std::optional<at::Tensor> factor) {
+          const py::gil_scoped_release release;
+          optim::grad_stats_parts_(targets, factor);
+        },
+        py::arg("targets"), py::arg("factor"),
+        "The gradient statistics of these targets into their rows of partials, for a step "
+        "whose statistics go in parts (then optim_fused_step with stats_done).");
   m.def("optim_prepare_update",
         [](const optim::StepTables& tables, std::optional<at::Tensor> grad_scale) {
           const py::gil_scoped_release release;

@@ -467,13 +467,16 @@ def test_sharded_optimizer_trains_as_one_process_and_saves_whole_state(name, cli
 
 
 @pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["update", "clip"])
 @pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("net", ["mlp", "reads-late"])
-def test_updates_in_buckets_during_the_backward_train_as_one_process(net, shard, ranks):
+def test_updates_in_buckets_during_the_backward_train_as_one_process(net, shard, clip, ranks):
     # Each rank: from its second step on, every bucket is reduced (sharded: reduce-scattered),
     # updated (sharded: this rank's part, then all-gathered) as soon as its gradients are
     # complete, while the backward goes on; buckets whose parameters the backward still reads
-    # wait for its end. Reference: torch.optim on one model with the whole batch.
+    # wait for its end. Clipping needs the global norm: each bucket's share of it is taken as
+    # soon as it is reduced (late ones too: they read only gradients), the update follows the
+    # backward. Reference: torch.optim on one model with the whole batch.
     from nimble_train._gradsync import GradientSync
     from nimble_train.optim import FusedOptimizer
 
@@ -505,7 +508,7 @@ def test_updates_in_buckets_during_the_backward_train_as_one_process(net, shard,
                 sync.comm.reduce_scatter_(sync._flat[b.dtype], b.start, b.stop - b.start, "avg")
             else:
                 sync.comm.all_reduce_(sync._flat[b.dtype], b.start, b.stop - b.start, "avg")
-        fused.step()
+        fused.step(max_grad_norm=clip)
         sync.after_update()
         arrived, during = [0], []
         hooks = [p.register_post_accumulate_grad_hook(
@@ -516,20 +519,23 @@ def test_updates_in_buckets_during_the_backward_train_as_one_process(net, shard,
         for x, y in mine[1:]:
             fused.zero_grad()
             arrived[0] = 0
-            sync.begin(fused)
+            sync.begin(fused, max_grad_norm=clip)
             loss_fn(model(x), y).backward()
-            sync.finish()
+            norm = sync.finish()
+            assert (norm is None) == (clip is None)
+            assert clip is None or float(norm) > 2 * clip  # the clip acts
         for hook in hooks:
             hook.remove()
         # Every bucket once per step; all but the late ones before the backward ended.
         assert len(during) == (len(mine) - 1) * sync.num_buckets
-        assert sum(during) == (len(mine) - 1) * sync.early_buckets, during
+        early = sync.num_buckets if clip else sync.early_buckets
+        assert sum(during) == (len(mine) - 1) * early, during
         return [p.detach().clone() for p in params]
 
     results = _on_threads(ranks, rank_run)
 
     reference = copy.deepcopy(start)
-    eager_loop(reference, make(_groups(reference)), loss_fn, batches)
+    eager_loop(reference, make(_groups(reference)), loss_fn, batches, grad_clip=clip)
     for params in results:
         assert all(torch.equal(a, b) for a, b in zip(params, results[0]))  # identical replicas
         for a, b in zip(params, reference.parameters()):

@@ -535,6 +535,105 @@ def test_a_step_in_parts_matches_torch(name):
     assert_same_params_and_state(params, opt, ref_params, ref)
 
 
+@pytest.mark.parametrize("max_norm", [0.5, 1e4], ids=["clipping", "below-max"])
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum", "adam-amsgrad-maximize"])
+def test_a_step_in_parts_with_statistics_matches_clip_grad_norm(name, max_norm):
+    """Unscaling and clipping in parts: each part's share of the norm (in any order), then
+    end_update's one update with the global norm, as clip_grad_norm_ and torch.optim."""
+    make = OPTIMIZERS[name]
+    ref_params, params = make_params(), make_params()
+    ref, opt = make(ref_params), make(params)
+    fused = FusedOptimizer(opt)
+    fused.split(_random_slices(fused, seed=3))
+    assert fused.num_parts >= 2
+    inv_scale, found_inf = torch.tensor([0.25]), torch.full((1,), -1.0)
+    order = torch.Generator().manual_seed(5)
+    for step in range(3):
+        grads = random_grads(params, step)
+        factor = 0.5 + step / 4  # accumulation's factor on top of the loss scale's
+        set_grads(params, grads)
+        set_grads(ref_params, [g * 0.25 * factor for g in grads])
+        expected = torch.nn.utils.clip_grad_norm_(ref_params, max_norm)
+        ref.step()
+        before = [p.detach().clone() for p in params]
+        fused.begin_update(inv_scale=inv_scale, found_inf=found_inf, max_grad_norm=max_norm,
+                           grad_scale=torch.tensor([factor]))
+        assert fused.update_waits_for_all_parts
+        for index in torch.randperm(fused.num_parts, generator=order).tolist():
+            fused.update_part(index)
+            assert all(torch.equal(p, b) for p, b in zip(params, before))  # nothing updated yet
+        norm = fused.end_update()
+        assert not fused.update_waits_for_all_parts and found_inf.item() == 0.0
+        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    assert_same_params_and_state(params, opt, ref_params, ref)
+
+
+def test_a_step_in_parts_skips_every_part_on_an_overflow_in_one():
+    """An inf in one part's gradients: no part is updated, the step count stays, found_inf
+    says so; the next clean step equals a twin's that never saw the bad one."""
+    make = OPTIMIZERS["adamw"]
+    base = make_params()
+    params, twin_params = clone_params(base), clone_params(base)
+    opt = make(params)
+    fused, twin = FusedOptimizer(opt), FusedOptimizer(make(twin_params))
+    fused.split(_random_slices(fused, seed=1))
+    inv_scale, found_inf = torch.tensor([1 / 64.0]), torch.full((1,), -1.0)
+
+    def in_parts(grads):
+        set_grads(params, grads)
+        fused.begin_update(inv_scale=inv_scale, found_inf=found_inf, max_grad_norm=1.0)
+        for index in range(fused.num_parts):
+            fused.update_part(index)
+        return fused.end_update()
+
+    def clean(seed):
+        grads = [g * 64 for g in random_grads(params, seed)]
+        in_parts(grads)
+        assert found_inf.item() == 0.0
+        set_grads(twin_params, grads)
+        twin.step(inv_scale=inv_scale, max_grad_norm=1.0)
+
+    clean(0)
+    before = [p.detach().clone() for p in params]
+    state_before = {k: v.clone() for k, v in state_tensors(opt).items()}
+    grads = random_grads(params, 1)
+    grads[-1].view(-1)[0] = float("inf")  # in the last part only
+    norm = in_parts(grads)
+    assert found_inf.item() == 1.0 and not torch.isfinite(norm)
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    for key, value in state_tensors(opt).items():
+        assert torch.equal(value, state_before[key]), f"state {key} changed"
+    clean(2)
+    assert_same_params_and_state(params, opt, twin_params, twin.optimizer)
+
+
+def test_a_step_in_parts_abandoned_before_its_end_changes_nothing():
+    """A backward that raises after some parts took their statistics: the step is abandoned,
+    and the next one (in parts) is torch's first step."""
+    make = OPTIMIZERS["adamw"]
+    ref_params, params = make_params(), make_params()
+    ref, opt = make(ref_params), make(params)
+    fused = FusedOptimizer(opt)
+    fused.split(_random_slices(fused, seed=2))
+    before = [p.detach().clone() for p in params]
+    set_grads(params, random_grads(params, 9))
+    fused.begin_update(max_grad_norm=0.5)
+    fused.update_part(0)
+    fused.abandon_update()
+    assert not fused.update_waits_for_all_parts
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    grads = random_grads(params, 0)
+    set_grads(params, grads)
+    set_grads(ref_params, grads)
+    torch.nn.utils.clip_grad_norm_(ref_params, 0.5)
+    ref.step()
+    fused.begin_update(max_grad_norm=0.5)
+    for index in range(fused.num_parts):
+        fused.update_part(index)
+    fused.end_update()
+    assert_same_params_and_state(params, opt, ref_params, ref)
+
+
 def test_a_step_in_parts_is_refused_where_it_cannot_be_right():
     params = make_params()
     fused = FusedOptimizer(torch.optim.SGD(params, lr=0.1))
@@ -547,3 +646,6 @@ def test_a_step_in_parts_is_refused_where_it_cannot_be_right():
     fused.split(_random_slices(fused, seed=0))
     with pytest.raises(ValueError, match="grad_scale must be a one-element float32"):
         fused.begin_update(grad_scale=torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="begin_update: max_grad_norm must be a positive"):
+        fused.begin_update(max_grad_norm=-1.0)
+    assert not fused.update_waits_for_all_parts

@@ -79,6 +79,9 @@ class FusedOptimizer:
         self._cores = [flat.core for flat in self._flats]
         self._partials, self._targets = update_targets(self._flats, keys, self.device)
         self._parts: list | None = None  # split(): the update's parts, as UpdateTargets
+        self._part_partials: torch.Tensor | None = None  # their gradient statistics
+        self._waiting = None  # a step in parts that needs statistics: step()'s arguments
+        self._factor: torch.Tensor | None = None  # and its gradient factor
         self._ring = None if staged is not None else _C.StagingRing(
             self.num_staged_values(optimizer), self.device, ring_slots)
         self._captured = False
@@ -154,7 +157,7 @@ class FusedOptimizer:
         pieces = cut_pieces(self._flats, [(d, start, stop, start, stop - start)
                                           for d, start, stop in slices],
                             self._chunk_elems, self.device, copy_state=False)
-        _, self._parts = update_targets(pieces, self._keys, self.device)
+        self._part_partials, self._parts = update_targets(pieces, self._keys, self.device)
 
     @property
     def num_parts(self) -> int:
@@ -278,32 +281,40 @@ class FusedOptimizer:
         Returns the global gradient norm as a 0-dim device tensor (valid until the next step)
         when it was computed (any of the three given), else None.
         """
-        for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf),
-                        ("grad_scale", grad_scale)):
-            if t is not None and (t.numel() != 1 or t.dtype != torch.float32
-                                  or t.device != self.device):
-                raise ValueError(f"FusedOptimizer.step: {name} must be a one-element float32 "
-                                 f"tensor on {self.device}; got {t.numel()} elements of {t.dtype} "
-                                 f"on {t.device}")
-        if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
-            raise ValueError(f"FusedOptimizer.step: max_grad_norm must be a positive finite "
-                             f"float or None; got {max_grad_norm}")
-        if self._state.pieces is not None and self.reduce_partials is None and (
-                inv_scale is not None or found_inf is not None or max_grad_norm is not None):
-            raise RuntimeError(
-                "FusedOptimizer.step: the state is sharded and this step needs the global "
-                "gradient norm or overflow flag; set reduce_partials (an in-place sum over the "
-                "ranks) after shard()")
+        self._check_step("step", inv_scale, found_inf, max_grad_norm, grad_scale)
         self._before_update()
         # The step itself is C++ (src/optim/fused_step.h), shared with the LibTorch Step.
         norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables,
                                    self._partials, inv_scale, found_inf, grad_scale,
-                                   float(max_grad_norm or 0.0),
-                                   self.reduce_partials if self._state.pieces is not None
-                                   else None)
+                                   float(max_grad_norm or 0.0), self._partial_sum())
         # LR schedulers check that optimizer.step() ran before them; this step stands for it.
         _torch_private.mark_optimizer_stepped(self.optimizer)
         return norm
+
+    def _check_step(self, where: str, inv_scale, found_inf, max_grad_norm, grad_scale) -> bool:
+        """Checks a step's arguments (see step()); whether the step needs the gradient
+        statistics (the global norm or overflow flag)."""
+        for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf),
+                        ("grad_scale", grad_scale)):
+            if t is not None and (t.numel() != 1 or t.dtype != torch.float32
+                                  or t.device != self.device):
+                raise ValueError(f"FusedOptimizer.{where}: {name} must be a one-element float32 "
+                                 f"tensor on {self.device}; got {t.numel()} elements of {t.dtype} "
+                                 f"on {t.device}")
+        if max_grad_norm is not None and not (0 < max_grad_norm < math.inf):
+            raise ValueError(f"FusedOptimizer.{where}: max_grad_norm must be a positive finite "
+                             f"float or None; got {max_grad_norm}")
+        stats = inv_scale is not None or found_inf is not None or max_grad_norm is not None
+        if stats and self.sharded and self.reduce_partials is None:
+            raise RuntimeError(
+                f"FusedOptimizer.{where}: the state is sharded and this step needs the global "
+                "gradient norm or overflow flag; set reduce_partials (an in-place sum over the "
+                "ranks) after shard()")
+        return stats
+
+    def _partial_sum(self) -> Callable[[torch.Tensor], None] | None:
+        """What sums the gradient statistics over the ranks: sharded, reduce_partials."""
+        return self.reduce_partials if self.sharded else None
 
     def _before_update(self) -> None:
         """What every step does before its device work: shard copies dropped, user-moved
@@ -314,27 +325,67 @@ class FusedOptimizer:
             self._reattach()
         self._fetch(capturing)
 
-    def begin_update(self, *, grad_scale: torch.Tensor | None = None) -> None:
-        """A step in parts, for updates that overlap the backward: this first (the step count,
-        the hyper-parameters), then :meth:`update_part` once for each part (after its gradients
-        are final, on any stream ordered after this call's), then :meth:`end_update`. Together
-        they do what ``step(grad_scale=grad_scale)`` does; nothing global (unscaling, clipping,
-        the overflow skip) can be asked for: the parts are updated before all gradients exist.
+    def begin_update(self, *, grad_scale: torch.Tensor | None = None,
+                     inv_scale: torch.Tensor | None = None,
+                     found_inf: torch.Tensor | None = None,
+                     max_grad_norm: float | None = None) -> None:
+        """A step in parts, for updates that overlap the backward: this first, then
+        :meth:`update_part` once for each part (after its gradients are final, on any stream
+        ordered after this call's), then :meth:`end_update`. Together they do what
+        ``step(...)`` with the same arguments does.
+
+        Without anything global (only ``grad_scale``) this call prepares the step (the step
+        count, the hyper-parameters) and each update_part updates its part. With unscaling,
+        clipping or the overflow skip (``inv_scale``, ``found_inf``, ``max_grad_norm``), no part
+        can be updated before every gradient exists: each update_part then takes only its
+        part's share of the gradient statistics, and end_update sums them (over the ranks too,
+        sharded), prepares and updates every part (:attr:`update_waits_for_all_parts`).
         """
         if self.num_parts == 0:
             raise RuntimeError("FusedOptimizer.begin_update: split() the update (or shard() the "
                                "state) first")
+        stats = self._check_step("begin_update", inv_scale, found_inf, max_grad_norm,
+                                 grad_scale)
         self._before_update()
-        _C.optim_prepare_update(self._tables, grad_scale)  # checks grad_scale
+        if not stats:
+            self._waiting = None
+            _C.optim_prepare_update(self._tables, grad_scale)
+            return
+        self._waiting = (inv_scale, found_inf, grad_scale, float(max_grad_norm or 0.0))
+        # computed once, before every part's statistics; the end's prepare computes it again
+        self._factor = _C.optim_gradient_factor(*self._waiting, self.device)
+
+    @property
+    def update_waits_for_all_parts(self) -> bool:
+        """In a step in parts that needs the gradient statistics: update_part takes a part's
+        share of them, and end_update updates every part."""
+        return self._waiting is not None
 
     def update_part(self, index: int) -> None:
-        """Updates part `index` (of :meth:`split`, or shard `index`) on the current stream."""
+        """Updates part `index` (of :meth:`split`, or shard `index`) on the current stream; or,
+        when the update waits for all parts, takes its share of the gradient statistics."""
         parts = self._targets if self.sharded else self._parts
-        _C.optim_update(self._algorithm, [parts[index]], self._tables)
+        if self._waiting is not None:
+            _C.optim_grad_stats_parts([parts[index]], self._factor)
+        else:
+            _C.optim_update(self._algorithm, [parts[index]], self._tables)
 
-    def end_update(self) -> None:
-        """After every part's update: the step stands for ``optimizer.step()``."""
+    def end_update(self) -> torch.Tensor | None:
+        """After every part's update_part: the step stands for ``optimizer.step()``. When the
+        update waits for all parts, it runs now, on the current stream (which must be ordered
+        after every update_part): returns the global gradient norm, as step()."""
+        norm = None
+        if self._waiting is not None:
+            waiting, self._waiting, self._factor = self._waiting, None, None
+            partials = self._partials if self.sharded else self._part_partials
+            norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables, partials,
+                                       *waiting, self._partial_sum(), stats_done=True)
         _torch_private.mark_optimizer_stepped(self.optimizer)
+        return norm
+
+    def abandon_update(self) -> None:
+        """A step in parts that will not end (its backward raised): forgets its arguments."""
+        self._waiting, self._factor = None, None
 
     # ------------------------------------------------------------------ introspection
 
