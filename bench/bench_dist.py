@@ -6,7 +6,7 @@ through torch.distributed.run and reads what rank 0 reports.
 
     python bench/bench_dist.py --gpus 2 [--model resnet18|bert] [--batch 32] [--steps 50]
                                [--repeats 5] [--bucket-mb 25 ...] [--shard-optimizer] [--sync-bn]
-                               [--json out.json]
+                               [--grad-clip MAX] [--json out.json]
 
 Each worker runs the same modes one after the other, each with a fresh model and optimizer
 from the same seed and its own synthetic data (seed + rank), --batch samples per GPU:
@@ -20,7 +20,10 @@ of its part, all-gather, in the graph; each GPU keeps 1/N of the optimizer state
 update and all-gather after the backward and per bucket. With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
 (statistics over all GPUs' samples: one all-gather in the forward and one all-reduce in the
 backward per layer); the one-GPU
-baseline keeps BatchNorm.
+baseline keeps BatchNorm. With --grad-clip every mode clips the global gradient norm
+(clip_grad_norm_ with foreach, captured in ddp-graph; nt.Step(grad_clip=MAX), whose update then
+needs every gradient: its "step" rows take each bucket's share of the norm right after the
+bucket's collective and update after the backward).
 """
 
 from __future__ import annotations
@@ -55,17 +58,29 @@ DDP_WARMUP = 11  # DDP needs this many eager iterations before capture (torch's 
 # ---------------------------------------------------------------------- modes (workers)
 
 
-def ddp_eager(w: Workload, local_rank: int):
+def _clipped(model, optimizer, grad_clip: float | None):
+    """optimizer.step, after clip_grad_norm_ (foreach: no host sync, capturable) when asked."""
+    if grad_clip is None:
+        return optimizer.step
+
+    def update():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip, foreach=True)
+        optimizer.step()
+    return update
+
+
+def ddp_eager(w: Workload, local_rank: int, grad_clip: float | None = None):
     model, optimizer = _fresh(w)
     ddp = torch.nn.parallel.DistributedDataParallel(
         model, device_ids=[local_rank], gradient_as_bucket_view=True)
-    return _eager_loop(w, ddp, model, optimizer)
+    return _eager_loop(w, ddp, model, optimizer, update=_clipped(model, optimizer, grad_clip))
 
 
-def ddp_graph(w: Workload, local_rank: int):
+def ddp_graph(w: Workload, local_rank: int, grad_clip: float | None = None):
     """Torch's "whole-network capture" with DDP: DDP built and warmed up on a side stream,
     then forward, backward (with its all-reduce) and the capturable optimizer in one graph."""
     model, optimizer = _fresh(w, capturable=True)
+    update = _clipped(model, optimizer, grad_clip)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -77,7 +92,7 @@ def ddp_graph(w: Workload, local_rank: int):
             with _autocast(w.amp):
                 loss = forward_loss(ddp, w.loss_fn, w.batches[i % len(w.batches)])
             loss.backward()
-            optimizer.step()
+            update()
     torch.cuda.current_stream().wait_stream(side)
 
     static = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
@@ -89,31 +104,34 @@ def ddp_graph(w: Workload, local_rank: int):
         with _autocast(w.amp, cache=False):
             static_loss = forward_loss(ddp, w.loss_fn, static)
         static_loss.backward()
-        optimizer.step()
+        update()
     return graph_step(graph, static, static_loss, ddp)
 
 
 def nt_step(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0,
-            shard: bool = False, overlap_update: bool = True) -> nt.Step:
+            grad_clip: float | None = None, shard: bool = False,
+            overlap_update: bool = True) -> nt.Step:
     # Step finds an initialised process group by itself: the same call on one GPU and on N
     # (local_rank is unused; it keeps the modes' signatures alike).
     model, optimizer = _fresh(w)
     return nt.Step(model, optimizer, w.loss_fn, amp=w.amp, bucket_mb=bucket_mb,
-                   shard_optimizer=shard, overlap_update=overlap_update)
+                   grad_clip=grad_clip, shard_optimizer=shard, overlap_update=overlap_update)
 
 
-def nt_step_serial(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0):
+def nt_step_serial(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0,
+                   grad_clip: float | None = None):
     """nt.Step with the update after the backward, as one pass (the lever's other side)."""
-    return nt_step(w, local_rank, bucket_mb, overlap_update=False)
+    return nt_step(w, local_rank, bucket_mb, grad_clip, overlap_update=False)
 
 
-def nt_step_sharded(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0):
-    return nt_step(w, local_rank, bucket_mb, shard=True)
+def nt_step_sharded(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0,
+                    grad_clip: float | None = None):
+    return nt_step(w, local_rank, bucket_mb, grad_clip, shard=True)
 
 
 def nt_step_sharded_serial(w: Workload, local_rank: int | None = None,
-                           bucket_mb: float = 25.0):
-    return nt_step(w, local_rank, bucket_mb, shard=True, overlap_update=False)
+                           bucket_mb: float = 25.0, grad_clip: float | None = None):
+    return nt_step(w, local_rank, bucket_mb, grad_clip, shard=True, overlap_update=False)
 
 
 MODES = {"ddp-eager": ddp_eager, "ddp-graph": ddp_graph, "step": nt_step,
@@ -133,7 +151,9 @@ def measure(key: str, w: Workload, info, args, bucket_mb: float | None = None
     function (or None) and the wall-clock time at which this rank finished its timed steps."""
     step, error, ms = None, None, 0.0
     try:
-        options = {} if bucket_mb is None else {"bucket_mb": bucket_mb}
+        options = {"grad_clip": args.grad_clip}
+        if bucket_mb is not None:
+            options["bucket_mb"] = bucket_mb
         step = MODES[key](w, info.local_rank, **options)
         ms = ms_per_step(step, w.batches, steps=args.steps, repeats=args.repeats)
     except Exception as exc:  # the row says why; the other modes still run
@@ -199,7 +219,7 @@ def worker(args) -> int:
                 "world_size": info.world_size, "steps": args.steps, "repeats": args.repeats,
                 "gpu": torch.cuda.get_device_name(info.device), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "nimble_train": nt.__version__,
-                "sync_bn": args.sync_bn,
+                "sync_bn": args.sync_bn, "grad_clip": args.grad_clip,
                 "last_step_wall": last_step_wall}
         write_json(args.worker_out, rows, meta)
     if step is not None and callable(getattr(step, "close", None)):
@@ -218,7 +238,7 @@ def single_gpu_baseline(args) -> dict:
            "ms_per_step": None, "samples_per_s": None, "note": "baseline", "error": None}
     step = None
     try:
-        step = nt_step(w)
+        step = nt_step(w, grad_clip=args.grad_clip)
         row["ms_per_step"] = ms_per_step(step, w.batches, steps=args.steps,
                                          repeats=args.repeats)
         row["samples_per_s"] = args.batch / row["ms_per_step"] * 1e3
@@ -246,6 +266,8 @@ def run_torchrun(args, out_path: str) -> tuple[int, str, float]:
         command.append("--sync-bn")
     if args.shard_optimizer:
         command.append("--shard-optimizer")
+    if args.grad_clip is not None:
+        command += ["--grad-clip", str(args.grad_clip)]
     # stderr goes to a file rather than a pipe: workers that outlive torchrun would hold a
     # pipe open and block the read.
     with tempfile.TemporaryFile("w+") as err:
@@ -285,7 +307,8 @@ def format_table(rows: list[dict], meta: dict) -> str:
     head = (f"{'mode':<24}  {'GPUs':>4}  {'batch/GPU':>9}  {'ms/step':>8}  {'samples/s':>10}  "
             f"{'scaling':>7}  {'vs DDP eager':>12}  {'vs DDP graph':>12}  note")
     sync_bn = ", SyncBatchNorm on N GPUs" if meta.get("sync_bn") else ""
-    lines = [f"{title(meta)}, {meta['model']}, batch {meta['batch']} per GPU{sync_bn}",
+    clip = f", gradients clipped to norm {meta['grad_clip']:g}" if meta.get("grad_clip") else ""
+    lines = [f"{title(meta)}, {meta['model']}, batch {meta['batch']} per GPU{sync_bn}{clip}",
              f"median of {meta['repeats']} x {meta['steps']} steps, CUDA events, slowest rank; "
              "samples/s over all GPUs; scaling: per-GPU throughput vs nt.Step on one GPU",
              head, "-" * len(head)]
@@ -361,11 +384,15 @@ def main(argv=None) -> int:
                         help="also time nt.Step(shard_optimizer=True): ZeRO-1 inside the graph")
     parser.add_argument("--sync-bn", action="store_true",
                         help="on N GPUs, convert BatchNorm to SyncBatchNorm (every mode)")
+    parser.add_argument("--grad-clip", type=float, metavar="MAX",
+                        help="every mode clips the global gradient norm to MAX")
     parser.add_argument("--json", help="also write the rows and metadata to this file")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
     if min(args.gpus, args.batch, args.steps, args.repeats) < 1:
         parser.error("--gpus, --batch, --steps and --repeats must be >= 1")
+    if args.grad_clip is not None and not 0 < args.grad_clip < float("inf"):
+        parser.error(f"--grad-clip must be a positive finite number; got {args.grad_clip}")
     if "RANK" not in os.environ:
         return launcher(args)
     if not args.worker_out:
