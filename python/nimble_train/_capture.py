@@ -16,6 +16,8 @@ from typing import Callable
 
 import torch
 
+from . import _torch_private
+from ._attention import DenseAttentionMasks
 from ._extension import _C
 from ._multistream import CHAIN, build_multistream, warn_single_stream
 from ._weight_grads import plan_weight_grads, split_weight_grads
@@ -37,6 +39,7 @@ class CapturedStep:
         self.batches = [layout.template.unflatten(self.graph.inputs(e)) for e in self.bases]
         self.outputs: dict[int, object] = {}  # each captured entry's output (a training loss)
         self.unplanned: set[int] = set()  # entries of evaluation graphs
+        self.dense_masks = False  # captures give SDPA dense attention masks (plan_streams)
         self.current = self.graph.current  # [1 + extra + update_values]
         self.update_values = self.current[1 + extra:]
         # Accumulation's loss weight (0-dim) and gradient correction ([1]), as launches stage.
@@ -73,6 +76,8 @@ class CapturedStep:
         to several streams, and the backward's weight gradients on a side stream
         (`gradients`: data parallel, the GradientSync that side stream reports to). `example`:
         the model's (args, kwargs), which size the operators."""
+        # Attention masks the fused kernels accept (see _attention.py), unless inductor plans.
+        self.dense_masks = not _torch_private.has_compiled_modules(model)
         if self.weight_grads is None and self.weight_grads_off is None:
             self.weight_grads, self.weight_grads_off = plan_weight_grads(
                 model, streams, device, gradients=gradients)
@@ -122,6 +127,7 @@ class CapturedStep:
         side = self.weight_grads if planned else None
         split = (split_weight_grads(self._split_model, side) if side is not None
                  else contextlib.nullcontext())
+        masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
@@ -131,7 +137,7 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split:  # the backward joins its weight-gradient stream as it ends
+                with split, masks:  # the backward joins its weight-gradient stream as it ends
                     loss = body(forward)
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream

@@ -257,7 +257,7 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     """
     if streams == 1:
         return None, "streams=1"
-    if _compiled(model):
+    if _torch_private.has_compiled_modules(model):
         # fx would trace the original modules and run them uncompiled; inductor's own kernels
         # run on one stream.
         return None, "the model contains torch.compile'd modules, whose kernels inductor plans"
@@ -272,10 +272,6 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     if plan.num_streams == 1:
         return None, CHAIN
     return MultiStreamForward(graph, plan, device), None
-
-
-def _compiled(model: torch.nn.Module) -> bool:
-    return any(_torch_private.is_compiled_module(m) for m in model.modules())
 
 
 def warn_single_stream(reason: str, backward_planned: bool = False) -> None:

@@ -31,6 +31,11 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+def has_compiled_modules(model: torch.nn.Module) -> bool:
+    """Whether `model` is, or holds, a torch.compile'd module."""
+    return any(is_compiled_module(m) for m in model.modules())
+
+
 def default_store():
     """The torch.distributed store of the default process group (rendezvous key-value store)."""
     import torch.distributed as dist

@@ -242,7 +242,7 @@ def plan_weight_grads(model: nn.Module, streams, device: torch.device, *,
     stream when a split layer's gradients are complete)."""
     if streams == 1:
         return None, "streams=1"
-    if any(_torch_private.is_compiled_module(m) for m in model.modules()):
+    if _torch_private.has_compiled_modules(model):
         return None, "the model contains torch.compile'd modules, whose backward inductor plans"
     if not any(eligible(m, gradients) for m in model.modules()):
         why = ("no convolution or linear layer whose weight gradient can move"

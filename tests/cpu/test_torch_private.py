@@ -38,6 +38,9 @@ def test_compiled_modules_are_recognised():
     model = torch.nn.Linear(2, 2)
     assert _torch_private.is_compiled_module(torch.compile(model))
     assert not _torch_private.is_compiled_module(model)
+    holder = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2)))
+    assert _torch_private.has_compiled_modules(holder)
+    assert not _torch_private.has_compiled_modules(torch.nn.Sequential(model))
 
 
 def test_the_default_store_is_the_process_groups():
