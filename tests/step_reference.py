@@ -254,6 +254,46 @@ def training_gap(model_a, opt_a, model_b, opt_b) -> float:
     return (diff / max(ref, 1e-300)) ** 0.5
 
 
+class _Float32WeightGradLinear(torch.autograd.Function):
+    """A linear layer under autocast whose weight and bias gradients are float64 sums of the
+    bf16/fp16 operands' products, rounded once to float32: the reference for Step's split
+    linear layers, which accumulate the product's float32 accumulator into the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x_, w_ = x.to(dtype), weight.to(dtype)
+        b_ = bias.to(dtype) if bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            y = F.linear(x_, w_, b_)
+        ctx.save_for_backward(x_, w_)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, w = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.shape[-1]).double()
+        grad_w = g.t().mm(x.reshape(-1, x.shape[-1]).double()).float()
+        grad_b = g.sum(0).float() if ctx.has_bias else None
+        return grad_y.matmul(w), grad_w, grad_b
+
+
+def float32_weight_grads(model):
+    """`model` with every nn.Linear run, under autocast, through _Float32WeightGradLinear
+    (outside autocast, as it was)."""
+    def forward_of(layer):
+        def forward(x):
+            if not torch.is_autocast_enabled(x.device.type):
+                return torch.nn.Linear.forward(layer, x)
+            return _Float32WeightGradLinear.apply(x, layer.weight, layer.bias)
+        return forward
+    for m in model.modules():
+        if type(m) is torch.nn.Linear:
+            m.forward = forward_of(m)
+    return model
+
+
 def nudged(model):
     """A copy whose floating parameters are scaled by 1 + 2^-22 (a float32 rounding step)."""
     other = copy.deepcopy(model)

@@ -14,7 +14,10 @@ waits on all of them when the backward ends, before the backward returns.
 
 Results are those of autograd's: the same aten products (``convolution_backward`` with one half
 of its output mask each; the two matrix products of a linear layer), accumulated into the
-same gradient tensors. What changes is only which stream runs them.
+same gradient tensors. What changes is which stream runs them and, under autocast, one
+rounding: a linear layer's weight gradient is accumulated into the float32 gradient by the
+product itself (beta=1), from its float32 accumulator, where autograd rounds the product to
+bf16/fp16, casts it back and adds it (see _accumulate_product).
 """
 
 from __future__ import annotations
@@ -103,6 +106,36 @@ def _accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
+# Operand dtypes whose matrix products cuBLAS can write into a float32 output directly.
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def _accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """param.grad += a @ b, in the gradient's dtype. Under autocast (bf16 or fp16 operands, a
+    float32 parameter) the product's float32 accumulator goes straight into the float32
+    gradient: one matrix product with beta=1, as Megatron-LM's gradient-accumulation fusion
+    does, where autograd rounds the product to the operands' dtype, casts it back and adds it
+    with two more kernels over the whole gradient. The gradient is that of autograd without the
+    rounding of the product to bf16/fp16."""
+    grad = param.grad
+    fused = (a.is_cuda and a.dtype in _LOW_PRECISION and param.dtype == torch.float32)
+    if grad is None:
+        _accumulate(param, torch.mm(a, b, out_dtype=torch.float32) if fused else a.mm(b))
+    elif fused and grad.dtype == torch.float32 and grad.is_contiguous():
+        torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
+    elif a.dtype == grad.dtype and grad.is_contiguous():
+        grad.addmm_(a, b)
+    else:
+        _accumulate(param, a.mm(b))
+
+
+def _accumulate_sum(param: torch.Tensor, g: torch.Tensor) -> None:
+    """param.grad += g.sum(0), summed in the gradient's dtype (a bias under autocast: float32,
+    not a bf16 sum added by a mixed-dtype kernel)."""
+    dtype = param.dtype if param.dtype.is_floating_point else None
+    _accumulate(param, g.sum(0, dtype=dtype))
+
+
 def _amp_cast(*tensors):
     """The tensors as autocast would hand them to a convolution or a matrix product."""
     if not torch.is_autocast_enabled("cuda"):
@@ -168,9 +201,9 @@ class _Linear(torch.autograd.Function):
 
         def weight_grads():
             g2 = grad_y.reshape(-1, grad_y.shape[-1])
-            _accumulate(module.weight, g2.t().mm(x.reshape(-1, x.shape[-1])))
+            _accumulate_product(module.weight, g2.t(), x.reshape(-1, x.shape[-1]))
             if has_bias:
-                _accumulate(module.bias, g2.sum(0))
+                _accumulate_sum(module.bias, g2)
             ctx.side.accumulated(module.weight, module.bias)
 
         ctx.side.launch(weight_grads, (grad_y, x, w))

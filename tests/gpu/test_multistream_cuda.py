@@ -7,8 +7,8 @@ import torch
 
 import nimble_train as nt
 from step_reference import (InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock,
-                            assert_same_training, classification_batches, eager_loop, nudged,
-                            training_gap)
+                            assert_same_training, classification_batches, eager_loop,
+                            float32_weight_grads, nudged, training_gap)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -21,7 +21,7 @@ LOSS_TOL = {"rtol": 1e-3, "atol": 1e-3}
 
 
 def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None,
-               eager_check="state", **options):
+               eager_check="state", eager_reference=None, **options):
     """Step on planned streams (twice), on one stream, and the eager loop, from equal starts.
 
     With `bitwise`, the two multi-stream runs must agree exactly: a captured graph fixes the
@@ -41,6 +41,10 @@ def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None,
     step size, a race) moves the training by far more. Where even the nudge moves the training
     by most of its norm in a few steps ("first-graph-loss"), only the losses up to the first
     graph step, which starts from the eager state up to rounding, are compared, tightly.
+
+    With amp, the eager loop runs under the same autocast; `eager_reference(model)` gives the
+    eager model, from the first graph step on, the numerics Step's captured steps document
+    where they differ from autograd's.
     """
     warmup = 2
     start = copy.deepcopy(model).cpu()
@@ -67,7 +71,12 @@ def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None,
     losses_short = torch.stack([short_step(b).clone() for b in short])
     assert short_step.stats()["replays"] == 2
     assert short_step.stats()["streams"] == multi.stats()["streams"]
-    losses_eager = torch.stack(eager_loop(eager_model, eager_opt, per_sample, short))
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.get("amp"))
+    losses_eager = eager_loop(eager_model, eager_opt, per_sample, short[:warmup], amp=amp)
+    if eager_reference is not None:  # from the first graph step on, as in Step
+        eager_model = eager_reference(eager_model)
+    losses_eager += eager_loop(eager_model, eager_opt, per_sample, short[warmup:], amp=amp)
+    losses_eager = torch.stack(losses_eager)
     eager_tol = eager_tol or tol
     if eager_check == "first-graph-loss":
         torch.testing.assert_close(losses_short[:warmup + 1], losses_eager[:warmup + 1], **TOL)
@@ -78,7 +87,7 @@ def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None,
         return multi.stats()
     floor_model = nudged(start).cuda()
     floor_opt = make_opt(floor_model.parameters())
-    eager_loop(floor_model, floor_opt, per_sample, short)
+    eager_loop(floor_model, floor_opt, per_sample, short, amp=amp)
     floor = training_gap(floor_model, floor_opt, eager_model, eager_opt)
     gap = training_gap(short_model, short_opt, eager_model, eager_opt)
     assert gap <= 10 * floor + 1e-6, f"relative gap to eager {gap:.3g}, rounding floor {floor:.3g}"
@@ -87,7 +96,7 @@ def three_ways(model, make_opt, batches, tol=TOL, bitwise=True, eager_tol=None,
     off_opt = make_opt(off_model.parameters())
     for group in off_opt.param_groups:
         group["lr"] *= 1.05
-    eager_loop(off_model, off_opt, per_sample, short)
+    eager_loop(off_model, off_opt, per_sample, short, amp=amp)
     off = training_gap(off_model, off_opt, eager_model, eager_opt)
     assert off > 10 * floor + 1e-6, f"a 5% lr error gives {off:.3g}, rounding floor {floor:.3g}"
     return multi.stats()
@@ -107,9 +116,12 @@ def test_transformer_block_with_parallel_projections():
     g = torch.Generator().manual_seed(1)
     batches = [(torch.randn(8, 10, 32, generator=g).cuda(),
                 torch.randint(0, 5, (8,), generator=g).cuda()) for _ in range(6)]
-    # Attention's backward kernels are not deterministic: no bitwise comparison here.
+    # Attention's backward kernels are not deterministic: no bitwise comparison here. The
+    # projections' weight gradients leave the critical path, summed in float32 (the eager
+    # reference does the same, in float64).
     stats = three_ways(TransformerBlock(), lambda p: torch.optim.AdamW(p, lr=1e-3), batches,
-                       tol=BF16_TOL, bitwise=False, amp="bf16")
+                       tol=BF16_TOL, bitwise=False, amp="bf16",
+                       eager_reference=float32_weight_grads)
     assert stats["streams"] >= 3
 
 
