@@ -130,8 +130,18 @@ def _accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
 
 
 def _accumulate_sum(param: torch.Tensor, g: torch.Tensor) -> None:
-    """param.grad += g.sum(0), summed in the gradient's dtype (a bias under autocast: float32,
-    not a bf16 sum added by a mixed-dtype kernel)."""
+    """param.grad += g.sum(0) for a 2-D g, summed in the gradient's dtype. Under autocast the
+    sum is a matrix product with a column of ones, accumulated into the float32 gradient as
+    the weight's is: cuBLAS reads g once, where a column sum over bf16 rows runs at a fraction
+    of the bandwidth (and its result would need an add of its own). Every product with 1 is
+    exact, so this is the float32 sum of g's rows."""
+    grad = param.grad
+    if (g.is_cuda and g.dtype in _LOW_PRECISION and param.dtype == torch.float32
+            and grad is not None and grad.dtype == torch.float32 and grad.is_contiguous()):
+        ones = torch.ones(g.shape[0], 1, dtype=g.dtype, device=g.device)
+        column = grad.view(-1, 1)
+        torch.addmm(column, g.t(), ones, out_dtype=torch.float32, out=column)
+        return
     dtype = param.dtype if param.dtype.is_floating_point else None
     _accumulate(param, g.sum(0, dtype=dtype))
 
