@@ -94,18 +94,19 @@ def test_bf16_autocast_gradients_match_autocast_autograd():
 
 
 @pytest.mark.parametrize("backwards", [1, 3])
-def test_bf16_linear_gradients_are_summed_in_float32(backwards):
+@pytest.mark.parametrize("width", [96, 9000])  # the bias as a product with ones, and as a sum
+def test_bf16_linear_gradients_are_summed_in_float32(backwards, width):
     """Under autocast a split linear layer's gradients are the float32 sums of the bf16
     operands' products (the float64 reference to float32 rounding), where autograd rounds each
     product to bf16 first; a second and third backward accumulate in the same precision."""
     torch.manual_seed(3)
-    model = nn.Linear(384, 96)
+    model = nn.Linear(384, width)
     x = torch.randn(2, 64, 384, device="cuda")
     ref, got, ref_model, _ = grads_both_ways(model, (x,), amp="bf16", backwards=backwards)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         out = ref_model(x)  # the weights never moved: every backward saw this output
     # loss = sum(out.float() ** 2): the output's gradient is 2 * out, exact in bf16
-    g = (2 * out.double()).reshape(-1, 96)
+    g = (2 * out.double()).reshape(-1, width)
     xs = x.to(torch.bfloat16).double().reshape(-1, 384)
     want = [backwards * g.t().mm(xs), backwards * g.sum(0)]
 
