@@ -15,9 +15,9 @@ waits on all of them when the backward ends, before the backward returns.
 Results are those of autograd's: the same aten products (``convolution_backward`` with one half
 of its output mask each; the two matrix products of a linear layer), accumulated into the
 same gradient tensors. What changes is which stream runs them and, under autocast, one
-rounding: a linear layer's weight gradient is accumulated into the float32 gradient by the
-product itself (beta=1), from its float32 accumulator, where autograd rounds the product to
-bf16/fp16, casts it back and adds it (see _accumulate_product).
+rounding: a linear layer's weight and bias gradients are accumulated into the float32
+gradients by matrix products (beta=1), from their float32 accumulators, where autograd rounds
+each product to bf16/fp16, casts it back and adds it (see _accumulate_product).
 """
 
 from __future__ import annotations
@@ -114,6 +114,15 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ONES_PRODUCT_MAX_COLUMNS = 8192
 
 
+def _in_float32(param: torch.Tensor, operand: torch.Tensor) -> bool:
+    """Whether products of `operand` (bf16/fp16 under autocast) go straight into `param`'s
+    float32 gradient, with a float32 output."""
+    grad = param.grad
+    return (operand.is_cuda and operand.dtype in _LOW_PRECISION
+            and param.dtype == torch.float32
+            and (grad is None or (grad.dtype == torch.float32 and grad.is_contiguous())))
+
+
 def _accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """param.grad += a @ b, in the gradient's dtype. Under autocast (bf16 or fp16 operands, a
     float32 parameter) the product's float32 accumulator goes straight into the float32
@@ -122,10 +131,10 @@ def _accumulate_product(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -
     with two more kernels over the whole gradient. The gradient is that of autograd without the
     rounding of the product to bf16/fp16."""
     grad = param.grad
-    fused = (a.is_cuda and a.dtype in _LOW_PRECISION and param.dtype == torch.float32)
+    fused = _in_float32(param, a)
     if grad is None:
         _accumulate(param, torch.mm(a, b, out_dtype=torch.float32) if fused else a.mm(b))
-    elif fused and grad.dtype == torch.float32 and grad.is_contiguous():
+    elif fused:
         torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
     elif a.dtype == grad.dtype and grad.is_contiguous():
         grad.addmm_(a, b)
@@ -139,12 +148,10 @@ def _accumulate_sum(param: torch.Tensor, g: torch.Tensor) -> None:
     accumulated into the float32 gradient as the weight's is: there cuBLAS is faster than a
     column sum over bf16 rows and its separate add. Every product with 1 is exact, so this is
     the float32 sum of g's rows either way."""
-    grad = param.grad
-    if (g.is_cuda and g.dtype in _LOW_PRECISION and param.dtype == torch.float32
-            and g.shape[1] <= _ONES_PRODUCT_MAX_COLUMNS
-            and grad is not None and grad.dtype == torch.float32 and grad.is_contiguous()):
+    if (param.grad is not None and _in_float32(param, g)
+            and g.shape[1] <= _ONES_PRODUCT_MAX_COLUMNS):
         ones = torch.ones(g.shape[0], 1, dtype=g.dtype, device=g.device)
-        column = grad.view(-1, 1)
+        column = param.grad.view(-1, 1)
         torch.addmm(column, g.t(), ones, out_dtype=torch.float32, out=column)
         return
     dtype = param.dtype if param.dtype.is_floating_point else None
