@@ -43,6 +43,17 @@ def default_store():
     return dist.distributed_c10d._get_default_store()
 
 
+def import_before_process_group() -> None:
+    """Imports torch._dynamo, which torch.optim otherwise imports on the first optimizer built.
+    Some torch.distributed modules it brings in keep references to the default process group
+    when they are first imported after it exists. Those references survive
+    destroy_process_group, so the gloo group outlives it and its worker threads are still
+    running when the interpreter shuts down. Releasing a finished collective's tensors there
+    takes the GIL and aborts the process ("terminate called without an active exception").
+    Imported before the group exists, those modules hold no reference to it."""
+    import torch._dynamo  # noqa: F401
+
+
 def amp_update_scale_(scale: torch.Tensor, growth_tracker: torch.Tensor,
                       found_inf: torch.Tensor, growth_factor: float, backoff_factor: float,
                       growth_interval: int) -> None:

@@ -95,6 +95,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, device: str | None = 
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
+        _torch_private.import_before_process_group()  # so that destroy_process_group ends it
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if cuda else None)

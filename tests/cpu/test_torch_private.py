@@ -164,3 +164,44 @@ def test_shares_storage_sees_views_of_fake_and_real_tensors():
         f = mode.from_tensor(t)
         assert _torch_private.shares_storage(f.view(16), f)
         assert not _torch_private.shares_storage(f + 1, f)
+
+
+_GROUP_RELEASED = r"""
+import sys
+import torch
+import torch.distributed as dist
+import nimble_train as nt
+
+assert "torch._dynamo" not in sys.modules  # a fresh interpreter, as a job starts
+nt.init_distributed(device="cpu")
+group = dist.group.WORLD
+before = sys.getrefcount(group)
+torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)  # imports torch._dynamo's modules
+after_optimizer = sys.getrefcount(group)
+dist.barrier()
+dist.destroy_process_group()
+print(before, after_optimizer, sys.getrefcount(group))
+"""
+
+
+def test_the_process_group_is_released_by_destroy_when_an_optimizer_was_built_after_init():
+    """init_distributed imports torch._dynamo before the group exists
+    (import_before_process_group): imported after it, some torch.distributed modules keep
+    references to the default group, which then outlives destroy_process_group and lets gloo's
+    threads run into interpreter shutdown (an abort at exit)."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port))
+    out = subprocess.run([sys.executable, "-c", _GROUP_RELEASED], env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    before, after_optimizer, after_destroy = map(int, out.stdout.split()[-3:])
+    assert after_optimizer == before  # the optimizer's imports hold no reference to the group
+    assert after_destroy == 2  # only `group` and getrefcount's argument: nothing keeps it alive
