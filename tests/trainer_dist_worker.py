@@ -2,6 +2,7 @@
 drop-in, by argv[1]; rank 0 saves the final weights, the logged losses and the Step's stats to
 argv[2]. Both runs see the same shards of the same batches."""
 
+import gc
 import json
 import os
 import sys
@@ -44,3 +45,8 @@ def main(which: str, out: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    # Trainer leaves the process group it made to the interpreter's shutdown, where gloo's
+    # threads may still run and abort the process; ended here (after the DDP wrapper that holds
+    # it is gone), it ends cleanly.
+    gc.collect()
+    torch.distributed.destroy_process_group()
