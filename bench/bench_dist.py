@@ -42,7 +42,7 @@ from torch.utils import _pytree as pytree
 
 import nimble_train as nt
 from nimble_train.bench.cli import _note, _one_line
-from nimble_train.bench.modes import _autocast, _eager_loop, _fresh, graph_step
+from nimble_train.bench.modes import _autocast, _eager_loop, _fresh, anchor_capture, graph_step
 from nimble_train.bench.report import _fmt, _number, read_json, title, write_json
 from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import Workload, forward_loss, make_workload
@@ -78,7 +78,8 @@ def ddp_eager(w: Workload, local_rank: int, grad_clip: float | None = None):
 
 def ddp_graph(w: Workload, local_rank: int, grad_clip: float | None = None):
     """Torch's "whole-network capture" with DDP: DDP built and warmed up on a side stream,
-    then forward, backward (with its all-reduce) and the capturable optimizer in one graph."""
+    then forward, backward (with its all-reduce) and the capturable optimizer in one graph,
+    SDPA given dense attention masks as in Step's capture (modes.anchor_capture)."""
     model, optimizer = _fresh(w, capturable=True)
     update = _clipped(model, optimizer, grad_clip)
     side = torch.cuda.Stream()
@@ -98,7 +99,7 @@ def ddp_graph(w: Workload, local_rank: int, grad_clip: float | None = None):
     static = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                              w.batches[0])
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with anchor_capture(graph):
         # Backward accumulates into the bucket views, so every replay must zero them first.
         optimizer.zero_grad(set_to_none=False)
         with _autocast(w.amp, cache=False):

@@ -56,3 +56,20 @@ def test_a_captured_bert_runs_fused_attention_and_equals_the_eager_loop(no_tf32,
                                atol=2e-5)
     assert_same_training(model, o1, reference, o2, rtol=2e-4, atol=2e-5)
     step.close()
+
+
+def test_the_benchmarks_hand_written_graph_runs_fused_attention_as_step_does(monkeypatch):
+    """The benchmark's hand-written whole-step graph (bench.modes.hand_graph; bench_dist's
+    DDP graph uses the same capture) gives SDPA the masks Step gives it; captured plainly, it
+    would run the math path and make Step look faster than it is."""
+    from nimble_train.bench import modes
+    from nimble_train.bench.workloads import make_workload
+    w = make_workload("bert", 8, "cuda", seq=64, bert_size="tiny", count=4)
+    monkeypatch.setattr(modes, "anchor_capture", torch.cuda.graph)
+    plain = modes.hand_graph(w)
+    assert not attention_kernels(plain, w.batches[1]), (
+        "captured without dense masks, transformers' attention is fused already: "
+        "anchor_capture (and Step's DenseAttentionMasks) may no longer be needed")
+    monkeypatch.undo()
+    assert attention_kernels(modes.hand_graph(w), w.batches[1]), \
+        "the hand-written graph anchor computes attention unfused"

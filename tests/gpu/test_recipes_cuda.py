@@ -155,7 +155,7 @@ def run_bench(tmp_path, argv):
 
 
 def test_bench_runs_every_graph_mode_on_branchy(tmp_path):
-    modes = ["eager", "eager-fused", "graph", "step", "step-auto"]
+    modes = ["eager", "eager-fused", "graph", "graph-fused", "step", "step-auto"]
     rows = run_bench(tmp_path, ["--model", "branchy", "--batch", "16", "--modes", *modes])
     assert [r["mode"] for r in rows] == modes
     for r in rows:
@@ -166,7 +166,7 @@ def test_bench_runs_every_graph_mode_on_branchy(tmp_path):
 
 @needs_transformers
 def test_bench_runs_bert(tmp_path):
-    modes = ["eager", "graph", "step"]
+    modes = ["eager", "graph", "graph-fused", "step"]
     rows = run_bench(tmp_path, ["--model", "bert", "--bert-size", "tiny", "--batch", "8",
                                 "--seq", "64", "--modes", *modes])
     for r in rows:

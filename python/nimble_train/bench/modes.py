@@ -2,13 +2,16 @@
 
 Every mode builds its own model and optimizer from the same seed and runs the same batches:
 eager PyTorch, eager with torch's fused optimizer, torch.compile (default and reduce-overhead),
-the whole step captured by hand as one CUDA graph (PyTorch's documented recipe), and nt.Step
-on one stream and with streams="auto". Each anchor is set up as a competent user would:
+the whole step captured by hand as one CUDA graph (PyTorch's documented recipe, with its
+default optimizer and with torch's fused one), and nt.Step on one stream and with
+streams="auto". Each anchor is set up as a competent user would:
 reduce-overhead runs torch's fused optimizer (one kernel per step, where the default foreach
 optimizer's launches cost 0.5 ms of host time per ResNet-18 step on an H100, while the GPU
 waits); ``compile-ro-opt`` compiles the optimizer step too, as PyTorch's compiled-optimizer
 recipe does (``torch.compile(optimizer.step)``, default mode: its CUDA graphs under
-reduce-overhead overwrite the model graphs' outputs).
+reduce-overhead overwrite the model graphs' outputs). The hand-written graphs capture with the
+dense attention masks Step gives scaled_dot_product_attention (:func:`anchor_capture`), so
+that they run the same fused attention kernel as Step and the eager loop.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from .._attention import DenseAttentionMasks
 from .._torch_private import pytree
 from ..step import Step
 from .workloads import Workload, forward_loss
@@ -87,11 +91,27 @@ def _compiled(mode: str | None, *, fused: bool | None = None,
     return build
 
 
-def hand_graph(w: Workload) -> StepFn:
+@contextlib.contextmanager
+def anchor_capture(graph: torch.cuda.CUDAGraph):
+    """torch.cuda.graph(graph), with the attention masks Step's captures give SDPA.
+
+    Captured, a Hugging Face model builds even an all-ones attention mask, as a broadcast view
+    that SDPA's fused kernels refuse; SDPA then runs its math path (BERT-base b32: 1.36x
+    slower). A user tuning a hand-written graph finds that in a profile and hands SDPA a dense
+    mask, as Step does (nimble_train/_attention.py); the anchor does the same, so that it
+    compares graphs, not attention kernels."""
+    with torch.cuda.graph(graph), DenseAttentionMasks():
+        yield
+
+
+def hand_graph(w: Workload, *, fused: bool = False) -> StepFn:
     """PyTorch's whole-network capture recipe, written out by hand: three warm-up steps on a
     side stream, then forward, backward and optimizer step captured with gradients set to None
-    (so backward writes fresh gradients rather than accumulating into old ones)."""
-    model, optimizer = _fresh(w, capturable=True)
+    (so backward writes fresh gradients rather than accumulating into old ones); SDPA gets
+    dense attention masks in the capture (:func:`anchor_capture`). The recipe's optimizer is
+    torch's default (foreach, capturable where torch asks for it); `fused`: torch's fused one,
+    one kernel per parameter group, which a user tuning the graph would pick."""
+    model, optimizer = _fresh(w, fused=fused or None, capturable=True)
     static = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                              w.batches[0])
     side = torch.cuda.Stream()
@@ -106,7 +126,7 @@ def hand_graph(w: Workload) -> StepFn:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     optimizer.zero_grad(set_to_none=True)
-    with torch.cuda.graph(graph):
+    with anchor_capture(graph):
         with _autocast(w.amp, cache=False):
             static_loss = forward_loss(model, w.loss_fn, static)
         static_loss.backward()
@@ -149,6 +169,8 @@ MODES: dict[str, Mode] = {m.key: m for m in [
     Mode("compile-ro-opt", "reduce-overhead + compiled optimizer",
          _compiled("reduce-overhead", compile_update=True), lambda s: 3),
     Mode("graph", "hand-written whole-step graph", hand_graph, lambda s: 1),
+    Mode("graph-fused", "hand-written graph, fused opt.",
+         lambda w: hand_graph(w, fused=True), lambda s: 1),
     Mode("step", "nt.Step, 1 stream", _nt_step(1), lambda s: s.warmup + 1),
     Mode("step-auto", 'nt.Step, streams="auto"', _nt_step("auto"), lambda s: s.warmup + 1),
     Mode("step-compile", "nt.Step over torch.compile(model)", _nt_step(1, compiled=True),

@@ -155,8 +155,9 @@ def bert_optimizer(model: torch.nn.Module, lr: float, *, kind: str = "adamw",
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if kind == "adamw":
-        extra = {"fused": fused} if fused else {"capturable": capturable}
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6, **extra)
+        extra = {"fused": True} if fused else {}
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6,
+                                 capturable=capturable, **extra)
     if kind == "lamb":
         from ..optim import LAMB
         return LAMB(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6)
