@@ -2,8 +2,9 @@
 
 A row is a dict: model, batch, mode (key), label, ms_per_step, samples_per_s, first_step_s,
 gpu_busy, note, error (None, or why the mode failed: its other figures are then None), and
-the ratios vs_eager, vs_reduce_overhead (the best reduce-overhead row) and vs_graph (the
-best hand-written graph row) that add_ratios fills in (reference time / this time: above 1 is faster).
+the ratios vs_eager, vs_reduce_overhead (the best reduce-overhead row) and vs_graph (the best
+hand-written graph row) that add_ratios fills in (reference time / this time: above 1 is
+faster).
 """
 
 from __future__ import annotations
