@@ -111,6 +111,7 @@ def hand_graph(w: Workload, *, fused: bool = False) -> StepFn:
     dense attention masks in the capture (:func:`anchor_capture`). The recipe's optimizer is
     torch's default (foreach, capturable where torch asks for it); `fused`: torch's fused one,
     one kernel per parameter group, which a user tuning the graph would pick."""
+    # fused=None, not False: torch's default then picks foreach, which False would turn off.
     model, optimizer = _fresh(w, fused=fused or None, capturable=True)
     static = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
                              w.batches[0])

@@ -155,9 +155,8 @@ def bert_optimizer(model: torch.nn.Module, lr: float, *, kind: str = "adamw",
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     if kind == "adamw":
-        extra = {"fused": True} if fused else {}
-        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6,
-                                 capturable=capturable, **extra)
+        return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6, fused=fused,
+                                 capturable=capturable)
     if kind == "lamb":
         from ..optim import LAMB
         return LAMB(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6)
