@@ -12,6 +12,12 @@ launch `lag` of its own launches later — late enough to overlap it with the ne
 gradients, early enough that the tensors it reads can be released — and the backward's caller
 waits on all of them when the backward ends, before the backward returns.
 
+Each stream that launches (a layer's forward stream: autograd runs the layer's backward there)
+has a side stream of its own. With one side stream for all of them, branches the forward plan
+ran side by side would meet again in the backward: the side stream waits on each branch in
+turn, and each branch waits on the side stream one launch later, so every branch's backward
+would follow the other branches' progress and the weight gradients of all of them.
+
 Results are those of autograd's: the same aten products (``convolution_backward`` with one half
 of its output mask each; the two matrix products of a linear layer), accumulated into the
 same gradient tensors. What changes is which stream runs them and, under autocast, one
@@ -34,20 +40,22 @@ from . import _torch_private
 
 
 class SideStream:
-    """The side stream of weight gradients, with a bounded lag behind the current stream (see
-    the module docstring). One stream: launches that accumulate into the same gradient (a
-    layer called twice) stay in order."""
+    """The side streams of weight gradients, one per launching stream, each with a bounded lag
+    behind it (see the module docstring). Launches that accumulate into the same gradients (a
+    layer called twice) share one side stream, the first one they met, so they stay in order."""
 
     def __init__(self, device: torch.device, lag: int = 1, gradients=None):
         if lag < 1:
             raise ValueError(f"the lag must be >= 1 launch; got {lag}")
-        self.stream = torch.cuda.Stream(device)
+        self.device = torch.device(device)
         self.lag = lag
         # Data parallel: the GradientSync whose buckets learn here that a split layer's
         # gradients are complete (autograd's accumulation hooks never see them).
         self.gradients = gradients
-        self.launched = 0  # weight gradients handed to the side stream, in all
+        self.launched = 0  # weight gradients handed to a side stream, in all
         self.layers = 0  # layers split in the last split_weight_grads block
+        self._side_of_launcher: dict[int, torch.cuda.Stream] = {}  # by launching stream
+        self._side_of_key: dict[int, torch.cuda.Stream] = {}  # by id of a launch's key
         # Per stream that launches (the current stream in a backward: the forward stream of
         # the layer), its launches not yet waited on: (event, tensors kept alive until then).
         # A launch's inputs are made on its own stream (an input from another stream is kept
@@ -55,16 +63,35 @@ class SideStream:
         # launching stream's own wait is what makes them safe to release.
         self._pending: dict[int, collections.deque] = {}
 
-    def launch(self, work, keep: tuple) -> None:
-        """Runs `work()` on the side stream, after everything queued on the current one.
-        Called from a backward: the first launch of a backward has the current stream join
-        the side stream when that backward ends, before it returns to its caller."""
+    @property
+    def streams(self) -> int:
+        """Side streams in use so far."""
+        return len(self._side_of_launcher)
+
+    def _side_for(self, main: torch.cuda.Stream, key) -> torch.cuda.Stream:
+        side = self._side_of_key.get(id(key)) if key is not None else None
+        if side is None:
+            side = self._side_of_launcher.get(main.cuda_stream)
+            if side is None:  # from torch's stream pool, made before any capture
+                side = torch.cuda.Stream(self.device)
+                self._side_of_launcher[main.cuda_stream] = side
+            if key is not None:
+                self._side_of_key[id(key)] = side
+        return side
+
+    def launch(self, work, keep: tuple, key=None) -> None:
+        """Runs `work()` on the current stream's side stream (`key`'s, when an earlier launch
+        with the same key went elsewhere: it accumulates into the same gradients), after
+        everything queued on the current stream. Called from a backward: the first launch of a
+        backward has the current stream join every side stream when that backward ends, before
+        it returns to its caller."""
         main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
+        side = self._side_for(main, key)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             work()
             done = torch.cuda.Event()
-            done.record(self.stream)
+            done.record(side)
         if not self._pending:
             _torch_private.at_end_of_backward(self.join)
         pending = self._pending.setdefault(main.cuda_stream, collections.deque())
@@ -201,7 +228,7 @@ class _Conv(torch.autograd.Function):
                 _accumulate(module.bias, gb)
             ctx.side.accumulated(module.weight, module.bias)
 
-        ctx.side.launch(weight_grads, (grad_y, x, w))
+        ctx.side.launch(weight_grads, (grad_y, x, w), key=module)
         return grad_x, None, None, None, None, None, None, None, None
 
 
@@ -228,7 +255,7 @@ class _Linear(torch.autograd.Function):
                 _accumulate_sum(module.bias, g2)
             ctx.side.accumulated(module.weight, module.bias)
 
-        ctx.side.launch(weight_grads, (grad_y, x, w))
+        ctx.side.launch(weight_grads, (grad_y, x, w), key=module)
         return grad_x, None, None, None, None
 
 
@@ -304,8 +331,8 @@ def plan_weight_grads(model: nn.Module, streams, device: torch.device, *,
                + (" (data parallel: only layers that alone use their parameters, once)"
                   if gradients is not None else ""))
         return None, why
-    # Waited on one launch later: more side streams or a longer lag gave nothing more on
-    # ResNet-18, the branchy network or BERT-base.
+    # Waited on one launch later: a longer lag gave nothing more on ResNet-18, the branchy
+    # network or BERT-base.
     return SideStream(device, lag=1, gradients=gradients), None
 
 

@@ -602,6 +602,9 @@ class Step:
             # layers whose weight gradients the last capture ran on a side stream
             "weight_grad_layers": graph.weight_grads.layers if graph and graph.weight_grads
             else 0,
+            # their side streams: one per forward stream that launched them
+            "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads
+            else 0,
             "weight_grads_off": graph.weight_grads_off if graph else None,
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
                                                   "pool_bytes": None}),

@@ -191,6 +191,35 @@ def test_a_launch_is_released_once_its_own_stream_has_waited_on_it():
     torch.cuda.synchronize()
 
 
+def test_each_launching_stream_has_a_side_stream_and_a_layer_keeps_its_first():
+    # Branches the forward runs side by side launch from their own streams: each gets a side
+    # stream of its own, so that their backwards stay apart. A layer launched again from
+    # another stream (called twice) stays on its first side stream: its accumulations in order.
+    side = SideStream(torch.device("cuda"), lag=1)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    x_layer, y_layer = nn.Linear(1, 1), nn.Linear(1, 1)
+    ran_on = []
+
+    class Launches(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            for stream, key in ((a, x_layer), (b, y_layer), (b, x_layer), (a, y_layer), (b, None)):
+                with torch.cuda.stream(stream):
+                    side.launch(lambda: ran_on.append(torch.cuda.current_stream()), (), key=key)
+            return grad
+
+    x = torch.ones(2, device="cuda", requires_grad=True)
+    Launches.apply(x).sum().backward()
+    side_a, side_b = ran_on[0], ran_on[1]
+    assert side.streams == 2 and side_a != side_b and not {side_a, side_b} & {a, b}
+    assert ran_on == [side_a, side_b, side_a, side_b, side_b]
+    torch.cuda.synchronize()
+
+
 def test_a_failing_forward_restores_the_layers():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).cuda()
     side = SideStream(torch.device("cuda"))
