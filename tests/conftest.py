@@ -1,5 +1,6 @@
 """Skips GPU and multi-GPU tests, with the reason, on machines that cannot run them."""
 
+import contextlib
 import os
 import sys
 
@@ -31,14 +32,53 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(no_gpu)
 
 
+@contextlib.contextmanager
+def ieee_float32(matmul: bool):
+    """float32 convolutions (and, with `matmul`, matrix products) in full precision, no TF32;
+    the previous settings back after the block. Through torch's fp32_precision settings where
+    it has them: once any library has used those, reading the legacy allow_tf32 flags raises
+    ("you have used mix of the legacy and new APIs")."""
+    conv = getattr(getattr(torch.backends.cudnn, "conv", None), "fp32_precision", None)
+    if conv is None:  # an older torch: the legacy flags only
+        saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = False
+        if matmul:
+            torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        return
+    saved = torch.backends.cuda.matmul.fp32_precision, conv
+    torch.backends.cudnn.conv.fp32_precision = "ieee"
+    if matmul:
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
+
+
 @pytest.fixture
 def no_tf32():
     """float32 matmuls and convolutions in full precision for the test (comparisons with an
     eager reference at float32 tolerances); the previous settings back after it."""
-    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    with ieee_float32(matmul=True):
+        yield
+
+
+@pytest.fixture
+def exact_convolutions():
+    """fp32 convolutions in full precision, by fixed algorithms: eager PyTorch and the code
+    torch.compile makes then differ by rounding alone (TF32 or other algorithms would differ
+    by 1e-3)."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        with ieee_float32(matmul=False):
+            yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
 
 
 @pytest.fixture

@@ -149,17 +149,6 @@ def test_state_dict_resume_after_captured_steps():
     assert_same_training(m1, o1, m3, o3, **TOL)
 
 
-@pytest.fixture
-def exact_convolutions():
-    """fp32 convolutions in full precision, by fixed algorithms: eager PyTorch and the code
-    torch.compile makes then differ by rounding alone (TF32 or other algorithms would differ
-    by 1e-3)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = False, False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
-
-
 def test_a_compiled_channels_last_model_is_captured_with_its_compiled_code(exact_convolutions):
     # The code torch.compile made in the warm-up steps must serve the capture unchanged: Step
     # pushes no torch-function mode while recording host syncs, and the static batch keeps the
