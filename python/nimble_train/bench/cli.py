@@ -42,8 +42,8 @@ def _note(step) -> str:
     if not s.get("captured"):
         reason = s.get("capture_error") or "not captured"
         return f"eager: {reason}"[:120]
-    split = s.get("weight_grad_layers")
-    backward = f", {split} weight grads on a side stream" if split else ""
+    split, sides = s.get("weight_grad_layers"), s.get("weight_grad_streams")
+    backward = f", {split} weight grads on {sides} side stream(s)" if split else ""
     return f"{s.get('streams')} stream(s){backward}, {s.get('graph_nodes') or '?'} graph nodes"
 
 
