@@ -1,6 +1,6 @@
 """Several streams against one: nt.Step(streams="auto") over nt.Step(streams=1), per network.
 
-    python bench/bench_streams.py                               # branchy, GoogLeNet, ResNet-18 at b32
+    python bench/bench_streams.py               # branchy, GoogLeNet, ResNet-18 at batch 32
     python bench/bench_streams.py --workloads googlenet:64 bert:32 --rounds 5
 
 One process, one GPU. Each network is built twice from the same seed (same weights, same

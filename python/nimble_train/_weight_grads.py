@@ -72,7 +72,7 @@ class SideStream:
         side = self._side_of_key.get(id(key)) if key is not None else None
         if side is None:
             side = self._side_of_launcher.get(main.cuda_stream)
-            if side is None:  # from torch's stream pool, made before any capture
+            if side is None:  # torch's stream pool: made at its first use, before any capture
                 side = torch.cuda.Stream(self.device)
                 self._side_of_launcher[main.cuda_stream] = side
             if key is not None:
