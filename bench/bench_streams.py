@@ -26,6 +26,7 @@ import sys
 import torch
 
 import nimble_train as nt
+from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
 WAYS = (("1 stream", 1), ("auto", "auto"))
@@ -62,24 +63,13 @@ def build(name: str, batch: int, streams, device: torch.device):
     return step, batches
 
 
-def mean_ms(step, batches, steps: int) -> float:
-    for i in range(10):
-        step(batches[i % len(batches)])
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(steps):
-        step(batches[i % len(batches)])
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / steps
-
-
 def measure(name: str, batch: int, args, device: torch.device) -> dict:
     built = {way: build(name, batch, streams, device) for way, streams in WAYS}
     samples = {way: [] for way, _ in WAYS}
     for _ in range(args.rounds):
         for way, _ in WAYS:
-            samples[way].append(mean_ms(*built[way], args.steps))
+            samples[way].append(ms_per_step(*built[way], steps=args.steps, repeats=1,
+                                             warm=10))
     stats = built["auto"][0].stats()
     row = {"workload": f"{name} b{batch}", **{way: statistics.median(samples[way])
                                               for way, _ in WAYS},

@@ -159,6 +159,22 @@ def test_layers_with_hooks_of_their_own_keep_autograds_path():
     assert not eligible(nn.Conv2d(3, 3, 3, padding=1, padding_mode="reflect"))
 
 
+def in_a_backward(body) -> None:
+    """Runs body() inside a backward, where the split layers' launches happen."""
+    class Backward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            body()
+            return grad
+
+    x = torch.ones(2, device="cuda", requires_grad=True)
+    Backward.apply(x).sum().backward()
+
+
 def test_a_launch_is_released_once_its_own_stream_has_waited_on_it():
     # Two forward streams launching in turn. A launch's inputs are made on its stream, which
     # reuses their memory once released: only that stream's own wait (one of its launches
@@ -167,24 +183,16 @@ def test_a_launch_is_released_once_its_own_stream_has_waited_on_it():
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
     kept, alive = [], []
 
-    class Launches(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def launches():
+        for stream in (a, b, a, a, b):
+            with torch.cuda.stream(stream):
+                t = torch.ones(4, device="cuda")
+                kept.append(weakref.ref(t))
+                side.launch(lambda: None, (t,))
+                del t
+            alive.append([r() is not None for r in kept])
 
-        @staticmethod
-        def backward(ctx, grad):
-            for stream in (a, b, a, a, b):
-                with torch.cuda.stream(stream):
-                    t = torch.ones(4, device="cuda")
-                    kept.append(weakref.ref(t))
-                    side.launch(lambda: None, (t,))
-                    del t
-                alive.append([r() is not None for r in kept])
-            return grad
-
-    x = torch.ones(2, device="cuda", requires_grad=True)
-    Launches.apply(x).sum().backward()
+    in_a_backward(launches)
     assert alive == [[True], [True, True], [False, True, True], [False, True, False, True],
                      [False, False, False, True, True]]
     assert all(r() is None for r in kept) and side.launched == 5
@@ -200,20 +208,12 @@ def test_each_launching_stream_has_a_side_stream_and_a_layer_keeps_its_first():
     x_layer, y_layer = nn.Linear(1, 1), nn.Linear(1, 1)
     ran_on = []
 
-    class Launches(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def launches():
+        for stream, key in ((a, x_layer), (b, y_layer), (b, x_layer), (a, y_layer), (b, None)):
+            with torch.cuda.stream(stream):
+                side.launch(lambda: ran_on.append(torch.cuda.current_stream()), (), key=key)
 
-        @staticmethod
-        def backward(ctx, grad):
-            for stream, key in ((a, x_layer), (b, y_layer), (b, x_layer), (a, y_layer), (b, None)):
-                with torch.cuda.stream(stream):
-                    side.launch(lambda: ran_on.append(torch.cuda.current_stream()), (), key=key)
-            return grad
-
-    x = torch.ones(2, device="cuda", requires_grad=True)
-    Launches.apply(x).sum().backward()
+    in_a_backward(launches)
     side_a, side_b = ran_on[0], ran_on[1]
     assert side.streams == 2 and side_a != side_b and not {side_a, side_b} & {a, b}
     assert ran_on == [side_a, side_b, side_a, side_b, side_b]
