@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import nimble_train as nt
-from nimble_train.bench import MODES, add_ratios, busy_fraction, format_table, plot, write_json
+from nimble_train.bench import (MODES, add_ratios, busy_fraction, busy_time, format_table, plot,
+                                write_json)
 from nimble_train.bench import workloads
 
 from recipe_reference import (RECIPES, TINY_BERT, TINY_CIFAR, TINY_FINETUNE,  # noqa: F401
@@ -498,8 +499,9 @@ def test_ratios_and_table_of_fake_rows():
     assert "FakeGPU" in table and "torch.compile reduce-overhead" in table
     assert "failed: RuntimeError: no triton here" in table
     assert "3.08x" in table and "1.34x" in table and "93%" in table
-    line = next(t for t in table.splitlines() if "reduce-overhead" in t)
-    assert line.rstrip().endswith("-")  # NaN GPU-busy shows as "-"
+    line = next(t for t in table.splitlines() if "torch.compile reduce-overhead" in t)
+    assert line.split()[-3] == "-"  # NaN GPU-busy shows as "-"
+    assert line.split()[-2:] == ["-", "-"]  # no GPU time measured, no ratio over it
 
 
 def test_ratios_are_over_the_best_reduce_overhead_row_and_the_best_hand_written_graph():
@@ -520,6 +522,24 @@ def test_ratios_are_over_the_best_reduce_overhead_row_and_the_best_hand_written_
     other = rows[-1]  # no references at batch 64
     assert other["vs_eager"] is None and other["vs_graph"] is None
     assert "vs graph" in format_table(rows, meta)
+
+
+def test_the_gpu_ratio_is_over_the_reduce_overhead_rows_gpu_time():
+    rows, meta = fake_rows()
+    rows[1]["gpu_ms"] = 1.90  # compile-ro: 2.96 ms of wall time, host-bound
+    rows.append({"model": "resnet18", "batch": 32, "mode": "compile-ro-opt",
+                 "label": "reduce-overhead + compiled optimizer", "ms_per_step": 3.10,
+                 "gpu_ms": 1.70, "error": None})
+    rows[3]["gpu_ms"] = 2.10
+    add_ratios(rows)
+    step = rows[3]
+    assert step["vs_reduce_overhead"] == pytest.approx(2.96 / 2.21)  # wall: the faster row
+    assert step["vs_reduce_overhead_gpu"] == pytest.approx(1.70 / 2.21)  # GPU: the smaller
+    table = format_table(rows, meta)
+    line = next(t for t in table.splitlines() if "nt.Step" in t)
+    assert "2.100" in line and "0.77x" in line
+    fake_rows_gpu_free, _ = fake_rows()  # no GPU times measured: no ratio
+    assert all(r["vs_reduce_overhead_gpu"] is None for r in fake_rows_gpu_free)
 
 
 def test_json_is_strict_and_round_trips(tmp_path):
@@ -549,6 +569,12 @@ def test_busy_fraction_is_the_union_of_intervals_over_the_span():
     assert busy_fraction([(8, 10), (0, 2), (1, 12)]) == 1.0  # unsorted; the last end wins
     assert busy_fraction([(0, 2), (0, 1), (4, 5)]) == pytest.approx(0.6)
     assert math.isnan(busy_fraction([]))
+
+
+def test_busy_time_is_the_union_and_the_span():
+    assert busy_time([(0, 4), (6, 10)]) == (8, 10)
+    assert busy_time([(3, 9), (5, 7), (10, 13)]) == (9, 10)
+    assert busy_time([(2, 2)]) == (0.0, 0.0)  # an empty interval counts for nothing
 
 
 def test_bench_refuses_to_time_without_a_gpu(capsys):

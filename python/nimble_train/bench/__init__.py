@@ -13,9 +13,11 @@ torch.compile (default and reduce-overhead), the whole step captured by hand, an
 from .cli import main, run
 from .modes import MODES
 from .report import add_ratios, format_table, plot, write_all, write_json
-from .timing import busy_fraction, gpu_busy_fraction, ms_per_step, time_to_first_fast_step
+from .timing import (busy_fraction, busy_time, gpu_activity, gpu_busy_fraction, ms_per_step,
+                     time_to_first_fast_step)
 
 __all__ = [
-    "MODES", "add_ratios", "busy_fraction", "format_table", "gpu_busy_fraction", "main",
+    "MODES", "add_ratios", "busy_fraction", "busy_time", "format_table", "gpu_activity",
+    "gpu_busy_fraction", "main",
     "ms_per_step", "plot", "run", "time_to_first_fast_step", "write_all", "write_json",
 ]

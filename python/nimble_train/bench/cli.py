@@ -6,8 +6,10 @@
 Every mode builds the same model from the same seed and runs the same batches. Reported per
 mode: ms per step (median of --repeats runs of --steps steps, CUDA events, after 20 untimed
 steps), samples/s, speed-up over eager and over torch.compile reduce-overhead, time to the
-first fast step (from building the model; compilation and capture included) and the GPU-busy
-fraction (union of kernel time over elapsed GPU time, from a profile). A mode that fails says
+first fast step (from building the model; compilation and capture included), the GPU-busy
+fraction (union of kernel time over elapsed GPU time, from a profile) and the GPU time per
+step (that union per step: what a host-bound mode would take on a host that never kept the GPU
+waiting), with the speed-up over the reduce-overhead rows' GPU time. A mode that fails says
 why in its row; the others still run.
 """
 
@@ -25,7 +27,7 @@ import torch
 from .. import _torch_private
 from .modes import MODES, Mode
 from .report import add_ratios, format_table, write_all
-from .timing import gpu_busy_fraction, ms_per_step, time_to_first_fast_step
+from .timing import gpu_activity, ms_per_step, time_to_first_fast_step
 from .workloads import BERT_SIZES, CIFAR_MODELS, Workload, make_workload
 
 
@@ -51,7 +53,7 @@ def run_mode(w: Workload, mode: Mode, *, steps: int, repeats: int, profile: bool
     """Times one mode on one workload; never raises for a failing mode (the row says why)."""
     row = {"model": w.name, "batch": w.batch, "mode": mode.key, "label": mode.label,
            "ms_per_step": None, "samples_per_s": None, "first_step_s": None,
-           "gpu_busy": None, "note": "", "error": None}
+           "gpu_busy": None, "gpu_ms": None, "note": "", "error": None}
     step = None
     try:
         first_s, step = time_to_first_fast_step(lambda: mode.build(w), w.batches,
@@ -61,7 +63,7 @@ def run_mode(w: Workload, mode: Mode, *, steps: int, repeats: int, profile: bool
                    note=_note(step))
         if profile:
             try:
-                row["gpu_busy"] = gpu_busy_fraction(step, w.batches)
+                row["gpu_busy"], row["gpu_ms"] = gpu_activity(step, w.batches)
             except Exception as exc:  # the timing stands without the profile
                 row["note"] = (row["note"] + f"; no profile: {_one_line(exc)}").lstrip("; ")
     except Exception as exc:

@@ -65,12 +65,12 @@ def ms_per_step(step: StepFn, batches: Sequence, *, steps: int = 50, repeats: in
     return statistics.median(times)
 
 
-def busy_fraction(intervals: Sequence[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals over the span from the first start to the
-    last end: 1.0 when the GPU never idles. NaN when there are no intervals."""
+def busy_time(intervals: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """(length of the union of the [start, end) intervals, span from the first start to the
+    last end): the time in which the GPU runs something, and the time it was watched."""
     ordered = sorted((s, e) for s, e in intervals if e > s)
     if not ordered:
-        return float("nan")
+        return 0.0, 0.0
     busy = 0.0
     cur_start, cur_end = ordered[0]
     span_end = cur_end
@@ -82,12 +82,24 @@ def busy_fraction(intervals: Sequence[tuple[float, float]]) -> float:
             cur_end = max(cur_end, e)
         span_end = max(span_end, e)
     busy += cur_end - cur_start
-    return busy / (span_end - ordered[0][0])
+    return busy, span_end - ordered[0][0]
 
 
-def gpu_busy_fraction(step: StepFn, batches: Sequence, steps: int = 20) -> float:
-    """Fraction of the GPU time spanned by `steps` steps in which a kernel or copy runs (on any
-    stream), from a CUDA profile: what launch overhead and serialisation leave unused."""
+def busy_fraction(intervals: Sequence[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals over the span from the first start to the
+    last end: 1.0 when the GPU never idles. NaN when there are no intervals."""
+    busy, span = busy_time(intervals)
+    return busy / span if span > 0 else float("nan")
+
+
+def gpu_activity(step: StepFn, batches: Sequence, steps: int = 20) -> tuple[float, float]:
+    """(busy fraction, GPU milliseconds per step) over `steps` steps, from a CUDA profile.
+
+    The busy fraction is the part of the GPU time the steps span in which a kernel or copy runs
+    (on any stream): what launch overhead and serialisation leave unused. The GPU milliseconds
+    are that busy time per step: what the step would take if the host never made the GPU wait,
+    the bound a host-bound mode approaches on a faster CPU. Kernels run a little slower under
+    the profiler, so this errs high."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -95,5 +107,13 @@ def gpu_busy_fraction(step: StepFn, batches: Sequence, steps: int = 20) -> float
         for i in range(steps):
             step(batches[i % len(batches)])
         torch.cuda.synchronize()
-    return busy_fraction([(e.time_range.start, e.time_range.end) for e in prof.events()
-                          if e.device_type == torch.autograd.DeviceType.CUDA])
+    busy, span = busy_time([(e.time_range.start, e.time_range.end) for e in prof.events()
+                            if e.device_type == torch.autograd.DeviceType.CUDA])
+    if span <= 0:
+        return float("nan"), float("nan")
+    return busy / span, busy / steps / 1e3  # profiler times are in microseconds
+
+
+def gpu_busy_fraction(step: StepFn, batches: Sequence, steps: int = 20) -> float:
+    """The busy fraction of :func:`gpu_activity`."""
+    return gpu_activity(step, batches, steps)[0]
