@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from . import _torch_private
 from ._extension import _C
 from .distributed import World, fingerprint
 from .errors import DistributedError
@@ -276,8 +277,8 @@ class GradientSync:
         step, a single autograd node used it (its layer, called once); otherwise a gradient
         from elsewhere could arrive after the side stream's report."""
         if not self._bucket_of:  # no buckets: the gradients are averaged after the backward
-            return not getattr(p, "_post_accumulate_grad_hooks", None)
-        hooks = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+            return not _torch_private.post_accumulate_grad_hooks(p)
+        hooks = _torch_private.post_accumulate_grad_hooks(p)
         return (id(p) in self._single_use and id(p) in self._bucket_of
                 and all(fn == self._on_ready for fn in hooks.values()))
 

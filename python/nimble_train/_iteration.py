@@ -290,7 +290,7 @@ class Iteration:
 
 def hooked(p: torch.Tensor) -> bool:
     """Whether a hook watches `p`'s gradient (registered on it, or after its accumulation)."""
-    return bool(p._backward_hooks) or bool(getattr(p, "_post_accumulate_grad_hooks", None))
+    return bool(_torch_private.tensor_hooks(p) or _torch_private.post_accumulate_grad_hooks(p))
 
 
 def take_back_grads(handed: list | None, copy: bool = True) -> None:

@@ -123,6 +123,18 @@ def fake_tensor_values(module: torch.fx.GraphModule, args: tuple) -> None:
     torch.func.functional_call(holder, state, fake_args)
 
 
+def tensor_hooks(p: torch.Tensor) -> dict:
+    """The hooks registered on `p` with ``p.register_hook`` (they see its gradient before it
+    is accumulated); empty when there are none."""
+    return getattr(p, "_backward_hooks", None) or {}
+
+
+def post_accumulate_grad_hooks(p: torch.Tensor) -> dict:
+    """The hooks registered on `p` with ``p.register_post_accumulate_grad_hook`` (they run
+    after its ``.grad`` is accumulated); empty when there are none."""
+    return getattr(p, "_post_accumulate_grad_hooks", None) or {}
+
+
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors (fake ones included) are views of one storage."""
     return torch._C._is_alias_of(a, b)

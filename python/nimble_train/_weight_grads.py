@@ -278,11 +278,11 @@ def _accepts(p: torch.Tensor, gradients) -> bool:
     """Whether a side stream may accumulate `p`'s gradient: no hooks of the user's on it (they
     expect autograd's accumulation); data parallel (`gradients`, the GradientSync), its
     buckets' hooks are the only ones and only its layer uses it (GradientSync.splittable)."""
-    if getattr(p, "_backward_hooks", None):
+    if _torch_private.tensor_hooks(p):
         return False
     if gradients is not None:
         return gradients.splittable(p)
-    return not getattr(p, "_post_accumulate_grad_hooks", None)
+    return not _torch_private.post_accumulate_grad_hooks(p)
 
 
 def eligible(m: nn.Module, gradients=None) -> bool:

@@ -155,6 +155,23 @@ def test_fake_tensor_values_give_shapes_and_leave_the_module_alone():
         assert torch.equal(v, before[k]), k
 
 
+def test_a_parameters_gradient_hooks_are_seen_by_kind():
+    p = torch.nn.Parameter(torch.ones(3))
+    assert _torch_private.tensor_hooks(p) == {}
+    assert _torch_private.post_accumulate_grad_hooks(p) == {}
+    handle = p.register_hook(lambda g: g * 2)
+    assert len(_torch_private.tensor_hooks(p)) == 1
+    assert _torch_private.post_accumulate_grad_hooks(p) == {}
+    seen = []
+    after = p.register_post_accumulate_grad_hook(lambda t: seen.append(t.grad.clone()))
+    assert len(_torch_private.post_accumulate_grad_hooks(p)) == 1
+    (p * 3).sum().backward()
+    assert torch.equal(seen[0], torch.full((3,), 6.0))  # after the tensor hook doubled it
+    handle.remove()
+    after.remove()
+    assert not _torch_private.tensor_hooks(p) and not _torch_private.post_accumulate_grad_hooks(p)
+
+
 def test_shares_storage_sees_views_of_fake_and_real_tensors():
     t = torch.randn(4, 4)
     assert _torch_private.shares_storage(t.t(), t) and not _torch_private.shares_storage(
