@@ -16,6 +16,11 @@ from . import _torch_private
 
 AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
+# Captured steps hand the gradients autograd makes to it and copy them into the flat buffers
+# once (Iteration._hand_grads_to_autograd). False: each is added into its zeroed view as it
+# comes, as before; bench/bench_grad_handover.py times one against the other.
+HAND_OVER_GRADIENTS = True
+
 
 class Call(NamedTuple):
     """What one call of a Step does within its accumulation window.
@@ -265,8 +270,8 @@ class Iteration:
         accumulation), and parameters with hooks (the weight-gradient side stream's, a
         user's), which see or make ``.grad`` as accumulated. Returns (param, flat view) pairs.
         """
-        if not (call.zero and self.gradsync is None and self.device.type == "cuda"
-                and torch.cuda.is_current_stream_capturing()):
+        if not (HAND_OVER_GRADIENTS and call.zero and self.gradsync is None
+                and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return None
         handed = [(p, p.grad) for p in self.params if p.grad is not None and not hooked(p)]
         for p, _ in handed:
