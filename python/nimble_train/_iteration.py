@@ -273,10 +273,7 @@ class Iteration:
         if not (HAND_OVER_GRADIENTS and call.zero and self.gradsync is None
                 and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return None
-        handed = [(p, p.grad) for p in self.params if p.grad is not None and not hooked(p)]
-        for p, _ in handed:
-            p.grad = None
-        return handed
+        return hand_grads_to_autograd(self.params)
 
     def _fused_update(self, correction: torch.Tensor | None) -> None:
         """The fused update after the backward, as one pass."""
@@ -298,23 +295,36 @@ def hooked(p: torch.Tensor) -> bool:
     return bool(_torch_private.tensor_hooks(p) or _torch_private.post_accumulate_grad_hooks(p))
 
 
+def hand_grads_to_autograd(params: list[torch.Tensor]) -> list:
+    """Sets ``.grad = None`` on each of `params` that has a gradient tensor (its view into a
+    flat buffer) and no hook watching it; returns the (param, view) pairs, for
+    :func:`take_back_grads`."""
+    handed = [(p, p.grad) for p in params if p.grad is not None and not hooked(p)]
+    for p, _ in handed:
+        p.grad = None
+    return handed
+
+
 def take_back_grads(handed: list | None, copy: bool = True) -> None:
-    """The flat views go back to the parameters :meth:`Iteration._hand_grads_to_autograd`
-    handed over, and (`copy`) the gradients autograd left in their place are copied into them,
-    on the current stream (one multi-tensor copy). A parameter the backward did not reach
-    keeps its zeroed view."""
+    """The views go back to the parameters :func:`hand_grads_to_autograd` handed over, and
+    (`copy`) the gradients autograd left in their place are copied into them, on the current
+    stream, with one multi-tensor copy. A parameter the backward did not reach keeps its view
+    as it was (zeroed, in a step)."""
     if handed is None:
         return
-    current = torch.cuda.current_stream()
     views, grads = [], []
     for p, view in handed:
         grad, p.grad = p.grad, view
         if copy and grad is not None and grad is not view:
-            grad.record_stream(current)  # made on a forward stream: freed after the copy
             views.append(view)
             grads.append(grad)
-    if views:
-        torch._foreach_copy_(views, grads)
+    if not views:
+        return
+    if views[0].is_cuda:
+        current = torch.cuda.current_stream()
+        for grad in grads:
+            grad.record_stream(current)  # made on a forward stream: freed after the copy
+    torch._foreach_copy_(views, grads)
 
 
 def model_arguments(batch: Any) -> tuple[tuple, dict]:
