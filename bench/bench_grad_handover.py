@@ -5,7 +5,8 @@ once, against steps that add each into its zeroed view, side by side.
     python bench/bench_grad_handover.py --workloads bert:32:step-compile --rounds 5
 
 One process, one GPU. Each workload ``model:batch:mode`` (mode: ``step`` for one stream,
-``step-auto``, ``step-compile`` for nt.Step over torch.compile(model)) is built twice from the
+``step-auto``, ``step-compile`` for nt.Step over torch.compile(model); batch 32 and step-auto
+unless given) is built twice from the
 same seed, once with ``nimble_train._iteration.HAND_OVER_GRADIENTS`` off and once on, each
 captured under its setting; then, for CIFAR networks and BERT, the hand-written whole-step graph
 with torch's fused optimizer (the benchmark's ``graph-fused`` anchor), built after the steps.
@@ -53,7 +54,8 @@ def build_step(w, mode: str, hand_over: bool):
 
 
 def measure(spec: str, args) -> dict:
-    name, batch, mode = (spec.split(":") + ["32", "step-auto"])[:3]
+    parts = spec.split(":")
+    name, batch, mode = parts[0], (parts[1:2] or ["32"])[0], (parts[2:3] or ["step-auto"])[0]
     if mode not in STEP_MODES:
         raise SystemExit(f"bench_grad_handover: mode must be one of {list(STEP_MODES)}; "
                          f"got {mode!r} in {spec!r}")
