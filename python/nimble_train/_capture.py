@@ -12,16 +12,19 @@ CaptureError. Either way the capture is abandoned in C++ and nothing of it stays
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from . import _torch_private
 from ._attention import DenseAttentionMasks
 from ._extension import _C
-from ._multistream import CHAIN, build_multistream, warn_single_stream
+from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
 from ._weight_grads import plan_weight_grads, split_weight_grads
 from .errors import CaptureError, NimbleError, SyncError
+
+if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
+    from . import _inductor_wgrad
 
 class CapturedStep:
     """The C++ step graph of one Step: per shape bucket (one without buckets) an entry with the
@@ -49,6 +52,14 @@ class CapturedStep:
         self.weight_grads = None  # the backward's weight-gradient side stream, once planned
         self.weight_grads_off: str | None = None  # why there is none
         self._split_model: torch.nn.Module | None = None  # whose layers the plan splits
+        # A compiled model's: the pass that splits its convolutions' backward (the Step's)
+        self.compiled_split: _inductor_wgrad.SplitConvBackward | None = None
+        self.compiled_launches = 0  # its launches on side streams in the last capture
+
+    @property
+    def splits_compiled(self) -> bool:
+        """Whether compiled code has run weight gradients on side streams."""
+        return self.compiled_split is not None and self.compiled_split.launched > 0
 
     @property
     def valid(self) -> torch.Tensor:
@@ -71,11 +82,15 @@ class CapturedStep:
         return entry
 
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device, *,
-                     gradients=None, example: tuple | None = None) -> None:
+                     gradients=None, example: tuple | None = None,
+                     compiled_split: _inductor_wgrad.SplitConvBackward | None = None) -> None:
         """Plans the streams, once, before the first capture: the forward traced and assigned
         to several streams, and the backward's weight gradients on a side stream
         (`gradients`: data parallel, the GradientSync that side stream reports to). `example`:
-        the model's (args, kwargs), which size the operators."""
+        the model's (args, kwargs), which size the operators. `compiled_split`: a compiled
+        model's, the pass that put its convolutions' weight gradients on side streams as
+        inductor compiled it."""
+        self.compiled_split = compiled_split
         # Attention masks the fused kernels accept (see _attention.py), unless inductor plans.
         self.dense_masks = not _torch_private.has_compiled_modules(model)
         if self.weight_grads is None and self.weight_grads_off is None:
@@ -85,10 +100,11 @@ class CapturedStep:
         if self.multistream is None and self.single_stream_reason is None:
             self.multistream, self.single_stream_reason = build_multistream(
                 model, streams, device, example)
-            planned = self.weight_grads is not None
-            # A chain's forward loses nothing when the backward is planned: no warning.
+            planned = self.weight_grads is not None or self.splits_compiled
+            # A chain's forward loses nothing when the backward is planned, nor a compiled
+            # model's, whose forward inductor plans: no warning.
             if (self.multistream is None and streams != 1
-                    and not (planned and self.single_stream_reason == CHAIN)):
+                    and not (planned and self.single_stream_reason in (CHAIN, COMPILED))):
                 warn_single_stream(self.single_stream_reason, planned)
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
@@ -101,7 +117,8 @@ class CapturedStep:
         try:
             self._capture_once(entry, body, stream, sync_records)
         except NimbleError as failure:
-            several = self.multistream is not None or self.weight_grads is not None
+            several = (self.multistream is not None or self.weight_grads is not None
+                       or self.splits_compiled)
             if not several or isinstance(failure, SyncError):
                 raise
             cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
@@ -113,6 +130,8 @@ class CapturedStep:
                 if other != entry and other not in self.unplanned:
                     self.graph.drop(other)
                     self.outputs.pop(other, None)
+            if self.splits_compiled:  # compiled code keeps its launches, on this stream now
+                self.compiled_split.on_one_stream = True
             self._capture_once(entry, body, stream, sync_records)
 
     def capture_unplanned(self, entry: int, body: Callable, stream: torch.cuda.Stream,
@@ -128,16 +147,21 @@ class CapturedStep:
         split = (split_weight_grads(self._split_model, side) if side is not None
                  else contextlib.nullcontext())
         masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
+        inline = contextlib.nullcontext()
+        if self.splits_compiled and (not planned or self.compiled_split.on_one_stream):
+            from ._inductor_wgrad import one_stream
+            inline = one_stream()
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
+        launched = self.compiled_split.launched if self.compiled_split is not None else 0
         with torch.cuda.stream(stream):
             try:
                 self.graph.begin_capture(entry, staged=planned)
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks:  # the backward joins its weight-gradient stream as it ends
+                with split, masks, inline:  # a backward joins its side streams as it ends
                     loss = body(forward)
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream
@@ -150,12 +174,17 @@ class CapturedStep:
                             pass  # the capture is abandoned whatever happens here
                 if side is not None:
                     side.drop()
+                if self.compiled_split is not None:  # compiled code's launches, if any
+                    from ._inductor_wgrad import join_pending
+                    join_pending(stream)
                 result = self.graph.abandon_capture()
                 raise failure(result.invalidated, root_message(exc), sync_records) from exc
             result = self.graph.end_capture()
         if not result.ok:
             raise failure(result.invalidated, result.error.splitlines()[0], sync_records)
         self.outputs[entry] = _detached(loss)
+        if planned and self.compiled_split is not None:
+            self.compiled_launches = self.compiled_split.launched - launched
 
     def stats(self) -> dict:
         nodes = [self.graph.node_count(e) for e in range(self.graph.num_entries)

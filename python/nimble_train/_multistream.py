@@ -247,6 +247,10 @@ class _StreamInterpreter(torch.fx.Interpreter):
         return result
 
 
+# Why a compiled model's forward runs on one stream.
+COMPILED = "the model contains torch.compile'd modules, whose kernels inductor plans"
+
+
 def build_multistream(model: torch.nn.Module, streams, device: torch.device,
                       example: tuple[tuple, dict] | None = None):
     """The multi-stream forward for `streams` ("auto" or a limit), or None with the reason.
@@ -260,7 +264,7 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     if _torch_private.has_compiled_modules(model):
         # fx would trace the original modules and run them uncompiled; inductor's own kernels
         # run on one stream.
-        return None, "the model contains torch.compile'd modules, whose kernels inductor plans"
+        return None, COMPILED
     try:
         graph = trace_operators(model)
     except Exception as exc:  # fx raises many kinds of errors on untraceable code

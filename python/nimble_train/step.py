@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _options
+from . import _options, _torch_private
 from ._buckets import BucketLayout, Buckets, check_buckets
 from ._capture import CapturedStep
 from ._ema import EMA, check_decay, unique_tensors
@@ -144,6 +144,12 @@ class Step:
         self._device = _options.single_device(model, self._params)
         cuda = self._device.type == "cuda"
         self._will_capture = capture and cuda
+        # A compiled model's convolutions: weight gradients on side streams as inductor
+        # compiles its backward (in the first calls).
+        self._compiled_split = None
+        if cuda and streams != 1 and _torch_private.has_compiled_modules(model):
+            from ._inductor_wgrad import SplitConvBackward  # loads inductor's modules
+            self._compiled_split = SplitConvBackward()
         if self._will_capture:
             _options.require_cuda_runtime(self._device)
         self._update = Update(optimizer, amp, self._will_capture, self._device)
@@ -228,7 +234,12 @@ class Step:
 
     def _call(self, batch: Any) -> torch.Tensor:
         try:
-            return self._run(batch)
+            if self._compiled_split is None:
+                return self._run(batch)
+            # Whatever inductor compiles in the step (the first calls compile the model)
+            from ._inductor_wgrad import split_compiled_conv_backward
+            with split_compiled_conv_backward(self._compiled_split):
+                return self._run(batch)
         except BaseException as error:
             if self._gradsync is not None and not isinstance(error, DistributedError):
                 self._gradsync.world.tell_peers(error)  # their errors then name this one
@@ -503,6 +514,19 @@ class Step:
             return "the optimizer is not fused"
         return fused.why_not_in_parts()
 
+    def _weight_grad_layers(self) -> int:
+        split, graph = self._compiled_split, self._graph
+        if split is not None:
+            return graph.compiled_launches if graph is not None else 0
+        return graph.weight_grads.layers if graph and graph.weight_grads else 0
+
+    def _weight_grads_off(self) -> str | None:
+        split, graph = self._compiled_split, self._graph
+        if split is not None and not split.on_one_stream:
+            return None if split.launched else ("no convolution in the compiled backward "
+                                                "computes both its gradients")
+        return graph.weight_grads_off if graph else None
+
     def _why_update_waits(self) -> str | None:
         """Why a step's update needs every gradient first (None: it does not)."""
         if self.grad_clip is not None:
@@ -524,7 +548,8 @@ class Step:
         self._copy_in(bucket, tensors, samples)
         graph.plan_streams(self.model, self.streams, self._device,
                            gradients=self._gradsync,
-                           example=model_arguments(graph.batches[bucket]))
+                           example=model_arguments(graph.batches[bucket]),
+                           compiled_split=self._compiled_split)
         sizes = self._layout.sizes
         order = sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0))
         for b in order:
@@ -599,13 +624,13 @@ class Step:
             "traced_ops": len(ms.graph.nodes) if ms else None,
             "small_ops_kept": ms.plan.kept if ms else 0,  # planned on their producer's stream
             "single_stream_reason": graph.single_stream_reason if graph else None,
-            # layers whose weight gradients the last capture ran on a side stream
-            "weight_grad_layers": graph.weight_grads.layers if graph and graph.weight_grads
-            else 0,
+            # layers whose weight gradients the last capture ran on a side stream (a compiled
+            # model: convolutions split in the graphs inductor compiled)
+            "weight_grad_layers": self._weight_grad_layers(),
             # their side streams: one per forward stream that launched them
             "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads
-            else 0,
-            "weight_grads_off": graph.weight_grads_off if graph else None,
+            else int(self._weight_grad_layers() > 0),
+            "weight_grads_off": self._weight_grads_off(),
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
                                                   "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),

@@ -1,0 +1,191 @@
+"""A compiled model's convolution weight gradients on side streams: the same training as one
+stream and eager, and a failure between the launches loses nothing."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import nimble_train as nt
+from nimble_train import _inductor_wgrad
+from step_reference import assert_same_training, classification_batches, eager_loop
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("exact_convolutions")]
+
+per_sample = nn.CrossEntropyLoss(reduction="none")
+
+
+class Residual(nn.Module):
+    """Convolutions, BatchNorm and a skip connection: 3 of the 4 convolutions have an input
+    that needs a gradient (the first's is the batch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(16), nn.ReLU())
+        self.block = nn.Sequential(nn.Conv2d(16, 16, 3, padding=1, bias=False),
+                                   nn.BatchNorm2d(16), nn.ReLU(),
+                                   nn.Conv2d(16, 16, 3, padding=1))
+        self.down = nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False)
+        self.head = nn.Linear(32, 5)
+
+    def forward(self, x):
+        x = self.stem(x)
+        x = torch.relu(x + self.block(x))
+        return self.head(torch.relu(self.down(x)).mean((2, 3)))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each Step compiles its own code (dynamo's cache would hand one Step's to the next)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def trained(streams, batches, make_opt, warmup=2, channels_last=False):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Residual().cuda()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    opt = make_opt(model.parameters())
+    step = nt.Step(torch.compile(model), opt, per_sample, streams=streams, warmup=warmup)
+    losses = torch.stack([step(b).clone() for b in batches])
+    torch.cuda.synchronize()
+    return step, model, opt, losses
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4),
+    lambda p: torch.optim.AdamW(p, lr=2e-3),
+], ids=["sgd", "adamw"])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_compiled_step_with_side_streams_equals_one_stream_and_eager(make_opt, channels_last,
+                                                                    fresh_dynamo):
+    batches = classification_batches(7, 16, classes=5, device="cuda", image=True)
+    if channels_last:
+        batches = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batches]
+    auto, m_auto, o_auto, l_auto = trained("auto", batches, make_opt,
+                                           channels_last=channels_last)
+    single, m_one, o_one, l_one = trained(1, batches, make_opt, channels_last=channels_last)
+    stats = auto.stats()
+    assert stats["captured"] and stats["replays"] == 5, stats
+    assert stats["weight_grad_layers"] == 3 and stats["weight_grad_streams"] == 1
+    assert stats["weight_grads_off"] is None
+    assert single.stats()["weight_grad_layers"] == 0
+    # The same aten products, each half of its mask: what one stream computes, to rounding
+    torch.testing.assert_close(l_auto, l_one, rtol=1e-5, atol=1e-6)
+    assert_same_training(m_auto, o_auto, m_one, o_one, rtol=1e-5, atol=1e-6)
+
+    torch.manual_seed(0)
+    reference = Residual().cuda()
+    if channels_last:
+        reference = reference.to(memory_format=torch.channels_last)
+    ref_opt = make_opt(reference.parameters())
+    expected = torch.stack(eager_loop(reference, ref_opt, per_sample, batches))
+    # Inductor fuses the batch-norm arithmetic: other rounding than eager's.
+    torch.testing.assert_close(l_auto, expected, rtol=1e-3, atol=1e-4)
+    assert_same_training(m_auto, o_auto, reference, ref_opt, rtol=1e-3, atol=1e-4)
+
+
+def test_the_backward_runs_weight_gradients_on_a_side_stream(fresh_dynamo):
+    """Outside a Step too: the compiled backward's gradients equal the unsplit ones, and the
+    side stream did the work (its launches are joined before the backward returns)."""
+    torch.manual_seed(1)
+    model = Residual().cuda()
+    twin = copy.deepcopy(model)
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    torch.compile(twin)(x).square().sum().backward()
+    torch._dynamo.reset()
+    launched = []
+    original = _inductor_wgrad._weight_grad
+
+    def spy(args):
+        launched.append(torch.cuda.current_stream().cuda_stream)
+        return original(args)
+
+    _inductor_wgrad._weight_grad = spy
+    try:
+        with _inductor_wgrad.split_compiled_conv_backward() as split:
+            torch.compile(model)(x).square().sum().backward()
+    finally:
+        _inductor_wgrad._weight_grad = original
+    main = torch.cuda.current_stream().cuda_stream
+    assert split.launched == 3 and len(launched) == 3
+    assert all(s != main for s in launched)
+    assert not _inductor_wgrad._pending and not _inductor_wgrad._forked  # all joined
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+def warmed(batches):
+    torch._dynamo.reset()
+    torch.manual_seed(2)
+    model = Residual().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nt.Step(torch.compile(model), opt, per_sample, streams="auto", warmup=2)
+    while step.stats()["warmup_left"] > 0:
+        step(batches[0])  # warm-up, eager, compiles with the split: the next call captures
+    return step, model, opt
+
+
+def injected(when):
+    """_weight_grad failing from its second call on where `when(capturing)` holds."""
+    original = _inductor_wgrad._weight_grad
+    calls = [0]
+
+    def failing(args):
+        capturing = torch.cuda.is_current_stream_capturing()
+        if when(capturing):
+            calls[0] += 1
+            if calls[0] >= 2:
+                raise RuntimeError("injected weight-gradient failure")
+        return original(args)
+    return failing
+
+
+def test_a_capture_failing_between_side_launches_leaves_the_step_as_it_was(monkeypatch,
+                                                                          fresh_dynamo):
+    batches = classification_batches(4, 8, classes=5, device="cuda", image=True)
+    step, model, opt = warmed(batches)
+    before = copy.deepcopy(model.state_dict())
+    opt_before = copy.deepcopy(opt.state_dict())
+    # Fails in both captures: on side streams, then on one stream
+    monkeypatch.setattr(_inductor_wgrad, "_weight_grad", injected(lambda capturing: capturing))
+    with pytest.raises(nt.CaptureError, match="injected weight-gradient failure"):
+        step(batches[1])
+    monkeypatch.undo()
+    assert not _inductor_wgrad._pending and not _inductor_wgrad._forked
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for a, b in zip(opt.state_dict()["state"].values(), opt_before["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    loss = step(batches[2])  # later calls run eagerly, and train
+    assert torch.isfinite(loss) and step.stats()["phase"] == "eager"
+
+
+def test_a_capture_failing_on_side_streams_is_captured_on_one(monkeypatch, fresh_dynamo):
+    batches = classification_batches(6, 8, classes=5, device="cuda", image=True)
+    step, model, opt = warmed(batches)
+    state = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    reference = Residual().cuda()
+    reference.load_state_dict(state[0])
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    ref_opt.load_state_dict(state[1])
+
+    def side_stream():
+        return torch.cuda.current_stream().cuda_stream in {
+            s.cuda_stream for s in _inductor_wgrad._side_of.values()}
+
+    monkeypatch.setattr(_inductor_wgrad, "_weight_grad",
+                        injected(lambda capturing: capturing and side_stream()))
+    with pytest.warns(UserWarning, match="capture on several streams failed"):
+        losses = torch.stack([step(b).clone() for b in batches[1:]])
+    stats = step.stats()
+    assert stats["captured"] and stats["weight_grad_layers"] == 0
+    assert "injected weight-gradient failure" in stats["weight_grads_off"]
+    expected = torch.stack(eager_loop(reference, ref_opt, per_sample, batches[1:]))
+    torch.testing.assert_close(losses, expected, rtol=1e-3, atol=1e-4)
+    assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
