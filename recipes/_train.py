@@ -265,7 +265,9 @@ def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.devic
     """
     if mode == "step":
         forward = torch.compile(model) if compile_model else model
-        return nt.Step(forward, optimizer, loss_fn, streams=1 if compile_model else streams,
+        # A compiled model's convolutions run their weight gradients on a side stream
+        # unless streams=1; inductor plans the rest.
+        return nt.Step(forward, optimizer, loss_fn, streams=streams,
                        warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture,
                        buckets=buckets)
     forward = torch.compile(model) if mode == "compile" else model
@@ -831,8 +833,7 @@ def describe_run(device: torch.device, args, amp) -> str:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     step = ""
     if args.mode == "step":
-        streams = 1 if args.compile else args.streams
-        step = (f", streams={streams}, warmup={args.warmup}"
+        step = (f", streams={args.streams}, warmup={args.warmup}"
                 + (", model compiled" if args.compile else "")
                 + (", capture off" if args.no_capture or device.type != "cuda" else ""))
     return (f"device {device} ({where}), torch {torch.__version__}, nimble_train "
