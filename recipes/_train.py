@@ -265,8 +265,8 @@ def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.devic
     """
     if mode == "step":
         forward = torch.compile(model) if compile_model else model
-        # A compiled model's convolutions run their weight gradients on a side stream
-        # unless streams=1; inductor plans the rest.
+        # A compiled model runs its weight gradients on a side stream unless streams=1;
+        # inductor plans the rest.
         return nt.Step(forward, optimizer, loss_fn, streams=streams,
                        warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture,
                        buckets=buckets)

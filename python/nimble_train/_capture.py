@@ -52,8 +52,8 @@ class CapturedStep:
         self.weight_grads = None  # the backward's weight-gradient side stream, once planned
         self.weight_grads_off: str | None = None  # why there is none
         self._split_model: torch.nn.Module | None = None  # whose layers the plan splits
-        # A compiled model's: the pass that splits its convolutions' backward (the Step's)
-        self.compiled_split: _inductor_wgrad.SplitConvBackward | None = None
+        # A compiled model's: the pass that splits its backward (the Step's)
+        self.compiled_split: _inductor_wgrad.SplitBackward | None = None
         self.compiled_launches = 0  # its launches on side streams in the last capture
 
     @property
@@ -83,12 +83,12 @@ class CapturedStep:
 
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device, *,
                      gradients=None, example: tuple | None = None,
-                     compiled_split: _inductor_wgrad.SplitConvBackward | None = None) -> None:
+                     compiled_split: _inductor_wgrad.SplitBackward | None = None) -> None:
         """Plans the streams, once, before the first capture: the forward traced and assigned
         to several streams, and the backward's weight gradients on a side stream
         (`gradients`: data parallel, the GradientSync that side stream reports to). `example`:
         the model's (args, kwargs), which size the operators. `compiled_split`: a compiled
-        model's, the pass that put its convolutions' weight gradients on side streams as
+        model's, the pass that put its weight gradients on a side stream as
         inductor compiled it."""
         self.compiled_split = compiled_split
         # Attention masks the fused kernels accept (see _attention.py), unless inductor plans.

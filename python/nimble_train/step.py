@@ -78,7 +78,8 @@ class Step:
             one loss per sample (a short last batch is then padded and masked in the graph).
         streams: "auto", or the most CUDA streams the forward's plan may use (1: a single
             stream for the whole step). Beyond 1, the weight gradients of convolutions and
-            linear layers also leave the backward's critical path for a side stream.
+            linear layers also leave the backward's critical path for a side stream (in a
+            torch.compile'd model, as inductor compiles its backward in the first calls).
         warmup: eager iterations before capture (at least 1); they are real training steps
             (with accumulation and an optimizer captured as it is, at least one window).
         amp: None, "bf16" (autocast to bfloat16) or "fp16" (loss scale kept on the device).
@@ -144,12 +145,12 @@ class Step:
         self._device = _options.single_device(model, self._params)
         cuda = self._device.type == "cuda"
         self._will_capture = capture and cuda
-        # A compiled model's convolutions: weight gradients on side streams as inductor
-        # compiles its backward (in the first calls).
+        # A compiled model's weight gradients: on a side stream as inductor compiles its
+        # backward (in the first calls).
         self._compiled_split = None
         if cuda and streams != 1 and _torch_private.has_compiled_modules(model):
-            from ._inductor_wgrad import SplitConvBackward  # loads inductor's modules
-            self._compiled_split = SplitConvBackward()
+            from ._inductor_wgrad import SplitBackward  # loads inductor's modules
+            self._compiled_split = SplitBackward()
         if self._will_capture:
             _options.require_cuda_runtime(self._device)
         self._update = Update(optimizer, amp, self._will_capture, self._device)
@@ -237,8 +238,8 @@ class Step:
             if self._compiled_split is None:
                 return self._run(batch)
             # Whatever inductor compiles in the step (the first calls compile the model)
-            from ._inductor_wgrad import split_compiled_conv_backward
-            with split_compiled_conv_backward(self._compiled_split):
+            from ._inductor_wgrad import split_compiled_backward
+            with split_compiled_backward(self._compiled_split):
                 return self._run(batch)
         except BaseException as error:
             if self._gradsync is not None and not isinstance(error, DistributedError):
@@ -523,8 +524,8 @@ class Step:
     def _weight_grads_off(self) -> str | None:
         split, graph = self._compiled_split, self._graph
         if split is not None and not split.on_one_stream:
-            return None if split.launched else ("no convolution in the compiled backward "
-                                                "computes both its gradients")
+            return None if split.launched else ("no weight gradient of the compiled backward "
+                                                "can leave its critical path")
         return graph.weight_grads_off if graph else None
 
     def _why_update_waits(self) -> str | None:
@@ -625,7 +626,7 @@ class Step:
             "small_ops_kept": ms.plan.kept if ms else 0,  # planned on their producer's stream
             "single_stream_reason": graph.single_stream_reason if graph else None,
             # layers whose weight gradients the last capture ran on a side stream (a compiled
-            # model: convolutions split in the graphs inductor compiled)
+            # model: its weight gradients the last capture launched on the side stream)
             "weight_grad_layers": self._weight_grad_layers(),
             # their side streams: one per forward stream that launched them
             "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads

@@ -9,7 +9,8 @@ import torch._inductor.config
 from torch import nn
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from nimble_train._inductor_wgrad import split_compiled_conv_backward, split_conv_backward
+from nimble_train._inductor_wgrad import (_VIEWS_AND_CASTS, split_backward,
+                                          split_compiled_backward)
 
 aten = torch.ops.aten
 
@@ -38,7 +39,7 @@ def inputs():
 def test_only_calls_computing_both_gradients_are_split_and_results_are_unchanged():
     args = inputs()
     gm = make_fx(backward_of_two_convolutions)(*args)
-    assert split_conv_backward(gm.graph) == 1
+    assert split_backward(gm.graph) == 1
     gm.recompile()
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     masks = [n.args[10] for n in calls if n.target is aten.convolution_backward.default]
@@ -71,7 +72,7 @@ def chain_args():
 def test_one_join_before_the_output_waits_for_every_launch():
     args = chain_args()
     gm = make_fx(backward_of_a_chain)(*args)
-    assert split_conv_backward(gm.graph) == 3
+    assert split_backward(gm.graph) == 3
     gm.recompile()
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
     launches = [n for n in calls
@@ -84,37 +85,51 @@ def test_one_join_before_the_output_waits_for_every_launch():
     torch.testing.assert_close(gm(*args), backward_of_a_chain(*args), rtol=0, atol=0)
 
 
-def test_with_a_lag_each_launch_is_joined_after_the_next_data_gradient():
-    args = chain_args()
-    gm = make_fx(backward_of_a_chain)(*args)
-    assert split_conv_backward(gm.graph, lag=1) == 3
+def backward_of_two_linear_layers(tangents_1, x, w1, w2):
+    """Two linear layers' backward as AOTAutograd's graph has them under bf16 autocast: the
+    weight gradients are products cast to float32 that reach the output alone; the data
+    gradient of the second feeds the first's."""
+    h = aten.mm(x, w1.t())
+    gh = aten.mm(tangents_1, w2)  # the data gradient: read by the products below
+    gw2 = aten.mm(tangents_1.t(), h)
+    gw1 = aten.mm(gh.t(), x)
+    return (aten._to_copy(gw1, dtype=torch.float64).t(), aten._to_copy(gw2, dtype=torch.float64))
+
+
+def test_the_backwards_weight_products_are_launched_and_their_casts_follow_the_join():
+    torch.manual_seed(2)
+    args = (torch.randn(5, 3, dtype=torch.float32), torch.randn(5, 4), torch.randn(6, 4),
+            torch.randn(3, 6))
+    gm = make_fx(backward_of_two_linear_layers)(*args)
+    assert split_backward(gm.graph, matmuls=False) == 0  # the default: see SPLIT_MATMULS
+    assert split_backward(gm.graph, matmuls=True) == 2
     gm.recompile()
-    order = [n for n in gm.graph.nodes if n.op == "call_function"
-             and n.target in (torch.ops.nimble_train.side_conv_weight_grad.default,
-                              torch.ops.nimble_train.join_side_streams.default)]
-    launches = [n for n in order
-                if n.target is torch.ops.nimble_train.side_conv_weight_grad.default]
-    joins = [n for n in order if n.target is torch.ops.nimble_train.join_side_streams.default]
-    mains = [n for n in gm.graph.nodes if n.target is aten.convolution_backward.default]
-    assert len(launches) == len(joins) == len(mains) == 3
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for k, join in enumerate(joins):
-        grads, held = join.args
-        assert grads == [launches[k]]
-        if k < 2:  # after the next launch's data gradient, which it reads: no scheduler can
-            # move it up to its own launch, where the launching stream would wait at once
-            data_grad = next(u for u in mains[k + 1].users if u.args[1] == 0)
-            assert data_grad in held
-            assert position[join] > position[data_grad] > position[launches[k + 1]]
-        else:
-            assert list(gm.graph.nodes)[-2] is join  # the last one's, before the output
-    torch.testing.assert_close(gm(*args), backward_of_a_chain(*args), rtol=0, atol=0)
+    nodes = list(gm.graph.nodes)
+    side = [n for n in nodes if n.target is torch.ops.nimble_train.side_mm.default]
+    plain = [n for n in nodes if n.target is aten.mm.default]
+    join = next(n for n in nodes if n.target is torch.ops.nimble_train.join_side_streams.default)
+    assert len(side) == 2 and len(plain) == 2  # the forward's product and the data gradient
+    assert join.args[0] == side
+    # the casts and views of the products run after the join, nothing else does
+    after = nodes[nodes.index(join) + 1:-1]
+    assert after and all(n.target in _VIEWS_AND_CASTS for n in after)
+    reached = set(side)
+    for n in after:  # each reads a launch's result, or what one of them made of it
+        assert set(n.all_input_nodes) & reached
+        reached.add(n)
+    for got, want in zip(gm(*args), backward_of_two_linear_layers(*args)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_forward_graphs_products_stay():
+    gm = make_fx(lambda x, w: aten.mm(x, w))(torch.randn(3, 4), torch.randn(4, 5))
+    assert split_backward(gm.graph, matmuls=True) == 0  # no tangents: not a backward
 
 
 def test_a_graph_without_such_calls_is_left_alone():
     gm = make_fx(lambda a, b: (a @ b).relu())(torch.randn(3, 4), torch.randn(4, 5))
     before = str(gm.graph)
-    assert split_conv_backward(gm.graph) == 0
+    assert split_backward(gm.graph) == 0
     assert str(gm.graph) == before
 
 
@@ -143,7 +158,7 @@ def test_a_model_compiled_under_the_pass_has_the_gradients_of_one_compiled_witho
         with no_caches[0], no_caches[1]:
             nn.functional.cross_entropy(torch.compile(twin)(x), y).backward()
             torch._dynamo.reset()
-            with split_compiled_conv_backward() as split:
+            with split_compiled_backward() as split:
                 nn.functional.cross_entropy(torch.compile(model)(x), y).backward()
     finally:
         torch._dynamo.reset()

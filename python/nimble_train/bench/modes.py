@@ -174,7 +174,7 @@ MODES: dict[str, Mode] = {m.key: m for m in [
          lambda w: hand_graph(w, fused=True), lambda s: 1),
     Mode("step", "nt.Step, 1 stream", _nt_step(1), lambda s: s.warmup + 1),
     Mode("step-auto", 'nt.Step, streams="auto"', _nt_step("auto"), lambda s: s.warmup + 1),
-    # Step's default streams: a compiled model's convolutions split their backward
+    # Step's default streams: a compiled model's weight gradients go to a side stream
     Mode("step-compile", "nt.Step over torch.compile(model)", _nt_step("auto", compiled=True),
          lambda s: s.warmup + 1),
 ]}
