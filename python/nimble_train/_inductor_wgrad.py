@@ -32,6 +32,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from . import _torch_private
+
 aten = torch.ops.aten
 
 
@@ -180,18 +182,13 @@ def _consumers(node: torch.fx.Node) -> list[torch.fx.Node] | None:
     return list(seen)
 
 
-def _is_backward(graph: torch.fx.Graph) -> bool:
-    """AOTAutograd names the incoming gradients of a backward graph tangents_*."""
-    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
-
-
 def split_backward(graph: torch.fx.Graph, matmuls: bool | None = None) -> int:
     """Rewrites `graph`, a post-grad graph, as the module docstring says (`matmuls`: the
     matrix products too; None: SPLIT_MATMULS); returns how many weight gradients it launches
     on the side stream."""
     launches, held, consumers = [], [], set()
     matmuls = SPLIT_MATMULS if matmuls is None else matmuls
-    backward = _is_backward(graph)
+    backward = _torch_private.is_backward_graph(graph)
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
@@ -249,13 +246,7 @@ def split_backward(graph: torch.fx.Graph, matmuls: bool | None = None) -> int:
     return len(launches)
 
 
-try:
-    from torch._inductor.custom_graph_pass import CustomGraphPass
-except ImportError:  # an older torch: no cacheable passes
-    CustomGraphPass = object
-
-
-class SplitBackward(CustomGraphPass):
+class SplitBackward(_torch_private.custom_graph_pass_base()):
     """`split_backward` as inductor's post-grad pass, and what it did: `split` counts the
     weight gradients it moved (a graph inductor's cache served, split when first compiled, is
     not counted), `launched` the launches on side streams within split_compiled_backward
@@ -279,13 +270,11 @@ class SplitBackward(CustomGraphPass):
 def split_compiled_backward(split: SplitBackward | None = None) -> Iterator[SplitBackward]:
     """Within the block, graphs inductor compiles run their weight gradients on a side
     stream (see the module docstring); `split` (a new one if None) counts them."""
-    from torch._inductor import config
-
     split = split if split is not None else SplitBackward()
     saved = _state.active
     _state.active = split
     try:
-        with config.patch(post_grad_custom_post_pass=split):
+        with _torch_private.post_grad_pass(split):
             yield split
     finally:
         _state.active = saved

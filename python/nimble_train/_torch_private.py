@@ -138,3 +138,28 @@ def post_accumulate_grad_hooks(p: torch.Tensor) -> dict:
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors (fake ones included) are views of one storage."""
     return torch._C._is_alias_of(a, b)
+
+
+def custom_graph_pass_base() -> type:
+    """inductor's base class of a custom graph pass whose uuid() keys inductor's caches
+    (CustomGraphPass); `object` where torch has none, and a pass then bypasses the caches."""
+    try:
+        from torch._inductor.custom_graph_pass import CustomGraphPass
+    except ImportError:
+        return object
+    return CustomGraphPass
+
+
+def post_grad_pass(graph_pass):
+    """A context in which inductor runs `graph_pass(graph)` on each graph it compiles, after
+    its own post-grad passes (the graph after autograd: aten operators, forward and backward
+    apart)."""
+    from torch._inductor import config
+
+    return config.patch(post_grad_custom_post_pass=graph_pass)
+
+
+def is_backward_graph(graph: torch.fx.Graph) -> bool:
+    """Whether an AOTAutograd graph is a backward: its incoming gradients are placeholders
+    named tangents_*."""
+    return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)

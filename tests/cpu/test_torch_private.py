@@ -222,3 +222,35 @@ def test_the_process_group_is_released_by_destroy_when_an_optimizer_was_built_af
     before, after_optimizer, after_destroy = map(int, out.stdout.split()[-3:])
     assert after_optimizer == before  # the optimizer's imports hold no reference to the group
     assert after_destroy == 2  # only `group` and getrefcount's argument: nothing keeps it alive
+
+
+def test_a_post_grad_pass_sees_the_backward_graph_and_keys_the_caches():
+    """inductor runs the pass on the forward and the backward after autograd; the backward's
+    incoming gradients are named tangents_*; the pass's uuid() is part of the cache key."""
+    import torch._functorch.config
+    from torch._inductor import config
+
+    base = _torch_private.custom_graph_pass_base()
+    seen = []
+
+    class Record(base):
+        def __call__(self, graph):
+            seen.append(_torch_private.is_backward_graph(graph))
+
+        def uuid(self):
+            return "nimble_train.test.record"
+
+    assert base is not object and hasattr(base, "uuid")
+    graph_pass = Record()
+    torch._dynamo.reset()
+    try:
+        with _torch_private.post_grad_pass(graph_pass):
+            assert config.post_grad_custom_post_pass is graph_pass
+            with config.patch(fx_graph_cache=False), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                x = torch.randn(4, 3, requires_grad=True)
+                torch.compile(lambda t: (t.sin() * 2).sum())(x).backward()
+        assert config.post_grad_custom_post_pass is None
+    finally:
+        torch._dynamo.reset()
+    assert seen == [False, True]  # the forward, then the backward
