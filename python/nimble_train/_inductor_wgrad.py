@@ -52,6 +52,7 @@ _state = _State()
 # on a side stream made the captured step 1.8% slower (13.38 -> 13.62 ms) and its pool 180 MiB
 # larger. Products that large fill the GPU alone; what runs beside them only slows them.
 SPLIT_MATMULS = False
+
 # Per launching stream (by device and handle): its side stream, and whether that has work the
 # launching stream has not waited for (a launch that failed half-way included).
 _side_of: dict[tuple[int, int], torch.cuda.Stream] = {}
