@@ -617,6 +617,7 @@ class Step:
         graph, sync, fused = self._graph, self._gradsync, self._update.fused
         ms = graph.multistream if graph else None
         captured = graph is not None and graph.captured
+        split_layers = self._weight_grad_layers()
         return {
             "phase": self._phase.value,
             "captured": captured,
@@ -627,10 +628,10 @@ class Step:
             "single_stream_reason": graph.single_stream_reason if graph else None,
             # layers whose weight gradients the last capture ran on a side stream (a compiled
             # model: its weight gradients the last capture launched on the side stream)
-            "weight_grad_layers": self._weight_grad_layers(),
+            "weight_grad_layers": split_layers,
             # their side streams: one per forward stream that launched them
             "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads
-            else int(self._weight_grad_layers() > 0),
+            else int(split_layers > 0),
             "weight_grads_off": self._weight_grads_off(),
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
                                                   "pool_bytes": None}),

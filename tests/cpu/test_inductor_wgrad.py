@@ -13,6 +13,14 @@ from nimble_train._inductor_wgrad import (_VIEWS_AND_CASTS, split_backward,
                                           split_compiled_backward)
 
 aten = torch.ops.aten
+LAUNCH_CONV = torch.ops.nimble_train.side_conv_weight_grad.default
+LAUNCH_MM = torch.ops.nimble_train.side_mm.default
+JOIN = torch.ops.nimble_train.join_side_streams.default
+
+
+def calls_to(gm, op) -> list:
+    """`gm`'s nodes calling `op`, in the graph's order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is op]
 
 
 def backward_of_two_convolutions(grad, x, w1, w2, b2):
@@ -41,12 +49,10 @@ def test_only_calls_computing_both_gradients_are_split_and_results_are_unchanged
     gm = make_fx(backward_of_two_convolutions)(*args)
     assert split_backward(gm.graph) == 1
     gm.recompile()
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    masks = [n.args[10] for n in calls if n.target is aten.convolution_backward.default]
+    masks = [n.args[10] for n in calls_to(gm, aten.convolution_backward.default)]
     # the split call keeps the data and bias gradients; the other one is as it was
     assert masks == [[True, False, True], [False, True, False]]
-    side = [n for n in calls if n.target is torch.ops.nimble_train.side_conv_weight_grad.default]
-    join = [n for n in calls if n.target is torch.ops.nimble_train.join_side_streams.default]
+    side, join = calls_to(gm, LAUNCH_CONV), calls_to(gm, JOIN)
     assert len(side) == 1 and len(join) == 1
     grads, held = join[0].args
     assert grads == side and [n.name for n in held] == ["grad_1", "convolution"]  # read by it
@@ -74,10 +80,7 @@ def test_one_join_before_the_output_waits_for_every_launch():
     gm = make_fx(backward_of_a_chain)(*args)
     assert split_backward(gm.graph) == 3
     gm.recompile()
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    launches = [n for n in calls
-                if n.target is torch.ops.nimble_train.side_conv_weight_grad.default]
-    joins = [n for n in calls if n.target is torch.ops.nimble_train.join_side_streams.default]
+    launches, joins = calls_to(gm, LAUNCH_CONV), calls_to(gm, JOIN)
     assert len(launches) == 3 and len(joins) == 1 and list(gm.graph.nodes)[-2] is joins[0]
     grads, held = joins[0].args
     assert grads == launches
@@ -105,9 +108,8 @@ def test_the_backwards_weight_products_are_launched_and_their_casts_follow_the_j
     assert split_backward(gm.graph, matmuls=True) == 2
     gm.recompile()
     nodes = list(gm.graph.nodes)
-    side = [n for n in nodes if n.target is torch.ops.nimble_train.side_mm.default]
-    plain = [n for n in nodes if n.target is aten.mm.default]
-    join = next(n for n in nodes if n.target is torch.ops.nimble_train.join_side_streams.default)
+    side, plain = calls_to(gm, LAUNCH_MM), calls_to(gm, aten.mm.default)
+    (join,) = calls_to(gm, JOIN)
     assert len(side) == 2 and len(plain) == 2  # the forward's product and the data gradient
     assert join.args[0] == side
     # the casts and views of the products run after the join, nothing else does
