@@ -147,10 +147,6 @@ class CapturedStep:
         split = (split_weight_grads(self._split_model, side) if side is not None
                  else contextlib.nullcontext())
         masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
-        inline = contextlib.nullcontext()
-        if self.splits_compiled and (not planned or self.compiled_split.on_one_stream):
-            from ._inductor_wgrad import one_stream
-            inline = one_stream()
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
@@ -161,7 +157,7 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks, inline:  # a backward joins its side streams as it ends
+                with split, masks:  # a backward joins its side streams as it ends
                     loss = body(forward)
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream

@@ -20,7 +20,10 @@ one half of its output mask each, as the eager split in _weight_grads runs; the 
 
 Inductor reuses a dead buffer for a later kernel's output without asking the allocator, so the
 tensors a launch reads are passed to the join too: they stay alive until the launching stream
-has waited for the launch. (The allocator's blocks are covered by ``record_stream``.)
+has waited for the launch, and are freed on it after. That orders the allocator's reuse too, so
+nothing needs ``record_stream``. A launch's result, made on the side stream, is read on the
+launching stream after the join only; freed there, the side stream reuses its block after its
+next launch's wait for the launching stream, which comes after those reads.
 """
 
 from __future__ import annotations
@@ -38,11 +41,9 @@ aten = torch.ops.aten
 
 
 class _State:
-    """What the blocks running set, for every thread (autograd runs a CUDA backward on a
-    thread of its own): `inline`, launches stay on the current stream (one_stream());
-    `active`, the SplitBackward of the split_compiled_backward block, which counts the
-    launches."""
-    inline = False
+    """What the block running sets, for every thread (autograd runs a CUDA backward on a
+    thread of its own): `active`, the SplitBackward of the split_compiled_backward block,
+    which counts the launches and may keep them on the current stream."""
     active = None
 
 
@@ -74,7 +75,8 @@ def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _on_side_stream(compute: Callable[[], torch.Tensor],
                     reads: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """`compute()` (which reads `reads`) launched on the current stream's side stream."""
-    if not reads[0].is_cuda or _state.inline:
+    active = _state.active
+    if not reads[0].is_cuda or (active is not None and active.on_one_stream):
         return compute()
     main = torch.cuda.current_stream(reads[0].device)
     key = _key(main)
@@ -85,11 +87,8 @@ def _on_side_stream(compute: Callable[[], torch.Tensor],
     _forked.add(key)
     with torch.cuda.stream(side):
         result = compute()
-    for t in reads:
-        t.record_stream(side)
-    result.record_stream(main)  # made on the side stream, read and freed on this one
-    if _state.active is not None:
-        _state.active.launched += 1
+    if active is not None:
+        active.launched += 1
     return result
 
 
@@ -144,18 +143,6 @@ def join_pending(stream: torch.cuda.Stream) -> None:
     if key in _forked:
         _forked.discard(key)
         stream.wait_stream(_side_of[key])
-
-
-@contextlib.contextmanager
-def one_stream() -> Iterator[None]:
-    """Within the block, code already compiled with the split launches the weight gradients
-    on the current stream (a capture on several streams that failed is tried on one)."""
-    saved = _state.inline
-    _state.inline = True
-    try:
-        yield
-    finally:
-        _state.inline = saved
 
 
 # What may stand between a weight gradient and the output: views and casts, moved after the
@@ -256,7 +243,8 @@ class SplitBackward(_torch_private.custom_graph_pass_base()):
     def __init__(self):
         self.split = 0
         self.launched = 0
-        self.on_one_stream = False  # a Step's captures launch them on the capture stream
+        # Launches stay on the current stream (a Step whose capture on several streams failed)
+        self.on_one_stream = False
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.split += split_backward(graph)
