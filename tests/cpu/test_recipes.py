@@ -585,6 +585,40 @@ def test_bench_refuses_to_time_without_a_gpu(capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
+def _bench_memory():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_memory.py")
+    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_memory_refuses_to_measure_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; bench/bench_memory.py measures there")
+    assert _bench_memory().main(["--workloads", "resnet18"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_memory_table_divides_each_peak_by_its_workloads_anchors(capsys):
+    mib = 2 ** 20
+    rows = [{"workload": "w b8", "mode": "eager", "peak": 200 * mib},
+            {"workload": "w b8", "mode": "compiled", "peak": 160 * mib},
+            {"workload": "w b8", "mode": "step-auto", "peak": 240 * mib, "pool": 150 * mib,
+             "weight_grads": 3},
+            {"workload": "v b8", "mode": "step-1", "peak": 100 * mib, "pool": 90 * mib,
+             "weight_grads": 0},
+            {"workload": "v b8", "mode": "step-auto", "error": "Traceback\nValueError: no"}]
+    _bench_memory()._table(rows)
+    lines = {tuple(line.split()[:3]): line.split()[3:]
+             for line in capsys.readouterr().out.splitlines()[1:]}
+    assert lines[("w", "b8", "eager")] == ["200", "1.00x", "1.25x", "-", "-"]
+    assert lines[("w", "b8", "step-auto")] == ["240", "1.20x", "1.50x", "150", "3"]
+    assert lines[("v", "b8", "step-1")] == ["100", "-", "-", "90", "0"]  # no anchors: no ratio
+    assert lines[("v", "b8", "step-auto")] == ["failed:", "ValueError:", "no"]
+
+
 @pytest.mark.parametrize("mode", ["eager", "eager-fused", "step"])
 @pytest.mark.parametrize("model", ["branchy", "airbench"])
 def test_bench_modes_train_on_the_cpu(model, mode):
