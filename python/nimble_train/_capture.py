@@ -26,6 +26,7 @@ from .errors import CaptureError, NimbleError, SyncError
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
 
+
 class CapturedStep:
     """The C++ step graph of one Step: per shape bucket (one without buckets) an entry with the
     bucket's static inputs, further entries over the same inputs (the micro-batch and update

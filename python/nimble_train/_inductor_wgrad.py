@@ -68,10 +68,6 @@ def _weight_grad(args: tuple) -> torch.Tensor:
     return aten.convolution_backward(*args)[1]
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return aten.mm(a, b)
-
-
 def _on_side_stream(compute: Callable[[], torch.Tensor],
                     reads: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """`compute()` (which reads `reads`) launched on the current stream's side stream."""
@@ -114,7 +110,7 @@ def _(grad, input, weight, stride, padding, dilation, transposed, output_padding
 @torch.library.custom_op("nimble_train::side_mm", mutates_args=())
 def side_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``mm(a, b)``, launched on the current stream's side stream when on CUDA."""
-    return _on_side_stream(lambda: _matmul(a, b), (a, b))
+    return _on_side_stream(lambda: aten.mm(a, b), (a, b))
 
 
 @side_mm.register_fake
@@ -202,7 +198,7 @@ def split_backward(graph: torch.fx.Graph, matmuls: bool | None = None) -> int:
             val = node.meta.get("val")
             if isinstance(val, (tuple, list)):
                 node.meta["val"] = (val[0], None, val[2])
-            reads = (grad, input)
+            reads = (grad, input, weight)  # the weight too: under autocast, a cast copy
         elif matmuls and backward and node.target is aten.mm.default:
             after = _consumers(node)
             if after is None:

@@ -523,10 +523,12 @@ class Step:
 
     def _weight_grads_off(self) -> str | None:
         split, graph = self._compiled_split, self._graph
+        if graph is None:
+            return None
         if split is not None and not split.on_one_stream:
             return None if split.launched else ("no weight gradient of the compiled backward "
                                                 "can leave its critical path")
-        return graph.weight_grads_off if graph else None
+        return graph.weight_grads_off
 
     def _why_update_waits(self) -> str | None:
         """Why a step's update needs every gradient first (None: it does not)."""

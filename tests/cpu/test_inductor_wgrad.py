@@ -55,7 +55,7 @@ def test_only_calls_computing_both_gradients_are_split_and_results_are_unchanged
     side, join = calls_to(gm, LAUNCH_CONV), calls_to(gm, JOIN)
     assert len(side) == 1 and len(join) == 1
     grads, held = join[0].args
-    assert grads == side and [n.name for n in held] == ["grad_1", "convolution"]  # read by it
+    assert grads == side and [n.name for n in held] == ["grad_1", "convolution", "w2_1"]  # read
     assert list(gm.graph.nodes)[-2] is join[0]  # last before the output
     for got, want in zip(gm(*args), backward_of_two_convolutions(*args)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -84,7 +84,7 @@ def test_one_join_before_the_output_waits_for_every_launch():
     assert len(launches) == 3 and len(joins) == 1 and list(gm.graph.nodes)[-2] is joins[0]
     grads, held = joins[0].args
     assert grads == launches
-    assert set(held) == {t for n in launches for t in n.args[:2]}  # the gradients and inputs
+    assert set(held) == {t for n in launches for t in n.args[:3]}  # gradients, inputs, weights
     torch.testing.assert_close(gm(*args), backward_of_a_chain(*args), rtol=0, atol=0)
 
 
