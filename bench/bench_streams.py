@@ -1,20 +1,25 @@
-"""Several streams against one: nt.Step(streams="auto") over nt.Step(streams=1), per network.
+"""Several streams against one: nt.Step(streams="auto") over nt.Step(streams=1), per network,
+and what the backward's plan alone gives.
 
     python bench/bench_streams.py               # branchy, GoogLeNet, ResNet-18 at batch 32
-    python bench/bench_streams.py --workloads googlenet:64 bert:32 --rounds 5
+    python bench/bench_streams.py --workloads googlenet:64 encoder:32 bert:32 --rounds 5
 
-One process, one GPU. Each network is built twice from the same seed (same weights, same
-batches) and run as nt.Step on one stream and with streams="auto" (the forward planned on
-several streams, the backward's weight gradients on side streams); both are captured before
-any timing. Timing alternates between the two in rounds (each a CUDA-event mean over --steps
+One process, one GPU. Each network is built three times from the same seed (same weights, same
+batches) and run as nt.Step on one stream, with streams="auto" but the forward's plan switched
+off (``nimble_train._capture.PLAN_FORWARD``: the backward's weight gradients on side streams
+alone, what a model torch.fx cannot trace gets) and with streams="auto" (the forward planned on
+several streams too); all are captured before any timing. Timing alternates between the two in rounds (each a CUDA-event mean over --steps
 consecutive steps after 10 untimed ones), so drift of the GPU's clocks hits both alike, and the
 table gives each one's median over --rounds rounds and the ratio of the medians.
 
 Networks (SGD with Nesterov momentum and weight decay, channels-last, cudnn.benchmark on):
 ``branchy`` (the inception-style CIFAR net of nimble_train.models, 32 px), ``googlenet``
 (torchvision's GoogLeNet without auxiliary heads or dropout, 64 px), ``resnet18`` (the CIFAR
-ResNet-18, 32 px); ``bert`` (BERT-base masked LM, seq 128, bf16, AdamW) where transformers is
-installed. ``name:batch`` sets the batch (32 by default).
+ResNet-18, 32 px); ``encoder`` (BERT-base's encoder and vocabulary head written with plain
+torch modules, which torch.fx traces: separate query, key and value projections, SDPA,
+post-LayerNorm, GELU; seq 128, bf16, AdamW, a token-level cross-entropy); ``bert`` (Hugging
+Face's BERT-base masked LM, seq 128, bf16, AdamW) where transformers is installed.
+``name:batch`` sets the batch (32 by default).
 """
 
 from __future__ import annotations
@@ -24,12 +29,63 @@ import statistics
 import sys
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 import nimble_train as nt
+from nimble_train import _capture
 from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
-WAYS = (("1 stream", 1), ("auto", "auto"))
+# (name, streams, the forward planned)
+WAYS = (("1 stream", 1, True), ("backward only", "auto", False), ("auto", "auto", True))
+
+
+class EncoderLayer(nn.Module):
+    """A BERT encoder layer (post-LayerNorm) of plain modules."""
+
+    def __init__(self, dim: int = 768, heads: int = 12, hidden: int = 3072):
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def _heads(self, x):
+        return x.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        attended = F.scaled_dot_product_attention(
+            self._heads(self.query(x)), self._heads(self.key(x)), self._heads(self.value(x)))
+        x = self.norm1(x + self.out(attended.transpose(1, 2).flatten(-2)))
+        return self.norm2(x + self.down(F.gelu(self.up(x))))
+
+
+class Encoder(nn.Module):
+    """BERT-base's shape: token and position embeddings, 12 layers, a vocabulary head."""
+
+    def __init__(self, vocab: int = 30522, dim: int = 768, layers: int = 12, seq: int = 128):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
+        self.norm = nn.LayerNorm(dim)
+        self.layers = nn.Sequential(*[EncoderLayer(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        return self.head(self.layers(self.norm(self.tokens(ids) + self.positions)))
+
+
+def token_loss(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def encoder(batch: int, device: torch.device, seq: int = 128, vocab: int = 30522):
+    model = Encoder(vocab=vocab, seq=seq).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    batches = [(torch.randint(0, vocab, (batch, seq), device=device, generator=g),
+                torch.randint(0, vocab, (batch, seq), device=device, generator=g))
+               for _ in range(4)]
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4), token_loss, batches, "bf16"
 
 
 def googlenet(batch: int, device: torch.device):
@@ -46,33 +102,40 @@ def googlenet(batch: int, device: torch.device):
     return model, cifar_optimizer(model, 0.01), loss_fn, batches, None
 
 
-def build(name: str, batch: int, streams, device: torch.device):
+def build(name: str, batch: int, streams, device: torch.device, plan_forward: bool = True):
     """A captured nt.Step for the network, and its batches."""
     torch.manual_seed(0)
     if name == "googlenet":
         model, optimizer, loss_fn, batches, amp = googlenet(batch, device)
+    elif name == "encoder":
+        model, optimizer, loss_fn, batches, amp = encoder(batch, device)
     else:
         w = make_workload(name, batch, device)
         model = w.make_model()
         optimizer, loss_fn, batches, amp = w.make_optimizer(model), w.loss_fn, w.batches, w.amp
     step = nt.Step(model, optimizer, loss_fn, streams=streams, amp=amp)
-    for i in range(step.stats()["warmup_left"] + 2):
-        step(batches[i % len(batches)])
+    saved, _capture.PLAN_FORWARD = _capture.PLAN_FORWARD, plan_forward
+    try:
+        for i in range(step.stats()["warmup_left"] + 2):
+            step(batches[i % len(batches)])
+    finally:
+        _capture.PLAN_FORWARD = saved
     if not step.stats()["captured"]:
         raise RuntimeError(f"{name}: the step was not captured: {step.stats()['capture_error']}")
     return step, batches
 
 
 def measure(name: str, batch: int, args, device: torch.device) -> dict:
-    built = {way: build(name, batch, streams, device) for way, streams in WAYS}
-    samples = {way: [] for way, _ in WAYS}
+    built = {way: build(name, batch, streams, device, forward)
+             for way, streams, forward in WAYS}
+    samples = {way: [] for way, _, _ in WAYS}
     for _ in range(args.rounds):
-        for way, _ in WAYS:
+        for way, _, _ in WAYS:
             samples[way].append(ms_per_step(*built[way], steps=args.steps, repeats=1,
                                              warm=10))
     stats = built["auto"][0].stats()
     row = {"workload": f"{name} b{batch}", **{way: statistics.median(samples[way])
-                                              for way, _ in WAYS},
+                                              for way, _, _ in WAYS},
            "streams": stats["streams"], "syncs": stats["syncs"],
            "split": stats["weight_grad_layers"], "side": stats["weight_grad_streams"]}
     for step, _ in built.values():
@@ -100,13 +163,15 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per step, "
           f"median of {args.rounds} alternating rounds of {args.steps} steps")
-    print("| network | 1 stream | auto | auto ÷ 1 stream | forward streams | syncs "
+    print("| network | 1 stream | backward only | auto | auto ÷ 1 stream "
+          "| backward only ÷ 1 stream | auto ÷ backward only | forward streams | syncs "
           "| split layers | weight-gradient streams |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['workload']} | {r['1 stream']:.3f} | {r['auto']:.3f} "
-              f"| **{r['1 stream'] / r['auto']:.2f}x** | {r['streams']} | {r['syncs']} "
-              f"| {r['split']} | {r['side']} |")
+        one, back, auto = r["1 stream"], r["backward only"], r["auto"]
+        print(f"| {r['workload']} | {one:.3f} | {back:.3f} | {auto:.3f} "
+              f"| **{one / auto:.2f}x** | {one / back:.2f}x | {back / auto:.3f}x "
+              f"| {r['streams']} | {r['syncs']} | {r['split']} | {r['side']} |")
     return 0
 
 

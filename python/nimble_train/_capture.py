@@ -23,6 +23,12 @@ from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
 from ._weight_grads import plan_weight_grads, split_weight_grads
 from .errors import CaptureError, NimbleError, SyncError
 
+# streams="auto" plans the forward on several streams (and the backward's weight gradients on
+# side streams). False: the backward's plan alone; bench/bench_streams.py times what the
+# forward's plan adds to it.
+PLAN_FORWARD = True
+FORWARD_OFF = "the forward's plan is switched off"
+
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
 
@@ -99,13 +105,15 @@ class CapturedStep:
                 model, streams, device, gradients=gradients)
             self._split_model = model if self.weight_grads is not None else None
         if self.multistream is None and self.single_stream_reason is None:
-            self.multistream, self.single_stream_reason = build_multistream(
-                model, streams, device, example)
+            self.multistream, self.single_stream_reason = (
+                build_multistream(model, streams, device, example)
+                if PLAN_FORWARD or streams == 1 else (None, FORWARD_OFF))
             planned = self.weight_grads is not None or self.splits_compiled
             # A chain's forward loses nothing when the backward is planned, nor a compiled
             # model's, whose forward inductor plans: no warning.
             if (self.multistream is None and streams != 1
-                    and not (planned and self.single_stream_reason in (CHAIN, COMPILED))):
+                    and not (planned and self.single_stream_reason in (CHAIN, COMPILED,
+                                                                       FORWARD_OFF))):
                 warn_single_stream(self.single_stream_reason, planned)
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,

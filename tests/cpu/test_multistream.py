@@ -176,3 +176,27 @@ def test_the_check_finds_a_missing_wait():
     plan.waits_on[cat] = plan.waits_on[cat][1:]
     with pytest.raises(AssertionError):
         assert_plan_orders_every_edge(graph, plan)
+
+
+def _unplanned_step():
+    """A CapturedStep before its plan, without the CUDA graph (plan_streams needs none)."""
+    from nimble_train._capture import CapturedStep
+    step = object.__new__(CapturedStep)
+    step.multistream = step.weight_grads = step._split_model = step.compiled_split = None
+    step.single_stream_reason = step.weight_grads_off = None
+    return step
+
+
+@pytest.mark.parametrize("streams", ["auto", 1])
+def test_the_forwards_plan_switched_off_leaves_the_backwards(monkeypatch, recwarn, streams):
+    from nimble_train import _capture
+    monkeypatch.setattr(_capture, "PLAN_FORWARD", False)
+    step = _unplanned_step()
+    step.plan_streams(InceptionNet(cells=1), streams, torch.device("cpu"))
+    assert step.multistream is None
+    if streams == 1:
+        assert step.single_stream_reason == "streams=1" and step.weight_grads is None
+    else:
+        assert step.single_stream_reason == _capture.FORWARD_OFF
+        assert step.weight_grads is not None  # the weight gradients still leave the path
+    assert not [w for w in recwarn if "stream" in str(w.message)]  # asked for: no warning

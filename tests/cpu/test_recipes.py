@@ -585,13 +585,40 @@ def test_bench_refuses_to_time_without_a_gpu(capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
-def _bench_memory():
+def _bench_script(name: str):
     import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "bench_memory.py")
-    spec = importlib.util.spec_from_file_location("bench_memory", path)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_memory():
+    return _bench_script("bench_memory")
+
+
+def test_bench_streams_refuses_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU; bench/bench_streams.py measures there")
+    assert _bench_script("bench_streams").main(["--workloads", "encoder:2"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_streams_encoder_is_bert_shaped_and_its_forward_plans_three_streams():
+    from nimble_train._multistream import plan_forward, trace_operators
+    bench = _bench_script("bench_streams")
+    torch.manual_seed(0)
+    model, optimizer, loss_fn, batches, amp = bench.encoder(2, torch.device("cpu"), seq=16,
+                                                            vocab=50)
+    assert amp == "bf16" and isinstance(optimizer, torch.optim.AdamW)
+    assert len(model.layers) == 12 and model.layers[0].query.in_features == 768
+    ids, labels = batches[0]
+    loss = loss_fn(model(ids), labels)
+    assert loss.dim() == 0 and abs(loss.item() - math.log(50)) < 0.5  # near-uniform at init
+    # the query, key and value projections side by side: what the forward's plan gains from
+    plan = plan_forward(trace_operators(model), 0)
+    assert plan.num_streams == 3 and plan.num_syncs > 0
 
 
 def test_bench_memory_refuses_to_measure_without_a_gpu(capsys):
