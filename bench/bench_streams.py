@@ -4,11 +4,13 @@ and what the backward's plan alone gives.
     python bench/bench_streams.py               # branchy, GoogLeNet, ResNet-18 at batch 32
     python bench/bench_streams.py --workloads googlenet:64 encoder:32 bert:32 --rounds 5
 
-One process, one GPU. Each network is built three times from the same seed (same weights, same
+One process, one GPU. Each network is built four times from the same seed (same weights, same
 batches) and run as nt.Step on one stream, with streams="auto" but the forward's plan switched
 off (``nimble_train._capture.PLAN_FORWARD``: the backward's weight gradients on side streams
-alone, what a model torch.fx cannot trace gets) and with streams="auto" (the forward planned on
-several streams too); all are captured before any timing. Timing alternates between the two in rounds (each a CUDA-event mean over --steps
+alone, what a model torch.fx cannot trace gets), with streams="auto" but cuDNN's batch-norm
+kernels (``BATCH_NORM_KERNELS = "cudnn"``: see nimble_train/_batch_norm.py) and with
+streams="auto";
+all are captured before any timing. Timing alternates between the two in rounds (each a CUDA-event mean over --steps
 consecutive steps after 10 untimed ones), so drift of the GPU's clocks hits both alike, and the
 table gives each one's median over --rounds rounds and the ratio of the medians.
 
@@ -37,8 +39,10 @@ from nimble_train import _capture
 from nimble_train.bench.timing import ms_per_step
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
-# (name, streams, the forward planned)
-WAYS = (("1 stream", 1, True), ("backward only", "auto", False), ("auto", "auto", True))
+# (name, streams, switches of nimble_train._capture while it captures)
+WAYS = (("1 stream", 1, {}), ("backward only", "auto", {"PLAN_FORWARD": False}),
+        ("auto, cuDNN batch norm", "auto", {"BATCH_NORM_KERNELS": "cudnn"}),
+        ("auto", "auto", {}))
 
 
 class EncoderLayer(nn.Module):
@@ -102,7 +106,7 @@ def googlenet(batch: int, device: torch.device):
     return model, cifar_optimizer(model, 0.01), loss_fn, batches, None
 
 
-def build(name: str, batch: int, streams, device: torch.device, plan_forward: bool = True):
+def build(name: str, batch: int, streams, device: torch.device, switches: dict | None = None):
     """A captured nt.Step for the network, and its batches."""
     torch.manual_seed(0)
     if name == "googlenet":
@@ -114,20 +118,23 @@ def build(name: str, batch: int, streams, device: torch.device, plan_forward: bo
         model = w.make_model()
         optimizer, loss_fn, batches, amp = w.make_optimizer(model), w.loss_fn, w.batches, w.amp
     step = nt.Step(model, optimizer, loss_fn, streams=streams, amp=amp)
-    saved, _capture.PLAN_FORWARD = _capture.PLAN_FORWARD, plan_forward
+    saved = {key: getattr(_capture, key) for key in switches or {}}
+    for key, value in (switches or {}).items():
+        setattr(_capture, key, value)
     try:
         for i in range(step.stats()["warmup_left"] + 2):
             step(batches[i % len(batches)])
     finally:
-        _capture.PLAN_FORWARD = saved
+        for key, value in saved.items():
+            setattr(_capture, key, value)
     if not step.stats()["captured"]:
         raise RuntimeError(f"{name}: the step was not captured: {step.stats()['capture_error']}")
     return step, batches
 
 
 def measure(name: str, batch: int, args, device: torch.device) -> dict:
-    built = {way: build(name, batch, streams, device, forward)
-             for way, streams, forward in WAYS}
+    built = {way: build(name, batch, streams, device, switches)
+             for way, streams, switches in WAYS}
     samples = {way: [] for way, _, _ in WAYS}
     for _ in range(args.rounds):
         for way, _, _ in WAYS:
@@ -137,7 +144,8 @@ def measure(name: str, batch: int, args, device: torch.device) -> dict:
     row = {"workload": f"{name} b{batch}", **{way: statistics.median(samples[way])
                                               for way, _, _ in WAYS},
            "streams": stats["streams"], "syncs": stats["syncs"],
-           "split": stats["weight_grad_layers"], "side": stats["weight_grad_streams"]}
+           "split": stats["weight_grad_layers"], "side": stats["weight_grad_streams"],
+           "native": stats["native_batch_norm_layers"]}
     for step, _ in built.values():
         step.close()
     torch.cuda.empty_cache()
@@ -163,15 +171,17 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per step, "
           f"median of {args.rounds} alternating rounds of {args.steps} steps")
-    print("| network | 1 stream | backward only | auto | auto ÷ 1 stream "
-          "| backward only ÷ 1 stream | auto ÷ backward only | forward streams | syncs "
-          "| split layers | weight-gradient streams |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| network | 1 stream | backward only | auto, cuDNN batch norm | auto "
+          "| auto ÷ 1 stream | backward only ÷ 1 stream | auto ÷ backward only "
+          "| auto ÷ cuDNN batch norm | forward streams | syncs | split layers "
+          "| weight-gradient streams | native batch norms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        one, back, auto = r["1 stream"], r["backward only"], r["auto"]
-        print(f"| {r['workload']} | {one:.3f} | {back:.3f} | {auto:.3f} "
+        one, back, cudnn, auto = (r[way] for way, _, _ in WAYS)
+        print(f"| {r['workload']} | {one:.3f} | {back:.3f} | {cudnn:.3f} | {auto:.3f} "
               f"| **{one / auto:.2f}x** | {one / back:.2f}x | {back / auto:.3f}x "
-              f"| {r['streams']} | {r['syncs']} | {r['split']} | {r['side']} |")
+              f"| {cudnn / auto:.3f}x | {r['streams']} | {r['syncs']} | {r['split']} "
+              f"| {r['side']} | {r['native']} |")
     return 0
 
 

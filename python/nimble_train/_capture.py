@@ -18,6 +18,7 @@ import torch
 
 from . import _torch_private
 from ._attention import DenseAttentionMasks
+from ._batch_norm import native_batch_norm
 from ._extension import _C
 from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
 from ._weight_grads import plan_weight_grads, split_weight_grads
@@ -28,6 +29,11 @@ from .errors import CaptureError, NimbleError, SyncError
 # forward's plan adds to it.
 PLAN_FORWARD = True
 FORWARD_OFF = "the forward's plan is switched off"
+# Which batch-norm kernels a training capture runs (see _batch_norm.py): "auto", PyTorch's
+# native ones where the plan runs kernels side by side and cuDNN's on one stream; "cudnn",
+# cuDNN's everywhere (bench/bench_streams.py times both); "native", the native ones in every
+# training capture (tests compare one stream with several on the same kernels).
+BATCH_NORM_KERNELS = "auto"
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
@@ -62,6 +68,10 @@ class CapturedStep:
         # A compiled model's: the pass that splits its backward (the Step's)
         self.compiled_split: _inductor_wgrad.SplitBackward | None = None
         self.compiled_launches = 0  # its launches on side streams in the last capture
+        # The model whose batch norms a planned capture runs with the native kernels, if any,
+        # and how many the last capture ran so.
+        self._native_bn_model: torch.nn.Module | None = None
+        self.native_bn_layers = 0
 
     @property
     def splits_compiled(self) -> bool:
@@ -115,6 +125,13 @@ class CapturedStep:
                     and not (planned and self.single_stream_reason in (CHAIN, COMPILED,
                                                                        FORWARD_OFF))):
                 warn_single_stream(self.single_stream_reason, planned)
+        several = self.multistream is not None or self.weight_grads is not None
+        kernels = BATCH_NORM_KERNELS
+        if kernels not in ("auto", "cudnn", "native"):
+            raise ValueError("BATCH_NORM_KERNELS must be 'auto', 'cudnn' or 'native'; got "
+                             f"{kernels!r}")
+        native = kernels == "native" or (kernels == "auto" and several)
+        self._native_bn_model = model if native else None
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                 sync_records: list) -> None:
@@ -132,6 +149,8 @@ class CapturedStep:
                 raise
             cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
             self.multistream = self.weight_grads = self._split_model = None
+            if BATCH_NORM_KERNELS == "auto":  # on one stream cuDNN's kernels are the faster
+                self._native_bn_model = None
             self.single_stream_reason = f"capture on several streams failed ({cause})"
             self.weight_grads_off = self.single_stream_reason
             warn_single_stream(self.single_stream_reason)
@@ -156,6 +175,8 @@ class CapturedStep:
         split = (split_weight_grads(self._split_model, side) if side is not None
                  else contextlib.nullcontext())
         masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
+        native = (native_batch_norm(self._native_bn_model)
+                  if planned and self._native_bn_model is not None else contextlib.nullcontext())
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
@@ -166,8 +187,10 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks:  # a backward joins its side streams as it ends
+                with split, masks, native as layers:  # a backward joins its side streams
                     loss = body(forward)
+                if planned:
+                    self.native_bn_layers = layers or 0
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream
             except BaseException as exc:

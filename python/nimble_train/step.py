@@ -635,6 +635,8 @@ class Step:
             "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads
             else int(split_layers > 0),
             "weight_grads_off": self._weight_grads_off(),
+            # batch norms the last planned capture ran with PyTorch's kernels, not cuDNN's
+            "native_batch_norm_layers": graph.native_bn_layers if captured else 0,
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
                                                   "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),

@@ -200,3 +200,24 @@ def test_the_forwards_plan_switched_off_leaves_the_backwards(monkeypatch, recwar
         assert step.single_stream_reason == _capture.FORWARD_OFF
         assert step.weight_grads is not None  # the weight gradients still leave the path
     assert not [w for w in recwarn if "stream" in str(w.message)]  # asked for: no warning
+
+
+@pytest.mark.parametrize("kernels", ["auto", "cudnn", "native"])
+def test_which_batch_norm_kernels_a_capture_runs(monkeypatch, kernels):
+    from nimble_train import _capture
+    monkeypatch.setattr(_capture, "PLAN_FORWARD", False)  # the plan needs no CUDA then
+    monkeypatch.setattr(_capture, "BATCH_NORM_KERNELS", kernels)
+    model = InceptionNet(cells=1)
+    several, one = _unplanned_step(), _unplanned_step()
+    several.plan_streams(model, "auto", torch.device("cpu"))
+    one.plan_streams(model, 1, torch.device("cpu"))
+    # "auto": the native kernels on several streams only
+    assert several._native_bn_model is (None if kernels == "cudnn" else model)
+    assert one._native_bn_model is (model if kernels == "native" else None)
+
+
+def test_an_unknown_batch_norm_kernel_setting_says_what_it_takes(monkeypatch):
+    from nimble_train import _capture
+    monkeypatch.setattr(_capture, "BATCH_NORM_KERNELS", True)
+    with pytest.raises(ValueError, match="'auto', 'cudnn' or 'native'; got True"):
+        _unplanned_step().plan_streams(InceptionNet(cells=1), 1, torch.device("cpu"))

@@ -262,6 +262,8 @@ def test_step_with_the_backward_planned_equals_one_stream_and_eager(make_opt):
     stats = auto.stats()
     assert stats["captured"] and stats["replays"] == 4
     assert stats["weight_grad_layers"] == 4 and single.stats()["weight_grad_layers"] == 0
+    assert stats["native_batch_norm_layers"] == 2  # several streams: PyTorch's kernels
+    assert single.stats()["native_batch_norm_layers"] == 0
     assert single.stats()["weight_grads_off"] == "streams=1"
     torch.testing.assert_close(losses_auto, losses_single, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(losses_auto, losses_eager, rtol=1e-3, atol=1e-4)
@@ -301,3 +303,28 @@ def test_a_capture_failing_in_the_backward_leaves_the_step_as_it_was():
     # later calls run eagerly, and train
     loss = step(batches[2])
     assert torch.isfinite(loss) and step.stats()["phase"] == "eager"
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_capture_on_several_streams_runs_the_native_batch_norm_kernels(streams):
+    # cuDNN's channels-last batch norm fills every SM (see _batch_norm.py): a capture on
+    # several streams runs PyTorch's, and its backward follows; warm-up and one stream, cuDNN's.
+    torch.manual_seed(8)
+    batches = [(x.contiguous(memory_format=torch.channels_last), y)
+               for x, y in classification_batches(4, 8, classes=5, device="cuda", image=True)]
+    model = SmallCnn().cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nt.Step(model, opt, per_sample, streams=streams, warmup=1)
+    seen = []
+    handle = model.body[1].register_forward_hook(lambda module, args, out: seen.append(
+        (torch.cuda.is_current_stream_capturing(), out.grad_fn.name())))
+    for b in batches:
+        step(b)
+    handle.remove()
+    assert step.stats()["captured"] and step.stats()["replays"] > 0
+    eager = {name for capturing, name in seen if not capturing}
+    capture = [name for capturing, name in seen if capturing]
+    assert eager == {"CudnnBatchNormBackward0"} and len(capture) == 1
+    assert capture[0] == ("CudnnBatchNormBackward0" if streams == 1
+                          else "NativeBatchNormBackward0")
+    assert "forward" not in vars(model.body[1])
