@@ -9,10 +9,10 @@ batches) and run as nt.Step on one stream, with streams="auto" but the forward's
 off (``nimble_train._capture.PLAN_FORWARD``: the backward's weight gradients on side streams
 alone, what a model torch.fx cannot trace gets), with streams="auto" but cuDNN's batch-norm
 kernels (``BATCH_NORM_KERNELS = "cudnn"``: see nimble_train/_batch_norm.py) and with
-streams="auto";
-all are captured before any timing. Timing alternates between the two in rounds (each a CUDA-event mean over --steps
-consecutive steps after 10 untimed ones), so drift of the GPU's clocks hits both alike, and the
-table gives each one's median over --rounds rounds and the ratio of the medians.
+streams="auto"; all are captured before any timing. Timing alternates between them in rounds
+(each a CUDA-event mean over --steps consecutive steps after 10 untimed ones), so drift of the
+GPU's clocks hits all alike, and the table gives each one's median over --rounds rounds and
+the ratios of the medians.
 
 Networks (SGD with Nesterov momentum and weight decay, channels-last, cudnn.benchmark on):
 ``branchy`` (the inception-style CIFAR net of nimble_train.models, 32 px), ``googlenet``
@@ -70,7 +70,8 @@ class Encoder(nn.Module):
 
     def __init__(self, vocab: int = 30522, dim: int = 768, layers: int = 12, seq: int = 128):
         super().__init__()
-        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Parameter(torch.zeros(seq, dim))
+        self.tokens = nn.Embedding(vocab, dim)
+        self.positions = nn.Parameter(torch.zeros(seq, dim))
         self.norm = nn.LayerNorm(dim)
         self.layers = nn.Sequential(*[EncoderLayer(dim) for _ in range(layers)])
         self.head = nn.Linear(dim, vocab)
