@@ -19,6 +19,7 @@ import torch
 from . import _torch_private
 from ._attention import DenseAttentionMasks
 from ._batch_norm import native_batch_norm
+from ._max_pool import our_max_pool
 from ._extension import _C
 from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
 from ._weight_grads import plan_weight_grads, split_weight_grads
@@ -34,6 +35,9 @@ FORWARD_OFF = "the forward's plan is switched off"
 # cuDNN's everywhere (bench/bench_streams.py times both); "native", the native ones in every
 # training capture (tests compare one stream with several on the same kernels).
 BATCH_NORM_KERNELS = "auto"
+# Which max-pooling kernels every capture runs (see _max_pool.py): "ours" on the inputs they
+# take, torch's on the rest; "torch", torch's everywhere (benchmarks time one against the other).
+MAX_POOL_KERNELS = "ours"
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
@@ -72,6 +76,10 @@ class CapturedStep:
         # and how many the last capture ran so.
         self._native_bn_model: torch.nn.Module | None = None
         self.native_bn_layers = 0
+        # The model whose max-pools every capture runs on our kernels, and how many the last
+        # capture wrapped.
+        self._max_pool_model: torch.nn.Module | None = None
+        self.max_pool_layers = 0
 
     @property
     def splits_compiled(self) -> bool:
@@ -132,6 +140,10 @@ class CapturedStep:
                              f"{kernels!r}")
         native = kernels == "native" or (kernels == "auto" and several)
         self._native_bn_model = model if native else None
+        if MAX_POOL_KERNELS not in ("ours", "torch"):
+            raise ValueError("MAX_POOL_KERNELS must be 'ours' or 'torch'; got "
+                             f"{MAX_POOL_KERNELS!r}")
+        self._max_pool_model = model if MAX_POOL_KERNELS == "ours" else None
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                 sync_records: list) -> None:
@@ -177,6 +189,8 @@ class CapturedStep:
         masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
         native = (native_batch_norm(self._native_bn_model)
                   if planned and self._native_bn_model is not None else contextlib.nullcontext())
+        pools = (our_max_pool(self._max_pool_model) if self._max_pool_model is not None
+                 else contextlib.nullcontext())
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
@@ -187,10 +201,11 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks, native as layers:  # a backward joins its side streams
-                    loss = body(forward)
+                with split, masks, native as layers, pools as pool_layers:
+                    loss = body(forward)  # (a backward joins its side streams)
                 if planned:
                     self.native_bn_layers = layers or 0
+                self.max_pool_layers = pool_layers or 0
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream
             except BaseException as exc:

@@ -11,5 +11,6 @@ void bind_streams(pybind11::module_& m);  // src/streams
 void bind_capture(pybind11::module_& m);  // src/capture
 void bind_comm(pybind11::module_& m);     // src/comm (NCCL)
 void bind_layout(pybind11::module_& m);   // src/optim/flat_layout.h
+void bind_ops(pybind11::module_& m);      // src/ops
 
 }  // namespace nimble_train

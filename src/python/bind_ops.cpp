@@ -1,0 +1,25 @@
+// Bindings for src/ops: kernels the step swaps in for torch's where they give the same results.
+#include <torch/csrc/utils/pybind.h>
+
+#include "ops/boundary.h"
+#include "python/bindings.h"
+
+namespace py = pybind11;
+
+namespace nimble_train {
+
+void bind_ops(py::module_& m) {
+  m.def("max_pool2d_forward", &ops::max_pool2d_forward, py::arg("x"), py::arg("kernel"),
+        py::arg("stride"), py::arg("padding"), py::arg("ceil_mode"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Max-pooling of a channels-last [N, C, H, W] tensor (float32/16, bfloat16), dilation 1: "
+        "(y, argmax), y as torch.nn.functional.max_pool2d gives it, argmax uint8 window codes "
+        "for max_pool2d_backward. kernel, stride, padding: (h, w).");
+  m.def("max_pool2d_backward", &ops::max_pool2d_backward, py::arg("grad_y"), py::arg("argmax"),
+        py::arg("input_size"), py::arg("kernel"), py::arg("stride"), py::arg("padding"),
+        py::arg("ceil_mode"), py::call_guard<py::gil_scoped_release>(),
+        "The input's gradient of max_pool2d_forward, channels-last: the same values, bit for "
+        "bit, as torch's backward of max_pool2d on CUDA.");
+}
+
+}  // namespace nimble_train
