@@ -93,7 +93,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_max_pool needs a CUDA GPU", file=sys.stderr)
-        return 1
+        return 2
     device = torch.device("cuda")
     torch.backends.cudnn.benchmark = True
     print("| layer (input, kernel, stride, padding, ceil) | torch's us | ours us | ratio |")

@@ -103,7 +103,8 @@ at::Tensor max_pool2d_backward(const at::Tensor& grad_y, const at::Tensor& argma
   NT_CHECK(argmax.device() == grad_y.device(), op, ": argmax must be on grad_y's device ",
            grad_y.device(), "; got ", argmax.device());
   const at::Tensor g = grad_y.contiguous(at::MemoryFormat::ChannelsLast);
-  at::Tensor grad_x = at::empty(input_size, g.options().memory_format(at::MemoryFormat::ChannelsLast));
+  at::Tensor grad_x =
+      at::empty(input_size, g.options().memory_format(at::MemoryFormat::ChannelsLast));
   if (g.is_cpu()) {
     max_pool_backward_reference(g.data_ptr(), argmax.data_ptr<uint8_t>(), grad_x.data_ptr(), s,
                                 dtype);

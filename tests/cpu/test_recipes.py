@@ -605,6 +605,23 @@ def test_bench_streams_refuses_without_a_gpu(capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_max_pool_finds_each_distinct_max_pool_and_refuses_without_a_gpu(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    try:
+        bench = _bench_script("bench_max_pool")
+    finally:
+        sys.path.pop(0)
+    shapes = bench.pool_shapes("branchy", 2, torch.device("cpu"))
+    # 8 cells' pool branches and 2 pools between stages; cells 4-6 share one shape
+    assert [(s, k, st) for s, k, st, _, _ in shapes] == [
+        ((2, 64, 32, 32), 3, 1), ((2, 128, 32, 32), 3, 1), ((2, 128, 32, 32), 3, 2),
+        ((2, 128, 16, 16), 3, 1), ((2, 256, 16, 16), 3, 1), ((2, 256, 16, 16), 3, 2),
+        ((2, 256, 8, 8), 3, 1), ((2, 512, 8, 8), 3, 1)]
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 2
+        assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_streams_encoder_is_bert_shaped_and_its_forward_plans_three_streams():
     from nimble_train._multistream import plan_forward, trace_operators
     bench = _bench_script("bench_streams")
