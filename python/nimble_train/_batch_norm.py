@@ -21,12 +21,12 @@ order of their sums.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from . import _torch_private
+from ._forwards import replaced_forwards
 
 
 def native_candidates(model: nn.Module) -> list[nn.Module]:
@@ -54,16 +54,8 @@ def _native_forward(module: nn.Module):
     return run
 
 
-@contextlib.contextmanager
-def native_batch_norm(model: nn.Module) -> Iterator[int]:
+def native_batch_norm(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     """Within the block, `model`'s batch-norm layers (native_candidates) run PyTorch's native
     kernels; yields how many layers that is. The layers are restored on exit, whatever
     happens."""
-    layers = native_candidates(model)
-    for m in layers:
-        m.forward = _native_forward(m)  # an instance attribute shadows the class's
-    try:
-        yield len(layers)
-    finally:
-        for m in layers:
-            del m.forward
+    return replaced_forwards(native_candidates(model), _native_forward)

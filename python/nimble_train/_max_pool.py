@@ -17,13 +17,13 @@ max-pool's gradient fails with autograd's error, naming this function.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from . import _torch_private
 from ._extension import _C
+from ._forwards import replaced_forwards
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_WINDOW = 255  # positions a one-byte code names (src/ops/max_pool.h)
@@ -104,15 +104,7 @@ def _forward(module: nn.MaxPool2d):
     return run
 
 
-@contextlib.contextmanager
-def our_max_pool(model: nn.Module) -> Iterator[int]:
+def our_max_pool(model: nn.Module) -> contextlib.AbstractContextManager[int]:
     """Within the block, `model`'s max-pools (candidates) run our kernels on the inputs they
     take; yields how many layers that is. The layers are restored on exit, whatever happens."""
-    layers = candidates(model)
-    for m in layers:
-        m.forward = _forward(m)  # an instance attribute shadows the class's
-    try:
-        yield len(layers)
-    finally:
-        for m in layers:
-            del m.forward
+    return replaced_forwards(candidates(model), _forward)

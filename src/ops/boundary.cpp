@@ -4,6 +4,7 @@
 #include <ATen/ops/empty.h>
 
 #include "common/check.h"
+#include "common/torch_dtype.h"
 #include "nimble_train/build_config.h"
 #include "ops/max_pool.h"
 
@@ -14,17 +15,6 @@
 
 namespace nimble_train::ops {
 namespace {
-
-DType element_type(const at::Tensor& t, const char* op, const char* name) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: break;
-  }
-  NT_CHECK(false, op, ": ", name, " must be float32, float16 or bfloat16; got ", t.scalar_type());
-  return DType::kFloat32;  // unreachable
-}
 
 int pair_entry(const std::vector<int64_t>& v, int i, const char* op, const char* name) {
   NT_CHECK(v.size() == 2, op, ": ", name, " must be a pair (h, w); got ", v.size(), " values");
@@ -60,7 +50,7 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_forward(const at::Tensor& x,
   const char* op = "max_pool2d_forward";
   NT_CHECK(x.defined() && x.dim() == 4, op, ": x must be a 4-D [N, C, H, W] tensor; got ",
            x.defined() ? x.dim() : 0, " dimensions");
-  const DType dtype = element_type(x, op, "x");
+  const DType dtype = kernel_dtype(x, op, "x");
   check_device(x, op, "x");
   NT_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), op,
            ": x must be channels-last contiguous; got sizes ", x.sizes(), " with strides ",
@@ -98,7 +88,7 @@ at::Tensor max_pool2d_backward(const at::Tensor& grad_y, const at::Tensor& argma
                argmax.is_contiguous(at::MemoryFormat::ChannelsLast),
            op, ": argmax must be the forward's: uint8, channels-last, sizes ",
            at::IntArrayRef(out_size));
-  const DType dtype = element_type(grad_y, op, "grad_y");
+  const DType dtype = kernel_dtype(grad_y, op, "grad_y");
   check_device(grad_y, op, "grad_y");
   NT_CHECK(argmax.device() == grad_y.device(), op, ": argmax must be on grad_y's device ",
            grad_y.device(), "; got ", argmax.device());

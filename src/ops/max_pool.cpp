@@ -1,6 +1,8 @@
 // Shapes and the CPU reference of max_pool.h.
 #include "ops/max_pool.h"
 
+#include <limits>
+
 #include "common/check.h"
 
 namespace nimble_train::ops {
@@ -57,14 +59,15 @@ void forward(const void* x_, void* y_, uint8_t* argmax, const MaxPoolShape& s) {
   using S = typename Traits::Storage;
   const S* x = static_cast<const S*>(x_);
   S* y = static_cast<S*>(y_);
-  const S minus_inf = Traits::store(-__builtin_inff());
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const S minus_inf = Traits::store(kMinusInf);
   for (int64_t n = 0; n < s.batch; ++n) {
     for (int oh = 0; oh < s.out_height; ++oh) {
       for (int ow = 0; ow < s.out_width; ++ow) {
         const auto w = MaxPoolMath::window(s, oh, ow);
         const int64_t out = ((n * s.out_height + oh) * s.out_width + ow) * s.channels;
         for (int64_t c = 0; c < s.channels; ++c) {
-          float best = -__builtin_inff();
+          float best = kMinusInf;
           S best_value = minus_inf;
           uint8_t code = MaxPoolMath::initial_code(s, w);
           for (int ih = w.h_begin; ih < w.h_end; ++ih) {

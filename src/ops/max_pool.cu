@@ -7,6 +7,7 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
+#include "common/pack.cuh"
 #include "ops/max_pool.h"
 
 namespace nimble_train::ops {
@@ -14,21 +15,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;  // then each thread strides over the rest
-
-template <typename T, int kWidth>
-struct alignas(sizeof(T) * kWidth) Pack {
-  T v[kWidth];
-};
-
-template <int kWidth, typename T>
-__device__ Pack<T, kWidth> load_pack(const T* base, int64_t i) {
-  return *reinterpret_cast<const Pack<T, kWidth>*>(base + i);
-}
-
-template <int kWidth, typename T>
-__device__ void store_pack(T* base, int64_t i, const Pack<T, kWidth>& p) {
-  *reinterpret_cast<Pack<T, kWidth>*>(base + i) = p;
-}
 
 template <typename Traits, int kVec>
 __global__ void __launch_bounds__(kThreads)

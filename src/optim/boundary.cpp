@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/check.h"
+#include "common/torch_dtype.h"
 #include "nimble_train/build_config.h"
 #include "optim/device_tables.h"
 #include "optim/fused_update.h"
@@ -22,18 +23,6 @@
 
 namespace nimble_train::optim {
 namespace {
-
-// The element type of a flat buffer, on either device.
-DType buffer_dtype(const at::Tensor& x, const char* op, const char* name) {
-  switch (x.scalar_type()) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    default: break;
-  }
-  NT_CHECK(false, op, ": ", name, " must be float32, float16 or bfloat16; got ", x.scalar_type());
-  return DType::kFloat32;  // unreachable
-}
 
 // Every tensor of one call lives on `device` and is contiguous (pointers index it as flat).
 void check_placed(const at::Tensor& x, const at::Device& device, const char* op,
@@ -86,7 +75,7 @@ FlatBuffers flat_buffers(const at::Tensor& params, const at::Tensor& grads,
   FlatBuffers b;
   b.param = params.data_ptr();
   b.grad = grads.const_data_ptr();
-  b.dtype = buffer_dtype(params, op, "params");
+  b.dtype = kernel_dtype(params, op, "params");
   b.numel = params.numel();
   int k = 0;
   for (const at::Tensor* s : state) {
@@ -146,7 +135,7 @@ void grad_stats_(const at::Tensor& grads, const std::optional<at::Tensor>& inv_s
                  const at::Tensor& partials) {
   const char* op = "grad_stats_";
   check_placed(grads, grads.device(), op, "grads");
-  const DType dtype = buffer_dtype(grads, op, "grads");
+  const DType dtype = kernel_dtype(grads, op, "grads");
   const int64_t rows = optim::grad_stats_rows(grads.numel());
   check_table(partials, grads.device(), at::kFloat, 2 * rows, op, "partials");
   const float* s = nullptr;

@@ -5,27 +5,13 @@
 
 #include "common/check.h"
 #include "common/cuda_check.h"
+#include "common/pack.cuh"
 #include "optim/fused_update.h"
 
 namespace nimble_train::optim {
 namespace {
 
 constexpr int kThreads = 256;
-
-template <typename S, int kWidth>
-struct alignas(sizeof(S) * kWidth) Pack {
-  S v[kWidth];
-};
-
-template <int kWidth, typename S>
-__device__ Pack<S, kWidth> load_pack(const S* base, int64_t i) {
-  return *reinterpret_cast<const Pack<S, kWidth>*>(base + i);
-}
-
-template <int kWidth, typename S>
-__device__ void store_pack(S* base, int64_t i, const Pack<S, kWidth>& p) {
-  *reinterpret_cast<Pack<S, kWidth>*>(base + i) = p;
-}
 
 template <typename T, int kThreadsInBlock>
 __device__ T block_sum(T v, T* shared) {
