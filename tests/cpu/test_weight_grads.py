@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from nimble_train._weight_grads import _conv_padding, eligible, plan_weight_grads
+from nimble_train import _weight_grads
+from nimble_train._weight_grads import SideStream, _conv_padding, eligible, plan_weight_grads
 from step_reference import UsesALayerTwice
 
 
@@ -52,6 +53,18 @@ def test_the_plan_says_why_it_splits_nothing():
     assert plan_weight_grads(model, 1, cpu) == (None, "streams=1")
     side, why = plan_weight_grads(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)), "auto", cpu)
     assert side is None and "no convolution or linear layer" in why
+
+
+def test_the_plan_joins_its_side_streams_when_the_backward_ends_unless_told_a_lag(monkeypatch):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    cpu = torch.device("cpu")
+    side, why = plan_weight_grads(model, "auto", cpu)
+    assert why is None and side.lag is None  # Step's default: no bound
+    monkeypatch.setattr(_weight_grads, "LAG", 2)
+    assert plan_weight_grads(model, "auto", cpu)[0].lag == 2
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="the lag must be >= 1 launch, or None"):
+            SideStream(cpu, lag=bad)
 
 
 def test_data_parallel_splits_the_layers_that_alone_use_their_parameters_once():

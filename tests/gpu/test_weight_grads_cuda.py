@@ -139,7 +139,7 @@ class Tied(nn.Module):
 def test_tied_weights_and_a_layer_called_twice_accumulate_in_order():
     torch.manual_seed(3)
     ids = torch.randint(0, 50, (6, 11), device="cuda")
-    for lag in (1, 3):
+    for lag in (1, 3, None):
         ref, got, _, split = grads_both_ways(Tied(), (ids,), lag=lag, backwards=2, calls=3)
         for a, b in zip(ref, got):
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
