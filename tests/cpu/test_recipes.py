@@ -577,6 +577,42 @@ def test_busy_time_is_the_union_and_the_span():
     assert busy_time([(2, 2)]) == (0.0, 0.0)  # an empty interval counts for nothing
 
 
+def test_overlap_finds_what_runs_alone_what_runs_together_and_the_idle_gaps():
+    from nimble_train.bench import overlap
+    # a: 0-10 alone 0-4; b: 4-8 beside a; c: 8-12 (touches b, beside a until 10); idle 12-15;
+    # d: 15-20 alone; e: 20-21 right after d (touching: no overlap); idle 21-23; a again 23-25
+    o = overlap([(0, 10, "a"), (4, 8, "b"), (8, 12, "c"), (15, 20, "d"), (20, 21, "e"),
+                 (23, 25, "a"), (30, 30, "empty")])
+    assert (o.span, o.busy, o.idle, o.kernel_sum) == (25, 20, 5, 26)
+    assert o.alone == {"a": 6, "c": 2, "d": 5, "e": 1}
+    assert o.gaps == {("c", "d"): 3, ("e", "a"): 2}
+    assert o.concurrency == pytest.approx(26 / 20)  # 2 at once for 6 of the 20 busy units
+    # the alone time and the time shared add up to the busy time, in any input order
+    shuffled = overlap([(23, 25, "a"), (15, 20, "d"), (8, 12, "c"), (0, 10, "a"),
+                        (20, 21, "e"), (4, 8, "b")])
+    assert shuffled.alone == o.alone and shuffled.gaps == o.gaps
+    empty = overlap([])
+    assert (empty.span, empty.busy, empty.alone) == (0.0, 0.0, {})
+
+
+def test_bench_profile_names_kernels_briefly_and_refuses_without_a_gpu(capsys):
+    bench = _bench_script("bench_profile")
+    assert bench.short("void at::native::reduce_kernel<512, 1, Op<float, (int)2>>(Op<float>)") \
+        == "at::native::reduce_kernel<512, 1, Op<float, (int)2>>"
+    assert bench.short("void at::native::(anonymous namespace)::cat<int>(int)") \
+        == "at::native::cat<int>"
+    assert bench.short("Memset (Unknown)") == "Memset (Unknown)"
+    assert bench.short("x" * 100, width=10) == "xxxxxxx..."
+    from nimble_train.bench import overlap
+    text = bench.report("nt.Step", overlap([(0, 10, "void k<1>(int)"), (5, 8, "j"),
+                                            (12, 14, "k<1>(int)")]), steps=2, top=5)
+    assert "span 7.0, busy 6.0, idle 1.0, kernels 7.5" in text
+    assert "     4.5  k<1>" in text and "     1.0  k<1> -> k<1>" in text
+    if not torch.cuda.is_available():
+        assert bench.main(["--model", "branchy", "--batch", "2"]) == 2
+        assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_refuses_to_time_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU; tests/gpu runs the benchmark")

@@ -5,7 +5,7 @@ process, on the same GPU, data and seed: eager, eager with torch's fused optimiz
 torch.compile (default and reduce-overhead), the whole step captured by hand, and nt.Step
 (one stream, streams="auto"). It prints a table and writes it as JSON and a PNG chart.
 
-- ``timing``: CUDA-event medians, time to the first fast step, GPU-busy fraction;
+- ``timing``: CUDA-event medians, time to the first fast step, GPU-busy fraction, overlap;
 - ``workloads``: the recipes' models, optimizers and synthetic data (shared with recipes/);
 - ``modes``: the ways of running a step; ``report``: table, JSON and chart; ``cli``: main().
 """
@@ -13,11 +13,11 @@ torch.compile (default and reduce-overhead), the whole step captured by hand, an
 from .cli import main, run
 from .modes import MODES
 from .report import add_ratios, format_table, plot, write_all, write_json
-from .timing import (busy_fraction, busy_time, gpu_activity, gpu_busy_fraction, ms_per_step,
-                     time_to_first_fast_step)
+from .timing import (Overlap, busy_fraction, busy_time, gpu_activity, gpu_busy_fraction,
+                     ms_per_step, overlap, profile_overlap, time_to_first_fast_step)
 
 __all__ = [
-    "MODES", "add_ratios", "busy_fraction", "busy_time", "format_table", "gpu_activity",
+    "MODES", "Overlap", "add_ratios", "busy_fraction", "busy_time", "format_table", "gpu_activity",
     "gpu_busy_fraction", "main",
-    "ms_per_step", "plot", "run", "time_to_first_fast_step", "write_all", "write_json",
+    "ms_per_step", "overlap", "plot", "profile_overlap", "run", "time_to_first_fast_step", "write_all", "write_json",
 ]

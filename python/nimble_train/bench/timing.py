@@ -1,10 +1,12 @@
 """How the benchmark measures a training step: CUDA-event medians, time to the first fast
-step, and the fraction of a step during which the GPU is busy (from a profile)."""
+step, the fraction of a step during which the GPU is busy, and where one kernel runs alone or
+none runs (the last two from a profile)."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -117,3 +119,71 @@ def gpu_activity(step: StepFn, batches: Sequence, steps: int = 20) -> tuple[floa
 def gpu_busy_fraction(step: StepFn, batches: Sequence, steps: int = 20) -> float:
     """The busy fraction of :func:`gpu_activity`."""
     return gpu_activity(step, batches, steps)[0]
+
+
+@dataclass
+class Overlap:
+    """How kernels shared the GPU over a profiled stretch (times in the events' unit)."""
+
+    span: float                           # first start to last end
+    busy: float                           # something runs
+    idle: float                           # nothing runs
+    kernel_sum: float                     # the kernels' own durations, added up
+    concurrency: float                    # kernels running at once, on average while busy
+    alone: dict[str, float] = field(default_factory=dict)  # by name: runs with nothing else
+    # Idle time by (the kernel that ended last, the kernel that started next).
+    gaps: dict[tuple[str, str], float] = field(default_factory=dict)
+
+
+def overlap(events: Sequence[tuple[float, float, str]]) -> Overlap:
+    """Sweeps (start, end, name) intervals: where one kernel runs alone (what no further stream
+    overlaps: the critical path's serial part), where none runs, and between which kernels the
+    GPU idles. Intervals that touch do not overlap; empty ones are left out."""
+    ev = [(s, e, n) for s, e, n in events if e > s]
+    if not ev:
+        return Overlap(0.0, 0.0, 0.0, 0.0, float("nan"))
+    # At one instant ends come before starts, so back-to-back kernels never count as two.
+    points = sorted([(e, 0, k) for k, (_, e, _) in enumerate(ev)]
+                    + [(s, 1, k) for k, (s, _, _) in enumerate(ev)])
+    alone: dict[str, float] = {}
+    gaps: dict[tuple[str, str], float] = {}
+    active: set[int] = set()
+    busy = idle = weighted = 0.0
+    last_t, last_ended = points[0][0], None
+    for t, starts, k in points:
+        d = t - last_t
+        if d > 0:
+            if active:
+                busy += d
+                weighted += d * len(active)
+                if len(active) == 1:
+                    name = ev[next(iter(active))][2]
+                    alone[name] = alone.get(name, 0.0) + d
+            else:  # the point that ends an idle stretch is a start
+                key = (ev[last_ended][2], ev[k][2])
+                gaps[key] = gaps.get(key, 0.0) + d
+                idle += d
+        if starts:
+            active.add(k)
+        else:
+            active.discard(k)
+            last_ended = k
+        last_t = t
+    span = max(e for _, e, _ in ev) - min(s for s, _, _ in ev)
+    return Overlap(span=span, busy=busy, idle=idle, kernel_sum=sum(e - s for s, e, _ in ev),
+                   concurrency=weighted / busy if busy > 0 else float("nan"),
+                   alone=alone, gaps=gaps)
+
+
+def profile_overlap(step: StepFn, batches: Sequence, steps: int = 20) -> Overlap:
+    """:func:`overlap` of the GPU activity (kernels, copies, fills) of `steps` steps, from a CUDA
+    profile; times in microseconds, for all the steps together."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+    return overlap([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                    if e.device_type == torch.autograd.DeviceType.CUDA])
