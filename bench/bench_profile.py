@@ -58,7 +58,8 @@ def report(label: str, o, steps: int, top: int) -> str:
              f"   alone, us per step (top {top}):"]
     by_name: dict[str, float] = {}
     for name, t in o.alone.items():
-        by_name[short(name)] = by_name.get(short(name), 0.0) + t
+        name = short(name)
+        by_name[name] = by_name.get(name, 0.0) + t
     for name, t in sorted(by_name.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"   {t * per:8.1f}  {name}")
     lines.append(f"   idle, us per step, after -> before (top {top}):")

@@ -42,8 +42,9 @@ from . import _torch_private
 
 class SideStream:
     """The side streams of weight gradients, one per launching stream, each with a lag behind
-    it (`lag` launches; None: joined only when the backward ends; see the module docstring). Launches that accumulate into the same gradients (a
-    layer called twice) share one side stream, the first one they met, so they stay in order."""
+    it (`lag` launches; None: joined only when the backward ends; see the module docstring).
+    Launches that accumulate into the same gradients (a layer called twice) share one side
+    stream, the first one they met, so they stay in order."""
 
     def __init__(self, device: torch.device, lag: int | None = 1, gradients=None):
         if lag is not None and lag < 1:

@@ -17,7 +17,7 @@ from .timing import (Overlap, busy_fraction, busy_time, gpu_activity, gpu_busy_f
                      ms_per_step, overlap, profile_overlap, time_to_first_fast_step)
 
 __all__ = [
-    "MODES", "Overlap", "add_ratios", "busy_fraction", "busy_time", "format_table", "gpu_activity",
-    "gpu_busy_fraction", "main",
-    "ms_per_step", "overlap", "plot", "profile_overlap", "run", "time_to_first_fast_step", "write_all", "write_json",
+    "MODES", "Overlap", "add_ratios", "busy_fraction", "busy_time", "format_table",
+    "gpu_activity", "gpu_busy_fraction", "main", "ms_per_step", "overlap", "plot",
+    "profile_overlap", "run", "time_to_first_fast_step", "write_all", "write_json",
 ]

@@ -94,6 +94,21 @@ def busy_fraction(intervals: Sequence[tuple[float, float]]) -> float:
     return busy / span if span > 0 else float("nan")
 
 
+def gpu_intervals(step: StepFn, batches: Sequence,
+                  steps: int = 20) -> list[tuple[float, float, str]]:
+    """(start, end, name) of the GPU activity (kernels, copies, fills) of `steps` steps, from a
+    CUDA profile; in microseconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+    return [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def gpu_activity(step: StepFn, batches: Sequence, steps: int = 20) -> tuple[float, float]:
     """(busy fraction, GPU milliseconds per step) over `steps` steps, from a CUDA profile.
 
@@ -102,15 +117,7 @@ def gpu_activity(step: StepFn, batches: Sequence, steps: int = 20) -> tuple[floa
     are that busy time per step: what the step would take if the host never made the GPU wait,
     the bound a host-bound mode approaches on a faster CPU. Kernels run a little slower under
     the profiler, so this errs high."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(batches[i % len(batches)])
-        torch.cuda.synchronize()
-    busy, span = busy_time([(e.time_range.start, e.time_range.end) for e in prof.events()
-                            if e.device_type == torch.autograd.DeviceType.CUDA])
+    busy, span = busy_time([(s, e) for s, e, _ in gpu_intervals(step, batches, steps)])
     if span <= 0:
         return float("nan"), float("nan")
     return busy / span, busy / steps / 1e3  # profiler times are in microseconds
@@ -176,14 +183,5 @@ def overlap(events: Sequence[tuple[float, float, str]]) -> Overlap:
 
 
 def profile_overlap(step: StepFn, batches: Sequence, steps: int = 20) -> Overlap:
-    """:func:`overlap` of the GPU activity (kernels, copies, fills) of `steps` steps, from a CUDA
-    profile; times in microseconds, for all the steps together."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(steps):
-            step(batches[i % len(batches)])
-        torch.cuda.synchronize()
-    return overlap([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                    if e.device_type == torch.autograd.DeviceType.CUDA])
+    """:func:`overlap` of :func:`gpu_intervals`: microseconds, for all the steps together."""
+    return overlap(gpu_intervals(step, batches, steps))
