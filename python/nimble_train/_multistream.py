@@ -7,6 +7,15 @@ producers the plan marks as synchronisations; every other cross-stream dependenc
 by stream order. Autograd runs each backward kernel on the stream of its forward operator and
 inserts the waits where gradients cross streams, so the one plan covers the backward too.
 
+Data edges alone would miss what an operator changes in place: a batch norm called twice (on
+two branches) updates its running statistics twice, a `relu_` or `x.add_(y)` writes a tensor
+other operators read. The graph gets an edge for each such pair, in the order the forward runs
+them: the calls of one module that holds buffers follow one another and the operators that
+read those buffers, and an operator that writes a tensor in place comes after every earlier
+operator and before every later one that reads the same storage (aliasing from the fake run
+below; without it, after and before every operator). The trace reads buffers as the forward
+runs (fx's proxy_buffer_attributes), not as constants taken when it was traced.
+
 The cost option: an operator too small to gain from running side by side (a view, a shape
 query, an element-wise kernel on a few hundred kilobytes) would still cost a fork and a join
 on a stream of its own, and keep its inputs out of reuse until the capture ends. Sizes come
@@ -18,6 +27,7 @@ runs on its producer's stream, right after it.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import warnings
 from dataclasses import dataclass
@@ -54,6 +64,16 @@ _PRODUCT_FUNCTIONS = {F.linear, F.bilinear, F.conv1d, F.conv2d, F.conv3d, F.conv
                       torch.einsum, operator.matmul}
 _PRODUCT_METHODS = {"matmul", "mm", "bmm", "addmm", "baddbmm", "__matmul__"}
 
+# Functions that write their first argument (augmented assignment on a value fx records as
+# a tensor; on a Proxy Python falls back to the plain operator, which writes nothing).
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.imatmul,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift}
+_INPLACE_METHODS = {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                    "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__",
+                    "__ilshift__", "__irshift__"}
+
 
 @dataclass
 class OperatorGraph:
@@ -65,12 +85,90 @@ class OperatorGraph:
 
 
 def trace_operators(model: torch.nn.Module) -> OperatorGraph:
-    """Traces `model` with torch.fx; raises what fx raises when the model is not traceable."""
-    module = torch.fx.symbolic_trace(model)
+    """Traces `model` with torch.fx; raises what fx raises when the model is not traceable.
+    Buffers are read when the forward runs (a batch norm's running mean read by the model's
+    own code), not folded into constants of the trace."""
+    tracer = torch.fx.Tracer()
+    tracer.proxy_buffer_attributes = True
+    traced = tracer.trace(model)
+    module = torch.fx.GraphModule(tracer.root, traced, type(model).__name__)
     nodes = [n for n in module.graph.nodes if n.op in _OPS]
     index = {n: i for i, n in enumerate(nodes)}
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
     return OperatorGraph(module, nodes, edges)
+
+
+def written_input(module: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The input `node` writes in place, if any: a method or function named with a trailing
+    underscore (``x.add_``, ``torch.relu_``), an in-place operator, a call with
+    ``inplace=True``, or a module built with ``inplace=True`` (``nn.ReLU(True)``)."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node):
+        return None
+    if node.op == "call_method":
+        name = node.target
+        writes = name in _INPLACE_METHODS or (name.endswith("_") and not name.startswith("_"))
+    elif node.op == "call_module":
+        writes = getattr(module.get_submodule(node.target), "inplace", False) is True
+    else:
+        name = getattr(node.target, "__name__", "")
+        writes = (node.target in _INPLACE_FUNCTIONS
+                  or (name.endswith("_") and not name.startswith("_"))
+                  or _inplace_argument(node) is True)
+    return first if writes else None
+
+
+def _inplace_argument(node: torch.fx.Node):
+    """The value of a call's `inplace` parameter (F.relu(x, True), F.dropout(..., inplace=...))."""
+    if "inplace" in node.kwargs:
+        return node.kwargs["inplace"]
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # builtins without a signature, or a call it refuses
+        return None
+    return bound.arguments.get("inplace")
+
+
+def state_edges(graph: OperatorGraph, aliasing: bool) -> set[tuple[int, int]]:
+    """The edges that order what operators change in place (see the module's docstring), each
+    from the earlier operator to the later. `aliasing`: the nodes hold their fake values
+    (operator_bytes ran), which say which tensors share storage; otherwise an operator that
+    writes in place is ordered against every other."""
+    module, nodes = graph.module, graph.nodes
+    edges: set[tuple[int, int]] = set()
+    last_call: dict[str, int] = {}
+    stateful = [i for i, node in enumerate(nodes) if node.op == "call_module"
+                and any(True for _ in module.get_submodule(node.target).buffers())]
+    for i in stateful:
+        target = nodes[i].target
+        if target in last_call:
+            edges.add((last_call[target], i))
+        last_call[target] = i
+        # operators that read the module's state directly (self.norm.running_mean)
+        for j, other in enumerate(nodes):
+            if j != i and any(u.op == "get_attr" and u.target.startswith(target + ".")
+                              for u in other.all_input_nodes):
+                edges.add((min(i, j), max(i, j)))
+    for i, node in enumerate(nodes):
+        written = written_input(module, node)
+        if written is None:
+            continue
+        for j, other in enumerate(nodes):
+            if j != i and (not aliasing or any(_aliased(written, u)
+                                                for u in other.all_input_nodes)):
+                edges.add((min(i, j), max(i, j)))
+    return edges
+
+
+def _aliased(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Whether the values of two nodes share storage, from their fake values (True when a
+    node has none: unknown)."""
+    if a is b:
+        return True
+    if "val" not in a.meta or "val" not in b.meta:
+        return True
+    return any(_torch_private.shares_storage(x, y) for x in _tensors(a.meta["val"])
+               for y in _tensors(b.meta["val"]))
 
 
 def operator_bytes(graph: OperatorGraph, args: tuple, kwargs: dict) -> list[int] | None:
@@ -169,6 +267,17 @@ def plan_forward(graph: OperatorGraph, max_streams: int,
         waits_on=waits_on, signals={last[u] for u, _ in plan.syncs},
         num_streams=max(plan.num_streams, 1), num_syncs=len(plan.syncs),
         kept=len(graph.nodes) - len(heads))
+
+
+def plan_operators(graph: OperatorGraph, streams, example: tuple[tuple, dict] | None = None
+                   ) -> ForwardPlan:
+    """The plan for `streams` ("auto" or a limit): the fake run on `example` (sizes for the
+    cost option, aliasing for the in-place edges; None: neither), the graph's edges completed
+    with state_edges, then Nimble's assignment."""
+    limit = AUTO_MAX_STREAMS if streams == "auto" else int(streams)
+    nbytes = operator_bytes(graph, *example) if example else None
+    graph.edges = sorted(set(graph.edges) | state_edges(graph, aliasing=nbytes is not None))
+    return plan_forward(graph, limit, small_operators(graph, nbytes))
 
 
 class MultiStreamForward:
@@ -270,9 +379,7 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     except Exception as exc:  # fx raises many kinds of errors on untraceable code
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return None, f"torch.fx could not trace the model ({type(exc).__name__}: {first})"
-    limit = AUTO_MAX_STREAMS if streams == "auto" else int(streams)
-    small = small_operators(graph, operator_bytes(graph, *example) if example else None)
-    plan = plan_forward(graph, limit, small)
+    plan = plan_operators(graph, streams, example)
     if plan.num_streams == 1:
         return None, CHAIN
     return MultiStreamForward(graph, plan, device), None

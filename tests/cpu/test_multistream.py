@@ -7,7 +7,8 @@ import torch
 
 from nimble_train import _C
 from nimble_train._multistream import (SMALL_OPERATOR_BYTES, build_multistream, operator_bytes,
-                                       plan_forward, small_operators, trace_operators)
+                                       plan_forward, plan_operators, small_operators,
+                                       trace_operators)
 from step_reference import MLP, InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock
 
 
@@ -221,3 +222,148 @@ def test_an_unknown_batch_norm_kernel_setting_says_what_it_takes(monkeypatch):
     monkeypatch.setattr(_capture, "BATCH_NORM_KERNELS", True)
     with pytest.raises(ValueError, match="'auto', 'cudnn' or 'native'; got True"):
         _unplanned_step().plan_streams(InceptionNet(cells=1), 1, torch.device("cpu"))
+
+
+class SharedNorm(torch.nn.Module):
+    """Two branches through one batch norm (it updates its running statistics on each call)
+    and one ReLU module (no state: the branches stay apart)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left, self.right = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.norm, self.act = torch.nn.BatchNorm1d(8), torch.nn.ReLU()
+
+    def forward(self, x):
+        a = self.act(self.norm(self.left(x)))
+        b = self.act(self.norm(self.right(x)))
+        return a + b
+
+
+class InPlace(torch.nn.Module):
+    """A branch reads `y`, then `y` (through a view of it) is written in place, then another
+    branch reads it: eager's order is the only right one."""
+
+    def __init__(self, through_view: bool):
+        super().__init__()
+        self.through_view = through_view
+        self.lin, self.left, self.right = (torch.nn.Linear(8, 8) for _ in range(3))
+        self.other = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        a = self.left(y)
+        z = self.other(x)  # touches nothing y shares: stays free
+        target = y.view(-1) if self.through_view else y
+        target.mul_(2)
+        b = self.right(y)
+        return a + b + z
+
+
+def _index(graph, name):
+    return next(i for i, n in enumerate(graph.nodes) if n.name == name)
+
+
+def _reaches(edges, a, b):
+    """Whether a path leads from operator a to operator b."""
+    out = {}
+    for u, v in edges:
+        out.setdefault(u, []).append(v)
+    seen, stack = set(), [a]
+    while stack:
+        u = stack.pop()
+        if u == b:
+            return True
+        if u not in seen:
+            seen.add(u)
+            stack.extend(out.get(u, ()))
+    return False
+
+
+def test_the_calls_of_a_module_with_buffers_follow_one_another():
+    from nimble_train._multistream import state_edges
+    graph = trace_operators(SharedNorm())
+    calls = [i for i, n in enumerate(graph.nodes) if n.target == "norm"]
+    acts = [i for i, n in enumerate(graph.nodes) if n.target == "act"]
+    edges = state_edges(graph, aliasing=False)
+    assert edges == {(calls[0], calls[1])}  # the norm's calls; not the ReLU's
+    assert not _reaches(graph.edges, acts[0], acts[1])
+    plan = plan_operators(graph, "auto")
+    assert (calls[0], calls[1]) in graph.edges
+    # the two products still run side by side
+    assert plan.stream_of[graph.nodes[_index(graph, "left")]] != \
+        plan.stream_of[graph.nodes[_index(graph, "right")]]
+
+
+class ReadsStatistics(SharedNorm):
+    """Reads the norm's running mean between its calls (eager: after the first update)."""
+
+    def forward(self, x):
+        a = self.norm(self.left(x))
+        shift = self.norm.running_mean * 2
+        b = self.norm(self.right(x))
+        return a + b + shift
+
+
+def test_operators_reading_a_modules_buffers_keep_their_place_among_its_calls():
+    from nimble_train._multistream import state_edges
+    model = ReadsStatistics()
+    graph = trace_operators(model)
+    calls = [i for i, n in enumerate(graph.nodes) if n.target == "norm"]
+    reader = _index(graph, "mul")
+    assert calls[0] < reader < calls[1]
+    # read when the forward runs, not folded into a constant when it was traced
+    assert [u.target for u in graph.nodes[reader].all_input_nodes] == ["norm.running_mean"]
+    model.norm.running_mean.fill_(3.0)
+    x = torch.randn(4, 8)
+    model.eval()
+    torch.testing.assert_close(graph.module.eval()(x), model(x))
+    assert state_edges(graph, aliasing=False) == {(calls[0], calls[1]), (calls[0], reader),
+                                                  (reader, calls[1])}
+
+
+@pytest.mark.parametrize("through_view", [False, True])
+def test_an_operator_writing_in_place_comes_after_earlier_readers_and_before_later_ones(
+        through_view):
+    from nimble_train._multistream import state_edges, written_input
+    model = InPlace(through_view)
+    graph = trace_operators(model)
+    writer = _index(graph, "mul_")
+    assert written_input(graph.module, graph.nodes[writer]).name == ("view" if through_view
+                                                                      else "lin")
+    left, right, other = (_index(graph, n) for n in ("left", "right", "other"))
+    assert not _reaches(graph.edges, left, writer) and not _reaches(graph.edges, writer, right)
+    operator_bytes(graph, (torch.randn(4, 8),), {})  # the fake values say what aliases
+    edges = state_edges(graph, aliasing=True)
+    assert (left, writer) in edges and (writer, right) in edges
+    assert not any(other in e for e in edges)  # reads only x: free to run beside
+    # Without aliasing (no fake run) the writer is ordered against every operator.
+    blunt = state_edges(trace_operators(model), aliasing=False)
+    assert {(min(i, writer), max(i, writer)) for i in range(len(graph.nodes)) if i != writer} \
+        == blunt
+    graph = trace_operators(model)
+    plan_operators(graph, "auto", ((torch.randn(4, 8),), {}))
+    assert _reaches(graph.edges, left, writer) and _reaches(graph.edges, writer, right)
+
+
+def test_which_operators_write_in_place():
+    from nimble_train._multistream import written_input
+    import torch.nn.functional as F
+
+    class Writers(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.relu, self.drop = torch.nn.ReLU(inplace=True), torch.nn.Dropout(0.1)
+
+        def forward(self, x):
+            a = self.relu(x + 1)          # module with inplace=True: writes
+            b = self.drop(x * 2)          # dropout without inplace: does not
+            c = F.relu(x - 1, True)       # positional inplace: writes
+            d = F.relu(x - 2)             # does not
+            e = torch.relu_(x * 3)        # trailing underscore: writes
+            f = (x + 4).add_(1)           # a method with a trailing underscore: writes
+            return a + b + c + d + e + f
+
+    graph = trace_operators(Writers())
+    writes = {n.name: written_input(graph.module, n) is not None for n in graph.nodes}
+    assert writes["relu"] and writes["relu_1"] and writes["relu_"] and writes["add_"]
+    assert not writes["drop"] and not writes["relu_2"] and not writes["add"]

@@ -197,3 +197,34 @@ def test_untraceable_model_runs_on_one_stream_with_a_warning():
         stats = three_ways(Untraceable(), lambda p: torch.optim.SGD(p, lr=0.1), batches)
     assert stats["captured"] and stats["streams"] == 1
     assert "torch.fx" in stats["single_stream_reason"]
+
+
+class InPlaceBranches(torch.nn.Module):
+    """One branch reads `y`, then `y` is written in place through a view, then another reads
+    it: the plan must keep eager's order (see _multistream.state_edges)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(12, 256)
+        self.left, self.right = torch.nn.Linear(256, 5), torch.nn.Linear(256, 5)
+
+    def forward(self, x):
+        y = self.lin(x)
+        a = (y * 3).tanh()
+        y.view(-1).mul_(2)
+        return self.left(a) + self.right(y)
+
+
+def test_writes_in_place_keep_eagers_order_on_several_streams():
+    torch.manual_seed(3)
+    batches = classification_batches(4, 64, device="cuda")
+    model = InPlaceBranches().cuda()
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    step = nt.Step(model, opt, per_sample, streams="auto", warmup=2)
+    losses = torch.stack([step(b).clone() for b in batches])
+    assert step.stats()["captured"] and step.stats()["streams"] > 1
+    expected = torch.stack(eager_loop(reference, ref_opt, per_sample, batches))
+    torch.testing.assert_close(losses, expected, **LOSS_TOL)
+    assert_same_training(model, opt, reference, ref_opt, **TOL)
