@@ -18,7 +18,7 @@ import torch
 
 from . import _torch_private
 from ._attention import DenseAttentionMasks
-from ._batch_norm import native_batch_norm
+from ._batch_norm import CapturedBatchNorms
 from ._max_pool import our_max_pool
 from ._extension import _C
 from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
@@ -72,10 +72,14 @@ class CapturedStep:
         # A compiled model's: the pass that splits its backward (the Step's)
         self.compiled_split: _inductor_wgrad.SplitBackward | None = None
         self.compiled_launches = 0  # its launches on side streams in the last capture
-        # The model whose batch norms a planned capture runs with the native kernels, if any,
-        # and how many the last capture ran so.
+        # The model whose batch norms every capture wraps (their batch counters advanced in one
+        # kernel), the model whose batch norms a planned capture runs with the native kernels,
+        # if any, how many the last planned capture ran so, and how many batch counters the
+        # last training capture advanced together.
+        self._bn_model: torch.nn.Module | None = None
         self._native_bn_model: torch.nn.Module | None = None
         self.native_bn_layers = 0
+        self.bn_counters = 0
         # The model whose max-pools every capture runs on our kernels, and how many the last
         # capture wrapped.
         self._max_pool_model: torch.nn.Module | None = None
@@ -140,6 +144,7 @@ class CapturedStep:
                              f"{kernels!r}")
         native = kernels == "native" or (kernels == "auto" and several)
         self._native_bn_model = model if native else None
+        self._bn_model = model
         if MAX_POOL_KERNELS not in ("ours", "torch"):
             raise ValueError("MAX_POOL_KERNELS must be 'ours' or 'torch'; got "
                              f"{MAX_POOL_KERNELS!r}")
@@ -187,8 +192,8 @@ class CapturedStep:
         split = (split_weight_grads(self._split_model, side) if side is not None
                  else contextlib.nullcontext())
         masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
-        native = (native_batch_norm(self._native_bn_model)
-                  if planned and self._native_bn_model is not None else contextlib.nullcontext())
+        norms = CapturedBatchNorms(self._bn_model,
+                                   native=planned and self._native_bn_model is not None)
         pools = (our_max_pool(self._max_pool_model) if self._max_pool_model is not None
                  else contextlib.nullcontext())
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
@@ -201,10 +206,11 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks, native as layers, pools as pool_layers:
+                with split, masks, norms, pools as pool_layers:
                     loss = body(forward)  # (a backward joins its side streams)
                 if planned:
-                    self.native_bn_layers = layers or 0
+                    self.native_bn_layers = norms.native_layers
+                    self.bn_counters = norms.counters
                 self.max_pool_layers = pool_layers or 0
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream

@@ -641,6 +641,21 @@ def test_bench_streams_refuses_without_a_gpu(capsys):
     assert "CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_batch_norm_switches_the_counters_only_while_it_builds(capsys, monkeypatch):
+    from nimble_train import _batch_norm
+    bench = _bench_script("bench_batch_norm")
+    seen = []
+    monkeypatch.setattr(bench, "build", lambda *args: seen.append(
+        (args[2], _batch_norm.DEFER_COUNTERS)) or "built")
+    assert [bench.build_with("resnet18", 2, streams, defer, torch.device("cpu"))
+            for _, streams, defer in bench.WAYS] == ["built"] * 4
+    assert seen == [(1, False), (1, True), ("auto", False), ("auto", True)]
+    assert _batch_norm.DEFER_COUNTERS is True
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 2
+        assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_max_pool_finds_each_distinct_max_pool_and_refuses_without_a_gpu(capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     try:
