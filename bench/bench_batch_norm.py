@@ -13,18 +13,15 @@ ones); the table gives each one's median over --rounds rounds and the ratios of 
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 from nimble_train import _batch_norm
-from nimble_train.bench.timing import ms_per_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_streams import build  # noqa: E402  (the same networks, batches and capture)
+from bench_streams import alternate, build, measure_workloads  # noqa: E402
 
 WAYS = (("1 stream, per layer", 1, False), ("1 stream, together", 1, True),
         ("auto, per layer", "auto", False), ("auto, together", "auto", True))
@@ -42,38 +39,15 @@ def build_with(name: str, batch: int, streams, defer: bool, device: torch.device
 def measure(name: str, batch: int, args, device: torch.device) -> dict:
     built = {way: build_with(name, batch, streams, defer, device)
              for way, streams, defer in WAYS}
-    samples = {way: [] for way, _, _ in WAYS}
-    for _ in range(args.rounds):
-        for way, _, _ in WAYS:
-            samples[way].append(ms_per_step(*built[way], steps=args.steps, repeats=1, warm=10))
-    row = {"workload": f"{name} b{batch}", **{way: statistics.median(samples[way])
-                                              for way, _, _ in WAYS},
-           "counters": built["auto, together"][0].stats()["batch_norm_counters"]}
-    for step, _ in built.values():
-        step.close()
-    torch.cuda.empty_cache()
-    return row
+    counters = built["auto, together"][0].stats()["batch_norm_counters"]
+    return {"workload": f"{name} b{batch}", **alternate(built, args), "counters": counters}
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workloads", nargs="+",
-                        default=["branchy:32", "googlenet:32", "resnet18:32"])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_batch_norm needs a CUDA GPU", file=sys.stderr)
+    rows = measure_workloads(argv, __doc__.split("\n")[0], "bench_batch_norm", measure,
+                             rounds=5)
+    if rows is None:
         return 2
-    torch.backends.cudnn.benchmark = True
-    device = torch.device("cuda")
-    rows = []
-    for spec in args.workloads:
-        name, _, batch = spec.partition(":")
-        rows.append(measure(name, int(batch or 32), args, device))
-        print(rows[-1], flush=True)
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per step, "
-          f"median of {args.rounds} alternating rounds of {args.steps} steps")
     print("| network | counters | " + " | ".join(way for way, _, _ in WAYS)
           + " | 1 stream: gain | auto: gain |")
     print("|---|---|---|---|---|---|---|---|")

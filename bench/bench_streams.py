@@ -133,36 +133,45 @@ def build(name: str, batch: int, streams, device: torch.device, switches: dict |
     return step, batches
 
 
-def measure(name: str, batch: int, args, device: torch.device) -> dict:
-    built = {way: build(name, batch, streams, device, switches)
-             for way, streams, switches in WAYS}
-    samples = {way: [] for way, _, _ in WAYS}
+def alternate(built: dict, args) -> dict[str, float]:
+    """Each way's median ms per step over args.rounds rounds that alternate between the ways
+    (each a CUDA-event mean over args.steps steps after 10 untimed ones); the steps are closed
+    after."""
+    samples = {way: [] for way in built}
     for _ in range(args.rounds):
-        for way, _, _ in WAYS:
-            samples[way].append(ms_per_step(*built[way], steps=args.steps, repeats=1,
+        for way, (step, batches) in built.items():
+            samples[way].append(ms_per_step(step, batches, steps=args.steps, repeats=1,
                                              warm=10))
-    stats = built["auto"][0].stats()
-    row = {"workload": f"{name} b{batch}", **{way: statistics.median(samples[way])
-                                              for way, _, _ in WAYS},
-           "streams": stats["streams"], "syncs": stats["syncs"],
-           "split": stats["weight_grad_layers"], "side": stats["weight_grad_streams"],
-           "native": stats["native_batch_norm_layers"]}
     for step, _ in built.values():
         step.close()
     torch.cuda.empty_cache()
-    return row
+    return {way: statistics.median(values) for way, values in samples.items()}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def measure(name: str, batch: int, args, device: torch.device) -> dict:
+    built = {way: build(name, batch, streams, device, switches)
+             for way, streams, switches in WAYS}
+    stats = built["auto"][0].stats()
+    return {"workload": f"{name} b{batch}", **alternate(built, args),
+            "streams": stats["streams"], "syncs": stats["syncs"],
+            "split": stats["weight_grad_layers"], "side": stats["weight_grad_streams"],
+            "native": stats["native_batch_norm_layers"]}
+
+
+def measure_workloads(argv, description: str, script: str, measure, rounds: int
+                      ) -> list[dict] | None:
+    """Parses --workloads (name:batch), --steps and --rounds, and returns measure(name, batch,
+    args, device) for each workload, printing each row and then the table's title; None
+    without a GPU (after saying so)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workloads", nargs="+",
                         default=["branchy:32", "googlenet:32", "resnet18:32"])
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_streams needs a CUDA GPU", file=sys.stderr)
-        return 2
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return None
     torch.backends.cudnn.benchmark = True
     device = torch.device("cuda")
     rows = []
@@ -172,6 +181,13 @@ def main(argv=None) -> int:
         print(rows[-1], flush=True)
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per step, "
           f"median of {args.rounds} alternating rounds of {args.steps} steps")
+    return rows
+
+
+def main(argv=None) -> int:
+    rows = measure_workloads(argv, __doc__.split("\n")[0], "bench_streams", measure, rounds=7)
+    if rows is None:
+        return 2
     print("| network | 1 stream | backward only | auto, cuDNN batch norm | auto "
           "| auto ÷ 1 stream | backward only ÷ 1 stream | auto ÷ backward only "
           "| auto ÷ cuDNN batch norm | forward streams | syncs | split layers "
