@@ -39,7 +39,7 @@ from . import _torch_private
 from ._forwards import replaced_forwards
 
 # Every capture advances the batch counters in one kernel at its end (see above); False: each
-# layer's own add, as eager (bench/bench_streams.py times one against the other).
+# layer's own add, as eager (bench/bench_batch_norm.py times one against the other).
 DEFER_COUNTERS = True
 
 

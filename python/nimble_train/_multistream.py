@@ -145,19 +145,21 @@ def state_edges(graph: OperatorGraph, aliasing: bool) -> set[tuple[int, int]]:
             edges.add((last_call[target], i))
         last_call[target] = i
         # operators that read the module's state directly (self.norm.running_mean)
-        for j, other in enumerate(nodes):
-            if j != i and any(u.op == "get_attr" and u.target.startswith(target + ".")
-                              for u in other.all_input_nodes):
-                edges.add((min(i, j), max(i, j)))
+        edges |= _ordered(i, nodes, lambda u, target=target: u.op == "get_attr"
+                          and u.target.startswith(target + "."))
     for i, node in enumerate(nodes):
         written = written_input(module, node)
-        if written is None:
-            continue
-        for j, other in enumerate(nodes):
-            if j != i and (not aliasing or any(_aliased(written, u)
-                                                for u in other.all_input_nodes)):
-                edges.add((min(i, j), max(i, j)))
+        if written is not None:
+            edges |= _ordered(i, nodes, lambda u, written=written: not aliasing
+                              or _aliased(written, u))
     return edges
+
+
+def _ordered(i: int, nodes: list[torch.fx.Node], touches) -> set[tuple[int, int]]:
+    """Edges between operator i and every other operator with an input that `touches`
+    says shares its state, from the earlier of the two to the later."""
+    return {(min(i, j), max(i, j)) for j, other in enumerate(nodes)
+            if j != i and any(touches(u) for u in other.all_input_nodes)}
 
 
 def _aliased(a: torch.fx.Node, b: torch.fx.Node) -> bool:
