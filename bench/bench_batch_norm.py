@@ -21,7 +21,8 @@ import torch
 from nimble_train import _batch_norm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_streams import alternate, build, measure_workloads  # noqa: E402
+from bench_streams import (alternate, build, measure_workloads,  # noqa: E402
+                           print_switch_table)
 
 WAYS = (("1 stream, per layer", 1, False), ("1 stream, together", 1, True),
         ("auto, per layer", "auto", False), ("auto, together", "auto", True))
@@ -48,13 +49,7 @@ def main(argv=None) -> int:
                              rounds=5)
     if rows is None:
         return 2
-    print("| network | counters | " + " | ".join(way for way, _, _ in WAYS)
-          + " | 1 stream: gain | auto: gain |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        one, one_t, auto, auto_t = (r[way] for way, _, _ in WAYS)
-        print(f"| {r['workload']} | {r['counters']} | {one:.3f} | {one_t:.3f} | {auto:.3f} "
-              f"| {auto_t:.3f} | {one / one_t:.3f}x | {auto / auto_t:.3f}x |")
+    print_switch_table(rows, WAYS, "counters")
     return 0
 
 

@@ -158,14 +158,15 @@ def measure(name: str, batch: int, args, device: torch.device) -> dict:
             "native": stats["native_batch_norm_layers"]}
 
 
-def measure_workloads(argv, description: str, script: str, measure, rounds: int
-                      ) -> list[dict] | None:
-    """Parses --workloads (name:batch), --steps and --rounds, and returns measure(name, batch,
-    args, device) for each workload, printing each row and then the table's title; None
-    without a GPU (after saying so)."""
+def measure_workloads(argv, description: str, script: str, measure, rounds: int,
+                      workloads: list[str] | None = None) -> list[dict] | None:
+    """Parses --workloads (name:batch; by default `workloads`, else the branchy net, GoogLeNet
+    and ResNet-18 at batch 32), --steps and --rounds, and returns measure(name, batch, args,
+    device) for each workload, printing each row and then the table's title; None without a
+    GPU (after saying so)."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workloads", nargs="+",
-                        default=["branchy:32", "googlenet:32", "resnet18:32"])
+                        default=workloads or ["branchy:32", "googlenet:32", "resnet18:32"])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=rounds)
     args = parser.parse_args(argv)
@@ -182,6 +183,19 @@ def measure_workloads(argv, description: str, script: str, measure, rounds: int
     print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; ms per step, "
           f"median of {args.rounds} alternating rounds of {args.steps} steps")
     return rows
+
+
+def print_switch_table(rows: list[dict], ways, count: str) -> None:
+    """The table of a switch timed on 1 and "auto" streams: `ways` are (name, streams, value)
+    for 1 stream off, 1 stream on, auto off, auto on; `count` names the rows' count column
+    (the layers the switch touched)."""
+    print(f"| network | {count} | " + " | ".join(way for way, _, _ in ways)
+          + " | 1 stream: gain | auto: gain |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        one, one_on, auto, auto_on = (r[way] for way, _, _ in ways)
+        print(f"| {r['workload']} | {r[count]} | {one:.3f} | {one_on:.3f} | {auto:.3f} "
+              f"| {auto_on:.3f} | {one / one_on:.3f}x | {auto / auto_on:.3f}x |")
 
 
 def main(argv=None) -> int:

@@ -20,6 +20,7 @@ from . import _torch_private
 from ._attention import DenseAttentionMasks
 from ._batch_norm import CapturedBatchNorms
 from ._max_pool import our_max_pool
+from ._small_conv import candidates as small_conv_candidates, small_convs
 from ._extension import _C
 from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
 from ._weight_grads import plan_weight_grads, split_weight_grads
@@ -38,6 +39,10 @@ BATCH_NORM_KERNELS = "auto"
 # Which max-pooling kernels every capture runs (see _max_pool.py): "ours" on the inputs they
 # take, torch's on the rest; "torch", torch's everywhere (benchmarks time one against the other).
 MAX_POOL_KERNELS = "ours"
+# Which kernels every capture runs for a stem, a convolution of few input channels (see
+# _small_conv.py): "ours" on the inputs they take, torch's on the rest; "torch", torch's
+# everywhere (bench/bench_small_conv.py times one against the other).
+SMALL_CONV_KERNELS = "ours"
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
@@ -84,6 +89,10 @@ class CapturedStep:
         # capture wrapped.
         self._max_pool_model: torch.nn.Module | None = None
         self.max_pool_layers = 0
+        # The model whose stems every capture runs on our kernels, and how many layers the
+        # last capture wrapped.
+        self._small_conv_model: torch.nn.Module | None = None
+        self.small_conv_layers = 0
 
     @property
     def splits_compiled(self) -> bool:
@@ -149,6 +158,10 @@ class CapturedStep:
             raise ValueError("MAX_POOL_KERNELS must be 'ours' or 'torch'; got "
                              f"{MAX_POOL_KERNELS!r}")
         self._max_pool_model = model if MAX_POOL_KERNELS == "ours" else None
+        if SMALL_CONV_KERNELS not in ("ours", "torch"):
+            raise ValueError("SMALL_CONV_KERNELS must be 'ours' or 'torch'; got "
+                             f"{SMALL_CONV_KERNELS!r}")
+        self._small_conv_model = model if SMALL_CONV_KERNELS == "ours" else None
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                 sync_records: list) -> None:
@@ -189,8 +202,13 @@ class CapturedStep:
                       sync_records: list, planned: bool = True) -> None:
         forward = self.multistream if planned else None
         side = self.weight_grads if planned else None
-        split = (split_weight_grads(self._split_model, side) if side is not None
-                 else contextlib.nullcontext())
+        small = self._small_conv_model
+        # Every small convolution: the split's own forward runs the split ones, small_convs
+        # the rest (entered after the split, it takes the layers left without a forward).
+        small_layers = len(small_conv_candidates(small)) if small is not None else 0
+        split = (split_weight_grads(self._split_model, side, small_convs=small is not None)
+                 if side is not None else contextlib.nullcontext())
+        convs = small_convs(small) if small is not None else contextlib.nullcontext()
         masks = DenseAttentionMasks() if self.dense_masks else contextlib.nullcontext()
         norms = CapturedBatchNorms(self._bn_model,
                                    native=planned and self._native_bn_model is not None)
@@ -206,12 +224,13 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks, norms, pools as pool_layers:
+                with split, masks, norms, pools as pool_layers, convs:
                     loss = body(forward)  # (a backward joins its side streams)
                 if planned:
                     self.native_bn_layers = norms.native_layers
                     self.bn_counters = norms.counters
                 self.max_pool_layers = pool_layers or 0
+                self.small_conv_layers = small_layers
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream
             except BaseException as exc:

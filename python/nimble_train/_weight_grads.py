@@ -310,18 +310,22 @@ def eligible(m: nn.Module, gradients=None) -> bool:
                                                  for p in params)
 
 
-def _split_forward(module: nn.Module, side: SideStream):
+def _split_forward(module: nn.Module, side: SideStream, small_convs: bool):
     if isinstance(module, nn.Linear):
         def forward(x):
             if not (x.is_cuda and torch.is_grad_enabled()):
                 return type(module).forward(module, x)
             return _Linear.apply(x, module.weight, module.bias, module, side)
         return forward
+    from . import _small_conv  # it builds on this module's helpers
     padding = _conv_padding(module)
+    small = small_convs and _small_conv.is_candidate(module)
 
     def forward(x):
         if not (x.is_cuda and torch.is_grad_enabled()):
             return type(module).forward(module, x)
+        if small and _small_conv.takes(x, module.weight):
+            return _small_conv.apply(x, module, side)
         return _Conv.apply(x, module.weight, module.bias, module, side, list(module.stride),
                            padding, list(module.dilation), module.groups)
     return forward
@@ -345,9 +349,12 @@ def plan_weight_grads(model: nn.Module, streams, device: torch.device, *,
 
 
 @contextlib.contextmanager
-def split_weight_grads(model: nn.Module, side: SideStream) -> Iterator[int]:
+def split_weight_grads(model: nn.Module, side: SideStream,
+                       small_convs: bool = False) -> Iterator[int]:
     """Within the block, the eligible layers of `model` compute their weight gradients on
-    `side`; yields how many layers that is. The layers are restored on exit.
+    `side`; yields how many layers that is. The layers are restored on exit. With
+    `small_convs`, convolutions of few input channels run as matrix products on the inputs
+    _small_conv takes, their weight gradients on `side` too.
 
     A parameter may also get a gradient from autograd (a weight tied to an embedding, a layer's
     weight read by other code): a hook on it has the current stream join the side stream
@@ -356,7 +363,7 @@ def split_weight_grads(model: nn.Module, side: SideStream) -> Iterator[int]:
                if eligible(m, side.gradients) and "forward" not in vars(m)]
     hooks = []
     for m in patched:
-        m.forward = _split_forward(m, side)  # an instance attribute shadows the class's
+        m.forward = _split_forward(m, side, small_convs)  # an instance attribute shadows the class's
         for p in (m.weight, m.bias):
             if p is not None:
                 hooks.append(p.register_hook(lambda grad: side.join() if grad is not None

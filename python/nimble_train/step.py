@@ -641,6 +641,9 @@ class Step:
             "batch_norm_counters": graph.bn_counters if captured else 0,
             # max-pools the last capture ran on nimble_train's kernels (_max_pool.py)
             "max_pool_layers": graph.max_pool_layers if captured else 0,
+            # stems (convolutions of few input channels) the last capture ran on
+            # nimble_train's kernels (_small_conv.py)
+            "small_conv_layers": graph.small_conv_layers if captured else 0,
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
                                                   "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),

@@ -2,11 +2,13 @@
 #include "ops/boundary.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
 
 #include "common/check.h"
 #include "common/torch_dtype.h"
 #include "nimble_train/build_config.h"
 #include "ops/max_pool.h"
+#include "ops/small_conv.h"
 
 #if NT_HAVE_CUDA
 #include <c10/cuda/CUDAGuard.h>
@@ -38,6 +40,28 @@ MaxPoolShape shape_of(const std::vector<int64_t>& input_size, const std::vector<
 void check_device(const at::Tensor& t, const char* op, const char* name) {
   NT_CHECK(t.device().is_cpu() || (NT_HAVE_CUDA && t.device().is_cuda()), op, ": ", name,
            " must be on the CPU", NT_HAVE_CUDA ? " or a CUDA device" : "", "; got ", t.device());
+}
+
+SmallConvShape conv_shape_of(const at::Tensor& x, at::IntArrayRef weight_size,
+                             const std::vector<int64_t>& stride,
+                             const std::vector<int64_t>& padding,
+                             const std::vector<int64_t>& dilation, const char* op) {
+  NT_CHECK(x.defined() && x.dim() == 4, op, ": x must be a 4-D [N, C, H, W] tensor; got ",
+           x.defined() ? x.dim() : 0, " dimensions");
+  NT_CHECK(weight_size.size() == 4 && weight_size[1] == x.size(1), op,
+           ": the weight must be [O, C, kh, kw] with x's ", x.size(1), " channels; got ",
+           weight_size);
+  SmallConvShape s = small_conv_shape(
+      x.size(0), x.size(1), x.size(2), x.size(3), weight_size[0],
+      pair_entry(std::vector<int64_t>(weight_size.begin() + 2, weight_size.end()), 0, op,
+                 "kernel"),
+      pair_entry(std::vector<int64_t>(weight_size.begin() + 2, weight_size.end()), 1, op,
+                 "kernel"),
+      pair_entry(stride, 0, op, "stride"), pair_entry(stride, 1, op, "stride"),
+      pair_entry(padding, 0, op, "padding"), pair_entry(padding, 1, op, "padding"),
+      pair_entry(dilation, 0, op, "dilation"), pair_entry(dilation, 1, op, "dilation"));
+  for (int d = 0; d < 4; ++d) s.x_stride[d] = x.stride(d);
+  return s;
 }
 
 }  // namespace
@@ -106,6 +130,88 @@ at::Tensor max_pool2d_backward(const at::Tensor& grad_y, const at::Tensor& argma
 #endif
   }
   return grad_x;
+}
+
+at::Tensor small_conv2d_forward(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias,
+                                const std::vector<int64_t>& stride,
+                                const std::vector<int64_t>& padding,
+                                const std::vector<int64_t>& dilation) {
+  const char* op = "small_conv2d_forward";
+  SmallConvShape s = conv_shape_of(x, weight.sizes(), stride, padding, dilation, op);
+  const DType dtype = kernel_dtype(x, op, "x");
+  check_device(x, op, "x");
+  NT_CHECK(weight.scalar_type() == x.scalar_type() && weight.device() == x.device(), op,
+           ": the weight must be x's dtype and device (", x.scalar_type(), ", ", x.device(),
+           "); got ", weight.scalar_type(), ", ", weight.device());
+  for (int d = 0; d < 4; ++d) s.w_stride[d] = weight.stride(d);
+  const bool has_bias = bias.has_value() && bias->defined();
+  at::Tensor b;
+  if (has_bias) {
+    NT_CHECK(bias->dim() == 1 && bias->size(0) == s.out_channels &&
+                 bias->scalar_type() == x.scalar_type() && bias->device() == x.device(),
+             op, ": the bias must be [", s.out_channels, "] of x's dtype and device; got ",
+             bias->sizes(), " ", bias->scalar_type(), " on ", bias->device());
+    b = bias->contiguous();
+  }
+  at::Tensor y = at::empty({s.batch, s.out_channels, s.out_height, s.out_width},
+                           x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  const void* bias_ptr = has_bias ? b.data_ptr() : nullptr;
+  if (x.is_cpu()) {
+    small_conv_forward_reference(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), s,
+                                 dtype);
+  } else {
+#if NT_HAVE_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    small_conv_forward_cuda(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), s, dtype,
+                            c10::cuda::getCurrentCUDAStream());
+#endif
+  }
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight_like,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, bool with_bias) {
+  const char* op = "small_conv2d_weight_grad";
+  SmallConvShape s = conv_shape_of(x, weight_like.sizes(), stride, padding, dilation, op);
+  const DType dtype = kernel_dtype(x, op, "x");
+  const DType grad_dtype = kernel_dtype(weight_like, op, "weight_like");
+  check_device(x, op, "x");
+  const std::vector<int64_t> out_size = {s.batch, s.out_channels, s.out_height, s.out_width};
+  NT_CHECK(grad_y.defined() && grad_y.sizes().vec() == out_size &&
+               grad_y.scalar_type() == x.scalar_type() && grad_y.device() == x.device(),
+           op, ": grad_y must be the output's sizes ", at::IntArrayRef(out_size),
+           " in x's dtype and device; got ",
+           grad_y.defined() ? grad_y.sizes() : at::IntArrayRef{});
+  NT_CHECK(weight_like.device() == x.device(), op, ": weight_like must be on x's device ",
+           x.device(), "; got ", weight_like.device());
+  // The kernels read the output's gradient pixel by pixel (the reference takes any layout).
+  const at::Tensor g =
+      grad_y.is_cpu() ? grad_y : grad_y.contiguous(at::MemoryFormat::ChannelsLast);
+  for (int d = 0; d < 4; ++d) s.g_stride[d] = g.stride(d);
+  at::Tensor grad_w = at::empty_strided(weight_like.sizes(), weight_like.strides(),
+                                        weight_like.options());
+  for (int d = 0; d < 4; ++d) s.w_stride[d] = grad_w.stride(d);
+  at::Tensor grad_b =
+      with_bias ? at::empty({s.out_channels}, weight_like.options()) : at::Tensor();
+  void* bias_ptr = with_bias ? grad_b.data_ptr() : nullptr;
+  if (x.is_cpu()) {
+    small_conv_weight_grad_reference(g.data_ptr(), x.data_ptr(), grad_w.data_ptr(),
+                                     bias_ptr, s, dtype, grad_dtype);
+  } else {
+#if NT_HAVE_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    const int blocks = small_conv_weight_grad_blocks(s, x.device().index());
+    at::Tensor workspace = at::empty({int64_t(blocks) * (s.columns() + 1) * s.out_channels},
+                                     x.options().dtype(at::kFloat));
+    small_conv_weight_grad_cuda(g.data_ptr(), x.data_ptr(), workspace.data_ptr<float>(),
+                                blocks, grad_w.data_ptr(), bias_ptr, s, dtype, grad_dtype,
+                                c10::cuda::getCurrentCUDAStream());
+#endif
+  }
+  return {grad_w, grad_b};
 }
 
 }  // namespace nimble_train::ops

@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -26,5 +27,24 @@ at::Tensor max_pool2d_backward(const at::Tensor& grad_y, const at::Tensor& argma
                                const std::vector<int64_t>& kernel,
                                const std::vector<int64_t>& stride,
                                const std::vector<int64_t>& padding, bool ceil_mode);
+
+// A 2-D convolution of few input channels, groups 1 (see small_conv.h): x [N, C, H, W] and
+// weight [O, C, kh, kw] in any layout, bias [O] or undefined, all of one dtype (float32,
+// float16 or bfloat16). stride, padding, dilation: (h, w). Returns y [N, O, Ho, Wo],
+// channels-last, in x's dtype.
+at::Tensor small_conv2d_forward(const at::Tensor& x, const at::Tensor& weight,
+                                const std::optional<at::Tensor>& bias,
+                                const std::vector<int64_t>& stride,
+                                const std::vector<int64_t>& padding,
+                                const std::vector<int64_t>& dilation);
+
+// The weight's and the bias's gradients of small_conv2d_forward from the output's (grad_y, any
+// layout, x's dtype): (grad_weight, grad_bias), laid out and typed as `weight_like` (the
+// parameter, whose dtype may differ from x's under autocast); grad_bias undefined unless
+// with_bias.
+std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
+    const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight_like,
+    const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
+    const std::vector<int64_t>& dilation, bool with_bias);
 
 }  // namespace nimble_train::ops

@@ -20,6 +20,17 @@ void bind_ops(py::module_& m) {
         py::arg("ceil_mode"), py::call_guard<py::gil_scoped_release>(),
         "The input's gradient of max_pool2d_forward, channels-last: the same values, bit for "
         "bit, as torch's backward of max_pool2d on CUDA.");
+  m.def("small_conv2d_forward", &ops::small_conv2d_forward, py::arg("x"), py::arg("weight"),
+        py::arg("bias"), py::arg("stride"), py::arg("padding"), py::arg("dilation"),
+        py::call_guard<py::gil_scoped_release>(),
+        "A 2-D convolution of at most 32 input channels x kernel positions and 256 output "
+        "channels (groups 1; x, weight and bias of one dtype, any layout): y, channels-last. "
+        "stride, padding, dilation: (h, w).");
+  m.def("small_conv2d_weight_grad", &ops::small_conv2d_weight_grad, py::arg("grad_y"),
+        py::arg("x"), py::arg("weight_like"), py::arg("stride"), py::arg("padding"),
+        py::arg("dilation"), py::arg("with_bias"), py::call_guard<py::gil_scoped_release>(),
+        "(grad_weight, grad_bias) of small_conv2d_forward, in weight_like's dtype and layout; "
+        "grad_bias None unless with_bias.");
 }
 
 }  // namespace nimble_train

@@ -656,6 +656,29 @@ def test_bench_batch_norm_switches_the_counters_only_while_it_builds(capsys, mon
         assert "CUDA GPU" in capsys.readouterr().err
 
 
+def test_bench_small_conv_builds_each_way_with_its_kernels_and_prints_the_gains(capsys,
+                                                                               monkeypatch):
+    bench = _bench_script("bench_small_conv")
+    seen = []
+    monkeypatch.setattr(bench, "build", lambda name, batch, streams, device, switches: seen.append(
+        (streams, switches)) or "built")
+    assert [bench.build_with("resnet18", 2, streams, small, torch.device("cpu"))
+            for _, streams, small in bench.WAYS] == ["built"] * 4
+    assert seen == [(1, {"SMALL_CONV_KERNELS": "torch"}), (1, {"SMALL_CONV_KERNELS": "ours"}),
+                    ("auto", {"SMALL_CONV_KERNELS": "torch"}),
+                    ("auto", {"SMALL_CONV_KERNELS": "ours"})]
+    row = {"workload": "resnet18 b32", "layers": 1, **dict(zip(
+        (way for way, _, _ in bench.WAYS), (2.2, 2.0, 1.6, 1.5)))}
+    _bench_script("bench_streams").print_switch_table([row], bench.WAYS, "layers")
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| network | layers | 1 stream, cuDNN | 1 stream, ours |")
+    assert table[2] == ("| resnet18 b32 | 1 | 2.200 | 2.000 | 1.600 | 1.500 | 1.100x "
+                        "| 1.067x |")
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 2
+        assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_max_pool_finds_each_distinct_max_pool_and_refuses_without_a_gpu(capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     try:
