@@ -11,15 +11,15 @@ takes about 400 µs a step. Ours stage the weight and a tile of windows in share
 write the output channels-last in one kernel, and sum the weight's and bias's gradients per
 thread block, then over the blocks in a fixed order (deterministic).
 
-While a step is captured, each ``nn.Conv2d`` of at most MAX_CHANNELS input channels, MAX_COLUMNS
-input channels × kernel positions and MAX_OUT_CHANNELS output channels (groups 1, zero padding,
-no forward of the user's own) runs them on the inputs they take: CUDA, floating point, needing no gradient (the
-input's gradient is not computed: a stem's input is the batch), and where torch would give a
-channels-last output (the input or the weight is channels-last). Anything else goes to torch
-as before. The results are the convolution's up to the order of the float32 sums; under
-autocast the operands are cast as torch casts them, and the weight's gradient comes out in the
-parameter's dtype from its float32 sum. With the backward's weight gradients on side streams
-(streams="auto"), the stem's goes there too.
+While a step is captured, each ``nn.Conv2d`` of at most MAX_CHANNELS input channels,
+MAX_COLUMNS input channels × kernel positions and MAX_OUT_CHANNELS output channels (groups 1,
+zero padding, no forward of the user's own) runs them on the inputs they take: CUDA, floating
+point, needing no gradient (the input's gradient is not computed: a stem's input is the
+batch), and where torch would give a channels-last output (the input or the weight is
+channels-last). Anything else goes to torch as before. The results are the convolution's up
+to the order of the float32 sums; under autocast the operands are cast as torch casts them,
+and the weight's gradient comes out in the parameter's dtype from its float32 sum. With the
+backward's weight gradients on side streams (streams="auto"), the stem's goes there too.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import nn
 from . import _torch_private
 from ._extension import _C
 from ._forwards import replaced_forwards
+from ._max_pool import _pair
 from ._weight_grads import _accumulate, _amp_cast, _conv_padding
 
 # The layers a capture gives the kernels: a stem's input channels (an image's 1 to 4), and what
@@ -41,10 +42,6 @@ MAX_CHANNELS = 4
 MAX_COLUMNS = 32
 MAX_OUT_CHANNELS = 256
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _pair(value) -> list[int]:
-    return [int(v) for v in value] if isinstance(value, (tuple, list)) else [int(value)] * 2
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -66,9 +63,7 @@ class _SmallConv(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         stride, padding, dilation = ctx.conv
-        with_bias = ctx.needs_input_grad[2] or (
-            ctx.side is not None and ctx.module.bias is not None
-            and ctx.module.bias.requires_grad)
+        with_bias = ctx.needs_input_grad[2]
 
         def weight_grads():
             g = grad_y if grad_y.dtype == x.dtype else grad_y.to(x.dtype)
@@ -84,7 +79,7 @@ class _SmallConv(torch.autograd.Function):
             gw, gb = weight_grads()
             _accumulate(module.weight, gw)
             if gb is not None:
-                _accumulate(module.bias, gb.to(module.bias.dtype))
+                _accumulate(module.bias, gb)
             side.accumulated(module.weight, module.bias)
 
         side.launch(launch, (grad_y, x), key=module)

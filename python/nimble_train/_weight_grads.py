@@ -353,8 +353,8 @@ def split_weight_grads(model: nn.Module, side: SideStream,
                        small_convs: bool = False) -> Iterator[int]:
     """Within the block, the eligible layers of `model` compute their weight gradients on
     `side`; yields how many layers that is. The layers are restored on exit. With
-    `small_convs`, convolutions of few input channels run as matrix products on the inputs
-    _small_conv takes, their weight gradients on `side` too.
+    `small_convs`, the stems among them run _small_conv's kernels on the inputs those take,
+    their weight gradients on `side` too.
 
     A parameter may also get a gradient from autograd (a weight tied to an embedding, a layer's
     weight read by other code): a hook on it has the current stream join the side stream
@@ -363,7 +363,8 @@ def split_weight_grads(model: nn.Module, side: SideStream,
                if eligible(m, side.gradients) and "forward" not in vars(m)]
     hooks = []
     for m in patched:
-        m.forward = _split_forward(m, side, small_convs)  # an instance attribute shadows the class's
+        # an instance attribute shadows the class's
+        m.forward = _split_forward(m, side, small_convs)
         for p in (m.weight, m.bias):
             if p is not None:
                 hooks.append(p.register_hook(lambda grad: side.join() if grad is not None

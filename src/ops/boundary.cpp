@@ -51,12 +51,10 @@ SmallConvShape conv_shape_of(const at::Tensor& x, at::IntArrayRef weight_size,
   NT_CHECK(weight_size.size() == 4 && weight_size[1] == x.size(1), op,
            ": the weight must be [O, C, kh, kw] with x's ", x.size(1), " channels; got ",
            weight_size);
+  const std::vector<int64_t> kernel(weight_size.begin() + 2, weight_size.end());
   SmallConvShape s = small_conv_shape(
       x.size(0), x.size(1), x.size(2), x.size(3), weight_size[0],
-      pair_entry(std::vector<int64_t>(weight_size.begin() + 2, weight_size.end()), 0, op,
-                 "kernel"),
-      pair_entry(std::vector<int64_t>(weight_size.begin() + 2, weight_size.end()), 1, op,
-                 "kernel"),
+      pair_entry(kernel, 0, op, "kernel"), pair_entry(kernel, 1, op, "kernel"),
       pair_entry(stride, 0, op, "stride"), pair_entry(stride, 1, op, "stride"),
       pair_entry(padding, 0, op, "padding"), pair_entry(padding, 1, op, "padding"),
       pair_entry(dilation, 0, op, "dilation"), pair_entry(dilation, 1, op, "dilation"));

@@ -39,7 +39,9 @@ constexpr int kInFlight = 8;
 constexpr int kPacksInFlight = 4;
 
 // A window's row in shared memory: the columns, the bias's 1, zeros up to a multiple of 4.
-__host__ __device__ int window_row(const SmallConvShape& s) { return (s.columns() + 1 + 3) / 4 * 4; }
+__host__ __device__ int window_row(const SmallConvShape& s) {
+  return (s.columns() + 1 + 3) / 4 * 4;
+}
 
 // Pixels per forward tile: kPixels per thread of a pack of channels, in what the weight leaves.
 int forward_tile(const SmallConvShape& s, int vec) {
