@@ -43,6 +43,14 @@ from ._forwards import replaced_forwards
 DEFER_COUNTERS = True
 
 
+# The CapturedBatchNorms whose block is running, if any (fused operators ask it how to count).
+_ACTIVE: CapturedBatchNorms | None = None
+
+
+def active() -> CapturedBatchNorms | None:
+    return _ACTIVE
+
+
 def candidates(model: nn.Module) -> list[nn.Module]:
     """The batch-norm layers of `model` whose forward this module may wrap: not compiled
     (inductor has its own kernels, and a changed forward would recompile), no forward of
@@ -68,9 +76,11 @@ class CapturedBatchNorms:
     """Within the block, the batch norms of `model` (candidates; None: none) run PyTorch's
     native kernels when `native`, and leave their batch counters (defers_counter) to one
     multi-tensor add issued when the block ends without an error. The layers are restored on
-    exit, whatever happens; an error leaves the counters untouched. After the block,
-    `native_layers` and `counters` say how many layers ran natively and how many counters
-    the add advanced."""
+    exit, whatever happens; an error leaves the counters untouched. While the block runs,
+    active() returns it: a batch norm fused with its ReLU (_batch_norm_act), which does not
+    call the layer's forward, runs fused only in a native block and counts its call with
+    count_call. After the block, `native_layers`, `fused_layers` and `counters` say how many
+    layers ran natively, how many calls ran fused and how many counters the add advanced."""
 
     def __init__(self, model: nn.Module | None, native: bool, defer: bool | None = None):
         self._layers = candidates(model) if model is not None else []
@@ -80,13 +90,23 @@ class CapturedBatchNorms:
         self._replaced = None
         self.native_layers = len(self._layers) if native else 0
         self.counters = 0
+        self.fused_layers = 0
+        self._outer: CapturedBatchNorms | None = None
+
+    @property
+    def native(self) -> bool:
+        return self._native
 
     def __enter__(self) -> CapturedBatchNorms:
+        global _ACTIVE
         self._replaced = replaced_forwards(self._layers, self._forward)
         self._replaced.__enter__()
+        self._outer, _ACTIVE = _ACTIVE, self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        global _ACTIVE
+        _ACTIVE = self._outer
         self._replaced.__exit__(exc_type, exc, tb)
         if exc_type is None and self._calls:
             counters, calls = zip(*self._calls.values())
@@ -95,13 +115,29 @@ class CapturedBatchNorms:
         self._calls = {}
         return False
 
+    def count_call(self, module: nn.Module) -> None:
+        """A call of `module` that did not run its forward (fused with its ReLU) counts as
+        the forward would have counted it: deferred to the end of the block, or now."""
+        self.fused_layers += 1
+        counter = self._deferred_counter(module)
+        if counter is not None:
+            self._calls.setdefault(id(counter), [counter, 0])[1] += 1
+        elif module.training and module.track_running_stats:
+            if module.num_batches_tracked is not None:
+                module.num_batches_tracked.add_(1)
+
+    def _deferred_counter(self, module: nn.Module) -> torch.Tensor | None:
+        """`module`'s batch counter when this call leaves it to the end of the block."""
+        if self._defer and defers_counter(module):
+            return module._buffers["num_batches_tracked"]
+        return None
+
     def _forward(self, module: nn.Module):
         forward = type(module).forward
-        native, defer = self._native, self._defer
+        native = self._native
 
         def run(*args, **kwargs):
-            counter = module._buffers["num_batches_tracked"] if (
-                defer and defers_counter(module)) else None
+            counter = self._deferred_counter(module)
             # Only this switch: cudnn.flags() would also reset benchmark, deterministic, TF32.
             enabled = torch.backends.cudnn.enabled
             if native:

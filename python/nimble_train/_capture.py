@@ -43,6 +43,10 @@ MAX_POOL_KERNELS = "ours"
 # _small_conv.py): "ours" on the inputs they take, torch's on the rest; "torch", torch's
 # everywhere (bench/bench_small_conv.py times one against the other).
 SMALL_CONV_KERNELS = "ours"
+# Whether a planned forward runs each batch norm with the ReLU after it (a residual added in
+# between) as one operator, on the native kernels and one of ours (see _batch_norm_act.py);
+# False: as the model calls them (bench/bench_batch_norm_act.py times one against the other).
+FUSE_BATCH_NORM_RELU = True
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
@@ -85,6 +89,7 @@ class CapturedStep:
         self._native_bn_model: torch.nn.Module | None = None
         self.native_bn_layers = 0
         self.bn_counters = 0
+        self.fused_bn_layers = 0
         # The model whose max-pools every capture runs on our kernels, and how many the last
         # capture wrapped.
         self._max_pool_model: torch.nn.Module | None = None
@@ -137,7 +142,8 @@ class CapturedStep:
             self._split_model = model if self.weight_grads is not None else None
         if self.multistream is None and self.single_stream_reason is None:
             self.multistream, self.single_stream_reason = (
-                build_multistream(model, streams, device, example)
+                build_multistream(model, streams, device, example,
+                                  fuse_norms=FUSE_BATCH_NORM_RELU)
                 if PLAN_FORWARD or streams == 1 else (None, FORWARD_OFF))
             planned = self.weight_grads is not None or self.splits_compiled
             # A chain's forward loses nothing when the backward is planned, nor a compiled
@@ -229,6 +235,7 @@ class CapturedStep:
                 if planned:
                     self.native_bn_layers = norms.native_layers
                     self.bn_counters = norms.counters
+                    self.fused_bn_layers = norms.fused_layers
                 self.max_pool_layers = pool_layers or 0
                 self.small_conv_layers = small_layers
                 if forward is not None:

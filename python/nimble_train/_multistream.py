@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _torch_private
+from ._batch_norm_act import BatchNormReLU, fuse_batch_norm_relu
 from ._extension import _C
 from ._torch_private import pytree
 
@@ -84,14 +85,17 @@ class OperatorGraph:
     edges: list[tuple[int, int]]
 
 
-def trace_operators(model: torch.nn.Module) -> OperatorGraph:
+def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> OperatorGraph:
     """Traces `model` with torch.fx; raises what fx raises when the model is not traceable.
     Buffers are read when the forward runs (a batch norm's running mean read by the model's
-    own code), not folded into constants of the trace."""
+    own code), not folded into constants of the trace. `fuse_norms`: batch norms and the ReLUs
+    after them become single operators (_batch_norm_act)."""
     tracer = torch.fx.Tracer()
     tracer.proxy_buffer_attributes = True
     traced = tracer.trace(model)
     module = torch.fx.GraphModule(tracer.root, traced, type(model).__name__)
+    if fuse_norms:
+        fuse_batch_norm_relu(module)
     nodes = [n for n in module.graph.nodes if n.op in _OPS]
     index = {n: i for i, n in enumerate(nodes)}
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
@@ -137,10 +141,12 @@ def state_edges(graph: OperatorGraph, aliasing: bool) -> set[tuple[int, int]]:
     module, nodes = graph.module, graph.nodes
     edges: set[tuple[int, int]] = set()
     last_call: dict[str, int] = {}
-    stateful = [i for i, node in enumerate(nodes) if node.op == "call_module"
-                and any(True for _ in module.get_submodule(node.target).buffers())]
+    owners = {i: _state_owner(module, node) for i, node in enumerate(nodes)
+              if node.op == "call_module"}
+    stateful = [i for i, owner in owners.items()
+                if any(True for _ in module.get_submodule(owner).buffers())]
     for i in stateful:
-        target = nodes[i].target
+        target = owners[i]
         if target in last_call:
             edges.add((last_call[target], i))
         last_call[target] = i
@@ -153,6 +159,13 @@ def state_edges(graph: OperatorGraph, aliasing: bool) -> set[tuple[int, int]]:
             edges |= _ordered(i, nodes, lambda u, written=written: not aliasing
                               or _aliased(written, u))
     return edges
+
+
+def _state_owner(module: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    """The path of the module whose state a call_module node changes: its target, or for a
+    batch norm fused with its ReLU, the batch norm's."""
+    called = module.get_submodule(node.target)
+    return called.layer_name if isinstance(called, BatchNormReLU) else node.target
 
 
 def _ordered(i: int, nodes: list[torch.fx.Node], touches) -> set[tuple[int, int]]:
@@ -363,9 +376,10 @@ COMPILED = "the model contains torch.compile'd modules, whose kernels inductor p
 
 
 def build_multistream(model: torch.nn.Module, streams, device: torch.device,
-                      example: tuple[tuple, dict] | None = None):
+                      example: tuple[tuple, dict] | None = None, fuse_norms: bool = False):
     """The multi-stream forward for `streams` ("auto" or a limit), or None with the reason.
     `example`: the forward's (args, kwargs) for the cost option; None plans every operator.
+    `fuse_norms`: see trace_operators.
 
     None means one stream: streams == 1, a model fx cannot trace (the reason names the
     error), or a plan with a single stream (nothing runs side by side).
@@ -377,7 +391,7 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
         # run on one stream.
         return None, COMPILED
     try:
-        graph = trace_operators(model)
+        graph = trace_operators(model, fuse_norms)
     except Exception as exc:  # fx raises many kinds of errors on untraceable code
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return None, f"torch.fx could not trace the model ({type(exc).__name__}: {first})"

@@ -123,6 +123,12 @@ def fake_tensor_values(module: torch.fx.GraphModule, args: tuple) -> None:
     torch.func.functional_call(holder, state, fake_args)
 
 
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (shape and dtype, no data)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    return isinstance(t, FakeTensor)
+
+
 def tensor_hooks(p: torch.Tensor) -> dict:
     """The hooks registered on `p` with ``p.register_hook`` (they see its gradient before it
     is accumulated); empty when there are none."""

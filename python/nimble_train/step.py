@@ -637,6 +637,8 @@ class Step:
             "weight_grads_off": self._weight_grads_off(),
             # batch norms the last planned capture ran with PyTorch's kernels, not cuDNN's
             "native_batch_norm_layers": graph.native_bn_layers if captured else 0,
+            # batch norms the last planned capture ran fused with the ReLU after them
+            "fused_batch_norm_layers": graph.fused_bn_layers if captured else 0,
             # batch counters the last training capture advanced in one kernel at its end
             "batch_norm_counters": graph.bn_counters if captured else 0,
             # max-pools the last capture ran on nimble_train's kernels (_max_pool.py)

@@ -4,9 +4,12 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 
+#include <algorithm>
+
 #include "common/check.h"
 #include "common/torch_dtype.h"
 #include "nimble_train/build_config.h"
+#include "ops/batch_norm_act.h"
 #include "ops/max_pool.h"
 #include "ops/small_conv.h"
 
@@ -42,6 +45,19 @@ void check_device(const at::Tensor& t, const char* op, const char* name) {
            " must be on the CPU", NT_HAVE_CUDA ? " or a CUDA device" : "", "; got ", t.device());
 }
 
+// x: a 4-D channels-last contiguous tensor of a kernel dtype on a device the kernels run on;
+// returns its dtype.
+DType channels_last_input(const at::Tensor& x, const char* op) {
+  NT_CHECK(x.defined() && x.dim() == 4, op, ": x must be a 4-D [N, C, H, W] tensor; got ",
+           x.defined() ? x.dim() : 0, " dimensions");
+  const DType dtype = kernel_dtype(x, op, "x");
+  check_device(x, op, "x");
+  NT_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), op,
+           ": x must be channels-last contiguous; got sizes ", x.sizes(), " with strides ",
+           x.strides(), " (x.contiguous(memory_format=torch.channels_last) makes it so)");
+  return dtype;
+}
+
 SmallConvShape conv_shape_of(const at::Tensor& x, at::IntArrayRef weight_size,
                              const std::vector<int64_t>& stride,
                              const std::vector<int64_t>& padding,
@@ -70,13 +86,7 @@ std::tuple<at::Tensor, at::Tensor> max_pool2d_forward(const at::Tensor& x,
                                                       const std::vector<int64_t>& padding,
                                                       bool ceil_mode) {
   const char* op = "max_pool2d_forward";
-  NT_CHECK(x.defined() && x.dim() == 4, op, ": x must be a 4-D [N, C, H, W] tensor; got ",
-           x.defined() ? x.dim() : 0, " dimensions");
-  const DType dtype = kernel_dtype(x, op, "x");
-  check_device(x, op, "x");
-  NT_CHECK(x.is_contiguous(at::MemoryFormat::ChannelsLast), op,
-           ": x must be channels-last contiguous; got sizes ", x.sizes(), " with strides ",
-           x.strides(), " (x.contiguous(memory_format=torch.channels_last) makes it so)");
+  const DType dtype = channels_last_input(x, op);
   const MaxPoolShape s = shape_of(x.sizes().vec(), kernel, stride, padding, ceil_mode, op);
   const auto options = x.options().memory_format(at::MemoryFormat::ChannelsLast);
   at::Tensor y = at::empty({s.batch, s.channels, s.out_height, s.out_width}, options);
@@ -210,6 +220,68 @@ std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
 #endif
   }
   return {grad_w, grad_b};
+}
+
+at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
+                                   const at::Tensor& invstd, const at::Tensor& weight,
+                                   const at::Tensor& bias,
+                                   const std::optional<at::Tensor>& residual,
+                                   const std::optional<at::Tensor>& running_mean,
+                                   const std::optional<at::Tensor>& running_var, double momentum,
+                                   double eps) {
+  const char* op = "batch_norm_relu_forward";
+  const DType dtype = channels_last_input(x, op);
+  BatchNormActShape s;
+  s.channels = x.size(1);
+  s.rows = x.numel() / std::max<int64_t>(s.channels, 1);
+  const auto per_channel = [&](const at::Tensor& t, const char* name) {
+    NT_CHECK(t.defined() && t.dim() == 1 && t.size(0) == s.channels &&
+                 t.scalar_type() == at::kFloat && t.device() == x.device() && t.is_contiguous(),
+             op, ": ", name, " must be a contiguous float32 [", s.channels, "] tensor on ",
+             x.device(), "; got ", t.defined() ? t.sizes() : at::IntArrayRef{}, " ",
+             t.defined() ? t.scalar_type() : at::ScalarType::Undefined, " on ",
+             t.defined() ? t.device() : x.device());
+    return t.data_ptr<float>();
+  };
+  BatchNormActParams p;
+  p.mean = per_channel(mean, "mean");
+  p.invstd = per_channel(invstd, "invstd");
+  p.weight = per_channel(weight, "weight");
+  p.bias = per_channel(bias, "bias");
+  const bool has_mean = running_mean.has_value() && running_mean->defined();
+  const bool has_var = running_var.has_value() && running_var->defined();
+  NT_CHECK(has_mean == has_var, op, ": running_mean and running_var go together; got ",
+           has_mean ? "running_mean" : "running_var", " alone");
+  if (has_mean) {
+    NT_CHECK(s.rows > 1, op, ": the running variance needs more than one value per channel; got ",
+             s.rows, " (input ", x.sizes(), ")");
+    p.running_mean = per_channel(*running_mean, "running_mean");
+    p.running_var = per_channel(*running_var, "running_var");
+  }
+  p.momentum = static_cast<float>(momentum);
+  p.eps = static_cast<float>(eps);
+  const bool has_residual = residual.has_value() && residual->defined();
+  if (has_residual) {
+    NT_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
+                 residual->device() == x.device() &&
+                 residual->is_contiguous(at::MemoryFormat::ChannelsLast),
+             op, ": residual must be channels-last contiguous, with x's sizes ", x.sizes(),
+             ", dtype ", x.scalar_type(), " and device ", x.device(), "; got ", residual->sizes(),
+             " ", residual->scalar_type(), " on ", residual->device(), " with strides ",
+             residual->strides());
+  }
+  const void* res = has_residual ? residual->data_ptr() : nullptr;
+  at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  if (x.is_cpu()) {
+    batch_norm_relu_forward_reference(x.data_ptr(), res, y.data_ptr(), p, s, dtype);
+  } else {
+#if NT_HAVE_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    batch_norm_relu_forward_cuda(x.data_ptr(), res, y.data_ptr(), p, s, dtype,
+                                 c10::cuda::getCurrentCUDAStream());
+#endif
+  }
+  return y;
 }
 
 }  // namespace nimble_train::ops

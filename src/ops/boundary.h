@@ -47,4 +47,18 @@ std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
     const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
     const std::vector<int64_t>& dilation, bool with_bias);
 
+// A training batch norm's normalisation, an optional residual and the ReLU in one pass (see
+// batch_norm_act.h): x (and residual) [N, C, H, W] channels-last contiguous, float32, float16 or
+// bfloat16; mean and invstd as torch.batch_norm_stats gives them, weight, bias, running_mean
+// and running_var: float32 [C] (the running averages updated in place when given, both or
+// neither). Returns relu(weight * (x - mean) * invstd + bias [+ residual]), channels-last, in
+// x's dtype.
+at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
+                                   const at::Tensor& invstd, const at::Tensor& weight,
+                                   const at::Tensor& bias,
+                                   const std::optional<at::Tensor>& residual,
+                                   const std::optional<at::Tensor>& running_mean,
+                                   const std::optional<at::Tensor>& running_var, double momentum,
+                                   double eps);
+
 }  // namespace nimble_train::ops

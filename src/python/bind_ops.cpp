@@ -31,6 +31,14 @@ void bind_ops(py::module_& m) {
         py::arg("dilation"), py::arg("with_bias"), py::call_guard<py::gil_scoped_release>(),
         "(grad_weight, grad_bias) of small_conv2d_forward, in weight_like's dtype and layout; "
         "grad_bias None unless with_bias.");
+  m.def("batch_norm_relu_forward", &ops::batch_norm_relu_forward, py::arg("x"), py::arg("mean"),
+        py::arg("invstd"), py::arg("weight"), py::arg("bias"), py::arg("residual"),
+        py::arg("running_mean"), py::arg("running_var"), py::arg("momentum"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>(),
+        "relu(weight * (x - mean) * invstd + bias [+ residual]) for a channels-last [N, C, H, W] "
+        "x (float32/16, bfloat16; mean and invstd from torch.batch_norm_stats, the rest float32 "
+        "[C]), in one pass; running_mean and running_var (both or None) updated in place as a "
+        "training batch norm does.");
 }
 
 }  // namespace nimble_train

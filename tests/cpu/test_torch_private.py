@@ -183,6 +183,16 @@ def test_shares_storage_sees_views_of_fake_and_real_tensors():
         assert not _torch_private.shares_storage(f + 1, f)
 
 
+
+def test_is_fake_tells_fake_tensors_from_real_ones():
+    t = torch.randn(3)
+    assert not _torch_private.is_fake(t)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode() as mode:
+        assert _torch_private.is_fake(mode.from_tensor(t))
+        assert _torch_private.is_fake(torch.empty(2))  # made under the mode
+
+
 _GROUP_RELEASED = r"""
 import sys
 import torch

@@ -1,0 +1,129 @@
+// The fused batch norm + ReLU reference (src/ops/batch_norm_act.h) against an oracle in double
+// precision written from the formulas in batch_norm_act.h: batch statistics of x, the
+// normalisation, the residual, the ReLU, and the running averages with the unbiased variance.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "ops/batch_norm_act.h"
+#include "optim/dtype_traits.h"
+
+namespace nimble_train::ops {
+namespace {
+
+struct Oracle {
+  std::vector<double> y, running_mean, running_var;
+};
+
+// x and residual: [rows, channels] floats; the statistics in double, as a float64 batch norm.
+Oracle oracle(const std::vector<float>& x, const std::vector<float>* residual, int64_t rows,
+              int64_t channels, const std::vector<float>& w, const std::vector<float>& b,
+              const std::vector<float>& rm, const std::vector<float>& rv, double momentum,
+              double eps) {
+  Oracle o{std::vector<double>(x.size()), std::vector<double>(channels),
+           std::vector<double>(channels)};
+  for (int64_t c = 0; c < channels; ++c) {
+    double sum = 0.0, squares = 0.0;
+    for (int64_t r = 0; r < rows; ++r) sum += x[r * channels + c];
+    const double mean = sum / rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      const double d = x[r * channels + c] - mean;
+      squares += d * d;
+    }
+    const double var = squares / rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = r * channels + c;
+      double z = w[c] * (x[i] - mean) / std::sqrt(var + eps) + b[c];
+      if (residual != nullptr) z += (*residual)[i];
+      o.y[i] = z < 0.0 ? 0.0 : z;
+    }
+    o.running_mean[c] = (1.0 - momentum) * rm[c] + momentum * mean;
+    o.running_var[c] = (1.0 - momentum) * rv[c] + momentum * var * rows / (rows - 1);
+  }
+  return o;
+}
+
+void check(int64_t rows, int64_t channels, bool with_residual) {
+  std::mt19937 gen(static_cast<unsigned>(rows * 131 + channels));
+  std::normal_distribution<float> normal(0.5f, 2.0f);
+  std::vector<float> x(rows * channels), res(rows * channels), w(channels), b(channels),
+      rm(channels), rv(channels);
+  for (auto* v : {&x, &res, &w, &b, &rm}) {
+    for (float& e : *v) e = normal(gen);
+  }
+  for (float& e : rv) e = std::abs(normal(gen)) + 0.1f;
+  const double momentum = 0.1, eps = 1e-5;
+  const Oracle o = oracle(x, with_residual ? &res : nullptr, rows, channels, w, b, rm, rv,
+                          momentum, eps);
+  // The statistics as torch.batch_norm_stats hands them over: float32 mean and 1/sqrt(var+eps).
+  std::vector<float> mean(channels), invstd(channels);
+  for (int64_t c = 0; c < channels; ++c) {
+    double sum = 0.0, squares = 0.0;
+    for (int64_t r = 0; r < rows; ++r) sum += x[r * channels + c];
+    for (int64_t r = 0; r < rows; ++r) {
+      const double d = x[r * channels + c] - sum / rows;
+      squares += d * d;
+    }
+    mean[c] = static_cast<float>(sum / rows);
+    invstd[c] = static_cast<float>(1.0 / std::sqrt(squares / rows + eps));
+  }
+  std::vector<float> y(x.size(), std::numeric_limits<float>::quiet_NaN());
+  BatchNormActParams p;
+  p.mean = mean.data();
+  p.invstd = invstd.data();
+  p.weight = w.data();
+  p.bias = b.data();
+  p.running_mean = rm.data();
+  p.running_var = rv.data();
+  p.momentum = static_cast<float>(momentum);
+  p.eps = static_cast<float>(eps);
+  batch_norm_relu_forward_reference(x.data(), with_residual ? res.data() : nullptr, y.data(), p,
+                                    BatchNormActShape{rows, channels}, DType::kFloat32);
+  int zeros = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    EXPECT_NEAR(y[i], o.y[i], 1e-5 * (1.0 + std::abs(o.y[i]))) << "element " << i;
+    zeros += y[i] == 0.0f;
+  }
+  EXPECT_GT(zeros, 0);
+  EXPECT_LT(zeros, static_cast<int>(y.size()));
+  for (int64_t c = 0; c < channels; ++c) {
+    EXPECT_NEAR(rm[c], o.running_mean[c], 1e-6 * (1.0 + std::abs(o.running_mean[c])));
+    EXPECT_NEAR(rv[c], o.running_var[c], 1e-5 * o.running_var[c]);
+  }
+}
+
+TEST(BatchNormRelu, ReferenceIsTheFloat64Oracle) {
+  check(37, 5, false);
+  check(64, 16, true);
+  check(2, 3, true);  // the fewest rows the unbiased variance takes
+}
+
+TEST(BatchNormRelu, ReluKeepsNaNAndHalfStorageRounds) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_TRUE(std::isnan(BatchNormActMath::apply(nan, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f)));
+  EXPECT_EQ(BatchNormActMath::apply(-1.0f, 0.0f, 1.0f, 1.0f, 0.0f, 0.0f), 0.0f);
+  EXPECT_EQ(BatchNormActMath::apply(1.0f, 0.0f, 1.0f, 2.0f, 0.5f, 0.25f), 2.75f);
+  // bfloat16 storage: each output is the float result rounded once.
+  using BF16 = optim::DTypeTraits<DType::kBFloat16>;
+  const std::vector<uint16_t> x = {BF16::store(1.3f), BF16::store(-0.7f)};
+  std::vector<uint16_t> y(2);
+  const float mean = 0.1f, invstd = 1.7f, w = 0.9f, b = 0.05f;
+  BatchNormActParams p;
+  p.mean = &mean;
+  p.invstd = &invstd;
+  p.weight = &w;
+  p.bias = &b;
+  batch_norm_relu_forward_reference(x.data(), nullptr, y.data(), p, BatchNormActShape{2, 1},
+                                    DType::kBFloat16);
+  for (int i = 0; i < 2; ++i) {
+    const float expected = BatchNormActMath::apply(BF16::load(x[i]), mean, invstd, w, b, 0.0f);
+    EXPECT_EQ(y[i], BF16::store(expected)) << i;
+  }
+}
+
+}  // namespace
+}  // namespace nimble_train::ops
