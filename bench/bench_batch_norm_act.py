@@ -4,12 +4,13 @@ addition and the ReLU as the model calls them (nimble_train/_batch_norm_act.py).
     python bench/bench_batch_norm_act.py               # branchy, GoogLeNet, ResNet-18 at batch 32
     python bench/bench_batch_norm_act.py --workloads resnet18:128 --rounds 7
 
-One process, one GPU. Each network is built three times from the same seed (bench_streams.py's
+One process, one GPU. Each network is built four times from the same seed (bench_streams.py's
 networks and batches): nt.Step on one stream (cuDNN's batch norms, nothing fused: the fusion
 rewrites the planned forward), and with streams="auto", captured with
-``_capture.FUSE_BATCH_NORM_RELU`` off and on. Timing alternates between the three in rounds (a
-CUDA-event mean over --steps steps after 10 untimed ones); the table gives each one's median
-over --rounds rounds and the ratios of the medians.
+``_capture.FUSE_BATCH_NORM_RELU`` off, on with torch's backward
+(``_batch_norm_act.OUR_BACKWARD = False``) and on with ours. Timing alternates between the four
+in rounds (a CUDA-event mean over --steps steps after 10 untimed ones); the table gives each
+one's median over --rounds rounds and the ratios of the medians.
 """
 
 from __future__ import annotations
@@ -17,16 +18,29 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from nimble_train import _batch_norm_act
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_streams import alternate, build, measure_workloads  # noqa: E402
 
-WAYS = (("1 stream", 1, {}), ("auto, separate", "auto", {"FUSE_BATCH_NORM_RELU": False}),
-        ("auto, fused", "auto", {"FUSE_BATCH_NORM_RELU": True}))
+# (name, streams, fused, our backward)
+WAYS = (("1 stream", 1, False, True), ("auto, separate", "auto", False, True),
+        ("auto, fused, torch's backward", "auto", True, False),
+        ("auto, fused", "auto", True, True))
+
+
+def build_with(name: str, batch: int, streams, fuse: bool, ours: bool, device):
+    saved = _batch_norm_act.OUR_BACKWARD
+    _batch_norm_act.OUR_BACKWARD = ours  # read when the step is captured
+    try:
+        return build(name, batch, streams, device, {"FUSE_BATCH_NORM_RELU": fuse})
+    finally:
+        _batch_norm_act.OUR_BACKWARD = saved
 
 
 def measure(name: str, batch: int, args, device) -> dict:
-    built = {way: build(name, batch, streams, device, switches)
-             for way, streams, switches in WAYS}
+    built = {way: build_with(name, batch, streams, fuse, ours, device)
+             for way, streams, fuse, ours in WAYS}
     fused = built["auto, fused"][0].stats()["fused_batch_norm_layers"]
     return {"workload": f"{name} b{batch}", **alternate(built, args), "fused": fused}
 
@@ -36,13 +50,15 @@ def main(argv=None) -> int:
                              rounds=5)
     if rows is None:
         return 2
-    print("| network | fused | " + " | ".join(way for way, _, _ in WAYS)
-          + " | fused: gain | auto ÷ 1 stream: separate | fused |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| network | fused | " + " | ".join(way for way, *_ in WAYS)
+          + " | fused: gain | our backward: gain | auto ÷ 1 stream: separate | fused |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        one, separate, fused = (r[way] for way, _, _ in WAYS)
-        print(f"| {r['workload']} | {r['fused']} | {one:.3f} | {separate:.3f} | {fused:.3f} "
-              f"| {separate / fused:.3f}x | {one / separate:.3f}x | **{one / fused:.3f}x** |")
+        one, separate, torch_backward, fused = (r[way] for way, *_ in WAYS)
+        print(f"| {r['workload']} | {r['fused']} | {one:.3f} | {separate:.3f} "
+              f"| {torch_backward:.3f} | {fused:.3f} | {separate / fused:.3f}x "
+              f"| {torch_backward / fused:.3f}x | {one / separate:.3f}x "
+              f"| **{one / fused:.3f}x** |")
     return 0
 
 

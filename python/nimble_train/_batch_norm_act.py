@@ -7,15 +7,20 @@ addition another, each reading and writing the whole activation. Where the trace
 (_multistream) has a 2-D batch norm whose only reader is a ReLU, or an addition whose only
 reader is a ReLU, the three operators become one: torch's statistics kernel, then one kernel of
 ours (src/ops/batch_norm_act.h) that normalises, adds the residual, applies the ReLU and updates
-the running averages. The backward is torch's: the ReLU's mask (threshold_backward on the
-output, as autograd's ReLU does), then the native batch norm's backward; the residual's
-gradient is the masked gradient, as the addition's would be.
+the running averages. The backward is ours too: torch's batch-norm backward of the gradient
+the ReLU lets through (zero where the output is not positive, as threshold_backward gives it),
+reading the mask from the output as it goes where torch would write the masked gradient out
+first (a kernel and a pass over memory more), in three kernels: the per-channel sums
+(deterministic: the blocks' partial sums added in block order), the weight's and bias's
+gradients, the input's. The residual's gradient is the masked gradient, as the addition's
+would be.
 
 The rewrite is of the traced graph only; the model is not touched. The fused operator runs
 fused only inside a planned capture that runs the native batch-norm kernels (CapturedBatchNorms
-with native=True), on float32 channels-last CUDA activations of a layer in training; anywhere
-else (the fake-tensor run that sizes operators, another dtype or layout, a broadcast residual,
-a layer in eval mode) it calls the batch norm, the addition and the ReLU as the model would.
+with native=True), on channels-last CUDA activations (float32, or float16/bfloat16 under
+autocast, with float32 parameters) of a layer in training; anywhere else (the fake-tensor run
+that sizes operators, another dtype or layout, a broadcast residual, a layer in eval mode) it
+calls the batch norm, the addition and the ReLU as the model would.
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ _RELU_METHODS = {"relu", "relu_"}
 _ADD_WRITING_FIRST = {operator.iadd}
 _ADD_WRITING_METHODS = {"add_", "__iadd__"}
 _ADD_FUNCTIONS = {operator.add, torch.add}
+# The backward: our kernels, which read the ReLU's mask from the output as they go (True), or
+# torch's threshold_backward and native batch-norm backward (bench/bench_batch_norm_act.py
+# times one against the other).
+OUR_BACKWARD = True
+# Activations the kernel stores; its arithmetic and the statistics are float32 for all three.
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class BatchNormReLU(nn.Module):
@@ -68,11 +79,12 @@ class BatchNormReLU(nn.Module):
 
 
 def _fusable(bn: nn.BatchNorm2d, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether this call can run fused: a layer in training with a momentum, on real float32
-    channels-last CUDA data with more than one value per channel, float32 parameters and
-    running averages, and a residual (if any) of x's shape, dtype and layout."""
+    """Whether this call can run fused: a layer in training with a momentum, on real
+    channels-last CUDA data (float32, or float16/bfloat16 under autocast) with more than one
+    value per channel, float32 parameters and running averages, and a residual (if any) of
+    x's shape, dtype and layout."""
     if not (bn.training and bn.momentum is not None and x.is_cuda and x.dim() == 4
-            and x.dtype == torch.float32 and x.is_contiguous(memory_format=torch.channels_last)
+            and x.dtype in _DTYPES and x.is_contiguous(memory_format=torch.channels_last)
             and x.numel() > x.shape[1] and not _torch_private.is_fake(x)):
         return False
     if any(t is None or t.dtype != torch.float32
@@ -96,11 +108,15 @@ class _BatchNormReLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, y, weight, mean, invstd = ctx.saved_tensors
-        grad_z = torch.ops.aten.threshold_backward(grad_y, y, 0)
         needs = ctx.needs_input_grad
-        grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
-            grad_z, x, weight, None, None, mean, invstd, True, ctx.eps,
-            [needs[0], needs[2], needs[3]])
+        if OUR_BACKWARD:
+            grad_x, grad_z, grad_w, grad_b = _C.batch_norm_relu_backward(
+                grad_y, y, x, mean, invstd, weight, needs[0], needs[1])
+        else:
+            grad_z = torch.ops.aten.threshold_backward(grad_y, y, 0)
+            grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
+                grad_z, x, weight, None, None, mean, invstd, True, ctx.eps,
+                [needs[0], needs[2], needs[3]])
         return (grad_x if needs[0] else None, grad_z if needs[1] else None,
                 grad_w if needs[2] else None, grad_b if needs[3] else None,
                 None, None, None, None)

@@ -27,7 +27,49 @@ void forward(const void* x_, const void* residual_, void* y_, const BatchNormAct
   }
 }
 
+template <typename Traits>
+void backward(const void* grad_y_, const void* y_, const void* x_, const BatchNormActParams& p,
+              const BatchNormActGrads& g, const BatchNormActShape& s) {
+  using S = typename Traits::Storage;
+  const S* grad_y = static_cast<const S*>(grad_y_);
+  const S* y = static_cast<const S*>(y_);
+  const S* x = static_cast<const S*>(x_);
+  S* grad_x = static_cast<S*>(g.grad_x);
+  S* grad_residual = static_cast<S*>(g.grad_residual);
+  const float inv_rows = 1.0f / static_cast<float>(s.rows);
+  for (int64_t c = 0; c < s.channels; ++c) {
+    float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
+    for (int64_t r = 0; r < s.rows; ++r) {
+      const int64_t i = r * s.channels + c;
+      const float gz = BatchNormActBackwardMath::masked(Traits::load(grad_y[i]),
+                                                        Traits::load(y[i]));
+      sum_dy += gz;
+      sum_dy_xmu += gz * (Traits::load(x[i]) - p.mean[c]);
+    }
+    g.grad_weight[c] = sum_dy_xmu * p.invstd[c];
+    g.grad_bias[c] = sum_dy;
+    for (int64_t r = 0; r < s.rows; ++r) {
+      const int64_t i = r * s.channels + c;
+      const float gz = BatchNormActBackwardMath::masked(Traits::load(grad_y[i]),
+                                                        Traits::load(y[i]));
+      if (grad_residual != nullptr) grad_residual[i] = Traits::store(gz);
+      if (grad_x != nullptr) {
+        grad_x[i] = Traits::store(BatchNormActBackwardMath::grad_input(
+            gz, Traits::load(x[i]), p.mean[c], p.invstd[c], p.weight[c], sum_dy, sum_dy_xmu,
+            inv_rows));
+      }
+    }
+  }
+}
+
 }  // namespace
+
+void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const void* x,
+                                        const BatchNormActParams& p, const BatchNormActGrads& g,
+                                        const BatchNormActShape& s, DType dtype) {
+  optim::dispatch_dtype(dtype,
+                        [&](auto traits) { backward<decltype(traits)>(grad_y, y, x, p, g, s); });
+}
 
 void batch_norm_relu_forward_reference(const void* x, const void* residual, void* y,
                                        const BatchNormActParams& p, const BatchNormActShape& s,

@@ -1,6 +1,10 @@
-// CUDA kernel of batch_norm_act.h: one thread per pack of channels of one row (16 bytes when
-// the channels and the pointers allow it), striding over the rows; block 0 also updates the
-// running averages.
+// CUDA kernels of batch_norm_act.h. Forward: one thread per pack of channels of one row (16
+// bytes when the channels and the pointers allow it), striding over the rows; block 0 also
+// updates the running averages. Backward: (1) blocks of packs of channels x a share of the rows
+// sum gz and gz * (x - mean) per channel, over the block's rows in a fixed tree, into per-block
+// partials; (2) 32 threads per channel add the blocks' partials, each a fixed subset in order,
+// then in a fixed tree, and write the weight's and bias's gradients; (3) the element-wise
+// gradients, as the forward.
 #include <algorithm>
 #include <cstdint>
 
@@ -68,7 +72,237 @@ bool aligned(const void* ptr, int bytes) {
   return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
+// ---------------------------------------------------------------------------- backward
+
+constexpr int kBlocksPerSm = 2;  // of the backward's reduction
+constexpr int kMaxSplits = 256;
+
+struct ReduceGrid {
+  int lanes = 1;   // packs of channels side by side in a block (threadIdx.x)
+  int depth = 1;   // rows side by side in a block (threadIdx.y): kThreads / lanes
+  int columns = 1;  // blocks across the channels (blockIdx.x)
+  int splits = 1;   // blocks across the rows (blockIdx.y)
+};
+
+int multiprocessors(int device) {
+  int sms = 0;
+  NT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(sms, 1);
+}
+
+int pack_width(const BatchNormActShape& s, DType dtype, bool aligned_pointers) {
+  const int vec = dtype == DType::kFloat32 ? 4 : 8;
+  return aligned_pointers && s.channels % vec == 0 ? vec : 1;
+}
+
+ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device) {
+  ReduceGrid g;
+  const int64_t packs = s.channels / vec;
+  while (g.lanes * 2 <= std::min<int64_t>(packs, 32)) g.lanes *= 2;
+  g.depth = kThreads / g.lanes;
+  g.columns = static_cast<int>((packs + g.lanes - 1) / g.lanes);
+  const int64_t wanted = (int64_t(kBlocksPerSm) * multiprocessors(device) + g.columns - 1) /
+                         g.columns;
+  const int64_t most = (s.rows + g.depth - 1) / g.depth;
+  g.splits = static_cast<int>(std::clamp<int64_t>(std::min(wanted, most), 1, kMaxSplits));
+  return g;
+}
+
+template <typename Traits, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    reduce_kernel(const typename Traits::Storage* grad_y, const typename Traits::Storage* y,
+                  const typename Traits::Storage* x, const float* mean, float* partials,
+                  BatchNormActShape s) {
+  __shared__ float sums[2][kThreads * kVec];
+  const int64_t packs = s.channels / kVec;
+  const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool active = pack < packs;
+  const int64_t c = pack * kVec;
+  float dy[kVec], dy_xmu[kVec], m[kVec];
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    dy[k] = dy_xmu[k] = 0.0f;
+    m[k] = active ? __ldg(mean + c + k) : 0.0f;
+  }
+  const int64_t share = (s.rows + gridDim.y - 1) / gridDim.y;
+  const int64_t begin = blockIdx.y * share;
+  const int64_t end = std::min<int64_t>(s.rows, begin + share);
+  if (active) {
+    for (int64_t r = begin + threadIdx.y; r < end; r += blockDim.y) {
+      const int64_t at = r * s.channels + c;
+      const auto g = load_pack<kVec>(grad_y, at);
+      const auto o = load_pack<kVec>(y, at);
+      const auto v = load_pack<kVec>(x, at);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float gz = BatchNormActBackwardMath::masked(Traits::load(g.v[k]),
+                                                          Traits::load(o.v[k]));
+        dy[k] += gz;
+        dy_xmu[k] += gz * (Traits::load(v.v[k]) - m[k]);
+      }
+    }
+  }
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    sums[0][slot + k] = dy[k];
+    sums[1][slot + k] = dy_xmu[k];
+  }
+  __syncthreads();
+  for (int stride = blockDim.y / 2; stride > 0; stride /= 2) {  // a fixed tree over the rows
+    if (threadIdx.y < stride) {
+      const int other = slot + stride * blockDim.x * kVec;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        sums[0][slot + k] += sums[0][other + k];
+        sums[1][slot + k] += sums[1][other + k];
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && active) {
+    float* out = partials + int64_t(blockIdx.y) * 2 * s.channels;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      out[c + k] = sums[0][slot + k];
+      out[s.channels + c + k] = sums[1][slot + k];
+    }
+  }
+}
+
+constexpr int kFinishChannels = 32;  // per block of the second kernel (threadIdx.x)
+constexpr int kFinishLanes = 32;     // threads adding one channel's partials (threadIdx.y)
+
+__global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
+    finish_kernel(const float* partials, int splits, float* totals, const float* invstd,
+                  float* grad_weight, float* grad_bias, int64_t channels) {
+  __shared__ float sums[2][kFinishLanes][kFinishChannels];
+  const int64_t c = int64_t(blockIdx.x) * kFinishChannels + threadIdx.x;
+  float dy = 0.0f, dy_xmu = 0.0f;
+  if (c < channels) {
+    // Lane l adds the partials of blocks l, l + lanes, ... in order; then a fixed tree over
+    // the lanes: the same order on every run.
+    for (int j = threadIdx.y; j < splits; j += kFinishLanes) {
+      dy += partials[int64_t(j) * 2 * channels + c];
+      dy_xmu += partials[int64_t(j) * 2 * channels + channels + c];
+    }
+  }
+  sums[0][threadIdx.y][threadIdx.x] = dy;
+  sums[1][threadIdx.y][threadIdx.x] = dy_xmu;
+  __syncthreads();
+  for (int stride = kFinishLanes / 2; stride > 0; stride /= 2) {
+    if (threadIdx.y < stride) {
+      sums[0][threadIdx.y][threadIdx.x] += sums[0][threadIdx.y + stride][threadIdx.x];
+      sums[1][threadIdx.y][threadIdx.x] += sums[1][threadIdx.y + stride][threadIdx.x];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.y == 0 && c < channels) {
+    dy = sums[0][0][threadIdx.x];
+    dy_xmu = sums[1][0][threadIdx.x];
+    totals[c] = dy;
+    totals[channels + c] = dy_xmu;
+    grad_weight[c] = dy_xmu * invstd[c];
+    grad_bias[c] = dy;
+  }
+}
+
+template <typename Traits, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    grad_input_kernel(const typename Traits::Storage* grad_y, const typename Traits::Storage* y,
+                      const typename Traits::Storage* x, const float* totals,
+                      BatchNormActParams p, typename Traits::Storage* grad_x,
+                      typename Traits::Storage* grad_residual, BatchNormActShape s) {
+  using S = typename Traits::Storage;
+  const int64_t packs = s.channels / kVec;
+  const int64_t total = s.rows * packs;
+  const float inv_rows = 1.0f / static_cast<float>(s.rows);
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t c = (i % packs) * kVec;
+    const int64_t at = i * kVec;
+    const auto g = load_pack<kVec>(grad_y, at);
+    const auto o = load_pack<kVec>(y, at);
+    Pack<S, kVec> gx, gr;
+    Pack<S, kVec> v;
+    if (grad_x != nullptr) v = load_pack<kVec>(x, at);
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      const float gz = BatchNormActBackwardMath::masked(Traits::load(g.v[k]),
+                                                        Traits::load(o.v[k]));
+      gr.v[k] = Traits::store(gz);
+      if (grad_x != nullptr) {
+        gx.v[k] = Traits::store(BatchNormActBackwardMath::grad_input(
+            gz, Traits::load(v.v[k]), __ldg(p.mean + c + k), __ldg(p.invstd + c + k),
+            __ldg(p.weight + c + k), __ldg(totals + c + k), __ldg(totals + s.channels + c + k),
+            inv_rows));
+      }
+    }
+    if (grad_x != nullptr) store_pack<kVec>(grad_x, at, gx);
+    if (grad_residual != nullptr) store_pack<kVec>(grad_residual, at, gr);
+  }
+}
+
+template <typename Traits, int kVec>
+void backward(const void* grad_y, const void* y, const void* x, const BatchNormActParams& p,
+              const BatchNormActGrads& g, float* workspace, const BatchNormActShape& s,
+              const ReduceGrid& grid, cudaStream_t stream) {
+  using S = typename Traits::Storage;
+  const S* gys = static_cast<const S*>(grad_y);
+  const S* ys = static_cast<const S*>(y);
+  const S* xs = static_cast<const S*>(x);
+  float* partials = workspace;
+  float* totals = workspace + int64_t(grid.splits) * 2 * s.channels;
+  reduce_kernel<Traits, kVec><<<dim3(grid.columns, grid.splits), dim3(grid.lanes, grid.depth), 0,
+                                stream>>>(gys, ys, xs, p.mean, partials, s);
+  NT_CHECK_LAUNCH();
+  const int finish_blocks =
+      static_cast<int>((s.channels + kFinishChannels - 1) / kFinishChannels);
+  finish_kernel<<<finish_blocks, dim3(kFinishChannels, kFinishLanes), 0, stream>>>(
+      partials, grid.splits, totals, p.invstd, g.grad_weight, g.grad_bias, s.channels);
+  NT_CHECK_LAUNCH();
+  if (g.grad_x == nullptr && g.grad_residual == nullptr) return;
+  const int64_t total = s.rows * (s.channels / kVec);
+  const int blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks)));
+  grad_input_kernel<Traits, kVec><<<blocks, kThreads, 0, stream>>>(
+      gys, ys, xs, totals, p, static_cast<S*>(g.grad_x), static_cast<S*>(g.grad_residual), s);
+  NT_CHECK_LAUNCH();
+}
+
 }  // namespace
+
+int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device) {
+  // The widest packs the shape takes: pointers unaligned for them get the same grid or fewer
+  // splits' worth of blocks, never more floats than this.
+  int64_t most = 0;
+  for (const int vec : {1, pack_width(s, dtype, true)}) {
+    most = std::max<int64_t>(most, reduce_grid(s, vec, device).splits);
+  }
+  return (most + 1) * 2 * s.channels;
+}
+
+void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void* x,
+                                   const BatchNormActParams& p, const BatchNormActGrads& g,
+                                   float* workspace, const BatchNormActShape& s, DType dtype,
+                                   cudaStream_t stream) {
+  if (s.rows == 0 || s.channels == 0) return;
+  int device = 0;
+  NT_CHECK_CUDA(cudaGetDevice(&device));
+  const bool aligned_pointers = aligned(grad_y, 16) && aligned(y, 16) && aligned(x, 16) &&
+                                aligned(g.grad_x, 16) && aligned(g.grad_residual, 16);
+  const int vec = pack_width(s, dtype, aligned_pointers);
+  const ReduceGrid grid = reduce_grid(s, vec, device);
+  optim::dispatch_dtype(dtype, [&](auto traits) {
+    using Traits = decltype(traits);
+    constexpr int kWide = 16 / sizeof(typename Traits::Storage);
+    if (vec == kWide) {
+      backward<Traits, kWide>(grad_y, y, x, p, g, workspace, s, grid, stream);
+    } else {
+      backward<Traits, 1>(grad_y, y, x, p, g, workspace, s, grid, stream);
+    }
+  });
+}
 
 void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y,
                                   const BatchNormActParams& p, const BatchNormActShape& s,

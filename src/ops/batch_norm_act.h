@@ -61,14 +61,55 @@ struct BatchNormActMath {
   }
 };
 
+// The backward, from the output's gradient gy, the output y and the input x (one dtype, all
+// channels-last [rows, channels]):
+//   gz = y <= 0 ? 0 : gy                          (the ReLU's mask, as torch's threshold_backward)
+//   sum_dy = sum over rows of gz,  sum_dy_xmu = sum over rows of gz * (x - mean)
+//   grad_weight = sum_dy_xmu * invstd,  grad_bias = sum_dy
+//   gx = (gz - sum_dy / rows - (x - mean) * invstd^2 * sum_dy_xmu / rows) * invstd * weight
+// (torch's batch-norm backward in training) and, with a residual, its gradient gz. The sums are
+// float32: the CUDA kernels sum each block's share of the rows, then the blocks' partial sums,
+// each in a fixed order (deterministic); the reference sums the rows in order.
+struct BatchNormActGrads {
+  void* grad_x = nullptr;         // null: not wanted
+  void* grad_residual = nullptr;  // null: not wanted
+  float* grad_weight = nullptr;   // [channels], written (both always)
+  float* grad_bias = nullptr;
+};
+
+struct BatchNormActBackwardMath {
+  NT_HOST_DEVICE static float masked(float gy, float y) { return y <= 0.0f ? 0.0f : gy; }
+
+  // gx of one element from the channel's sums (torch's batch_norm_backward_elemt).
+  NT_HOST_DEVICE static float grad_input(float gz, float x, float mean, float invstd,
+                                         float weight, float sum_dy, float sum_dy_xmu,
+                                         float inv_rows) {
+    const float grad_mean = sum_dy * inv_rows;
+    const float proj_scale = sum_dy_xmu * inv_rows * invstd * invstd;
+    return (gz - grad_mean - (x - mean) * proj_scale) * invstd * weight;
+  }
+};
+
 // x, residual (null: none) and y: channels-last [rows, channels] of `dtype`.
 void batch_norm_relu_forward_reference(const void* x, const void* residual, void* y,
                                        const BatchNormActParams& p, const BatchNormActShape& s,
                                        DType dtype);
 
+void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const void* x,
+                                        const BatchNormActParams& p, const BatchNormActGrads& g,
+                                        const BatchNormActShape& s, DType dtype);
+
 // ------------------------------------------------------------------ CUDA (NT_HAVE_CUDA builds)
 void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
                                   DType dtype, cudaStream_t stream);
+
+// The backward's workspace: floats for its per-block partial sums and the channels' totals.
+int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device);
+
+void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void* x,
+                                   const BatchNormActParams& p, const BatchNormActGrads& g,
+                                   float* workspace, const BatchNormActShape& s, DType dtype,
+                                   cudaStream_t stream);
 
 }  // namespace nimble_train::ops

@@ -58,6 +58,37 @@ DType channels_last_input(const at::Tensor& x, const char* op) {
   return dtype;
 }
 
+BatchNormActShape rows_and_channels(const at::Tensor& x) {
+  BatchNormActShape s;
+  s.channels = x.size(1);
+  s.rows = x.numel() / std::max<int64_t>(s.channels, 1);
+  return s;
+}
+
+// A [channels] float32 tensor of the batch norm over x: its data.
+float* channel_values(const at::Tensor& t, const at::Tensor& x, const BatchNormActShape& s,
+                      const char* op, const char* name) {
+  NT_CHECK(t.defined() && t.dim() == 1 && t.size(0) == s.channels &&
+               t.scalar_type() == at::kFloat && t.device() == x.device() && t.is_contiguous(),
+           op, ": ", name, " must be a contiguous float32 [", s.channels, "] tensor on ",
+           x.device(), "; got ", t.defined() ? t.sizes() : at::IntArrayRef{}, " ",
+           t.defined() ? t.scalar_type() : at::ScalarType::Undefined, " on ",
+           t.defined() ? t.device() : x.device());
+  return t.data_ptr<float>();
+}
+
+// `t` (named `name`) laid out as x: x's sizes, dtype and device, channels-last contiguous.
+void like_x(const at::Tensor& t, const at::Tensor& x, const char* op, const char* name) {
+  NT_CHECK(t.defined() && t.sizes() == x.sizes() && t.scalar_type() == x.scalar_type() &&
+               t.device() == x.device() && t.is_contiguous(at::MemoryFormat::ChannelsLast),
+           op, ": ", name, " must be channels-last contiguous, with x's sizes ", x.sizes(),
+           ", dtype ", x.scalar_type(), " and device ", x.device(), "; got ",
+           t.defined() ? t.sizes() : at::IntArrayRef{}, " ",
+           t.defined() ? t.scalar_type() : at::ScalarType::Undefined, " on ",
+           t.defined() ? t.device() : x.device(), " with strides ",
+           t.defined() ? t.strides() : at::IntArrayRef{});
+}
+
 SmallConvShape conv_shape_of(const at::Tensor& x, at::IntArrayRef weight_size,
                              const std::vector<int64_t>& stride,
                              const std::vector<int64_t>& padding,
@@ -231,17 +262,9 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
                                    double eps) {
   const char* op = "batch_norm_relu_forward";
   const DType dtype = channels_last_input(x, op);
-  BatchNormActShape s;
-  s.channels = x.size(1);
-  s.rows = x.numel() / std::max<int64_t>(s.channels, 1);
+  const BatchNormActShape s = rows_and_channels(x);
   const auto per_channel = [&](const at::Tensor& t, const char* name) {
-    NT_CHECK(t.defined() && t.dim() == 1 && t.size(0) == s.channels &&
-                 t.scalar_type() == at::kFloat && t.device() == x.device() && t.is_contiguous(),
-             op, ": ", name, " must be a contiguous float32 [", s.channels, "] tensor on ",
-             x.device(), "; got ", t.defined() ? t.sizes() : at::IntArrayRef{}, " ",
-             t.defined() ? t.scalar_type() : at::ScalarType::Undefined, " on ",
-             t.defined() ? t.device() : x.device());
-    return t.data_ptr<float>();
+    return channel_values(t, x, s, op, name);
   };
   BatchNormActParams p;
   p.mean = per_channel(mean, "mean");
@@ -261,15 +284,7 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
   p.momentum = static_cast<float>(momentum);
   p.eps = static_cast<float>(eps);
   const bool has_residual = residual.has_value() && residual->defined();
-  if (has_residual) {
-    NT_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type() &&
-                 residual->device() == x.device() &&
-                 residual->is_contiguous(at::MemoryFormat::ChannelsLast),
-             op, ": residual must be channels-last contiguous, with x's sizes ", x.sizes(),
-             ", dtype ", x.scalar_type(), " and device ", x.device(), "; got ", residual->sizes(),
-             " ", residual->scalar_type(), " on ", residual->device(), " with strides ",
-             residual->strides());
-  }
+  if (has_residual) like_x(*residual, x, op, "residual");
   const void* res = has_residual ? residual->data_ptr() : nullptr;
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
   if (x.is_cpu()) {
@@ -282,6 +297,51 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
 #endif
   }
   return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
+    const at::Tensor& grad_y, const at::Tensor& y, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& weight, bool input_grad, bool residual_grad) {
+  const char* op = "batch_norm_relu_backward";
+  const DType dtype = channels_last_input(x, op);
+  like_x(y, x, op, "y");
+  NT_CHECK(grad_y.defined() && grad_y.sizes() == x.sizes() &&
+               grad_y.scalar_type() == x.scalar_type() && grad_y.device() == x.device(),
+           op, ": grad_y must have x's sizes ", x.sizes(), ", dtype ", x.scalar_type(),
+           " and device ", x.device(), "; got ",
+           grad_y.defined() ? grad_y.sizes() : at::IntArrayRef{}, " ",
+           grad_y.defined() ? grad_y.scalar_type() : at::ScalarType::Undefined);
+  const at::Tensor g = grad_y.contiguous(at::MemoryFormat::ChannelsLast);
+  const BatchNormActShape s = rows_and_channels(x);
+  BatchNormActParams p;
+  p.mean = channel_values(mean, x, s, op, "mean");
+  p.invstd = channel_values(invstd, x, s, op, "invstd");
+  p.weight = channel_values(weight, x, s, op, "weight");
+  const auto like = x.options().memory_format(at::MemoryFormat::ChannelsLast);
+  at::Tensor grad_x = input_grad ? at::empty(x.sizes(), like) : at::Tensor();
+  at::Tensor grad_residual = residual_grad ? at::empty(x.sizes(), like) : at::Tensor();
+  at::Tensor grad_weight = at::empty({s.channels}, x.options().dtype(at::kFloat));
+  at::Tensor grad_bias = at::empty({s.channels}, x.options().dtype(at::kFloat));
+  BatchNormActGrads grads;
+  grads.grad_x = input_grad ? grad_x.data_ptr() : nullptr;
+  grads.grad_residual = residual_grad ? grad_residual.data_ptr() : nullptr;
+  grads.grad_weight = grad_weight.data_ptr<float>();
+  grads.grad_bias = grad_bias.data_ptr<float>();
+  if (x.is_cpu()) {
+    batch_norm_relu_backward_reference(g.data_ptr(), y.data_ptr(), x.data_ptr(), p, grads, s,
+                                       dtype);
+  } else {
+#if NT_HAVE_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor workspace = at::empty(
+        {batch_norm_relu_backward_workspace(s, dtype, x.device().index())},
+        x.options().dtype(at::kFloat));
+    batch_norm_relu_backward_cuda(g.data_ptr(), y.data_ptr(), x.data_ptr(), p, grads,
+                                  workspace.data_ptr<float>(), s, dtype,
+                                  c10::cuda::getCurrentCUDAStream());
+#endif
+  }
+  return {grad_x, grad_residual, grad_weight, grad_bias};
 }
 
 }  // namespace nimble_train::ops

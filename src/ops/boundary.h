@@ -61,4 +61,12 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
                                    const std::optional<at::Tensor>& running_var, double momentum,
                                    double eps);
 
+// The backward of batch_norm_relu_forward (see batch_norm_act.h) from the output's gradient
+// grad_y (any layout, y's dtype), the output y and the input x (channels-last contiguous) and
+// the forward's mean, invstd and weight: (grad_x, grad_residual, grad_weight, grad_bias), the
+// first two channels-last in x's dtype and undefined unless asked for, the last two float32.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
+    const at::Tensor& grad_y, const at::Tensor& y, const at::Tensor& x, const at::Tensor& mean,
+    const at::Tensor& invstd, const at::Tensor& weight, bool input_grad, bool residual_grad);
+
 }  // namespace nimble_train::ops

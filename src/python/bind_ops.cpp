@@ -39,6 +39,13 @@ void bind_ops(py::module_& m) {
         "x (float32/16, bfloat16; mean and invstd from torch.batch_norm_stats, the rest float32 "
         "[C]), in one pass; running_mean and running_var (both or None) updated in place as a "
         "training batch norm does.");
+  m.def("batch_norm_relu_backward", &ops::batch_norm_relu_backward, py::arg("grad_y"),
+        py::arg("y"), py::arg("x"), py::arg("mean"), py::arg("invstd"), py::arg("weight"),
+        py::arg("input_grad"), py::arg("residual_grad"), py::call_guard<py::gil_scoped_release>(),
+        "(grad_x, grad_residual, grad_weight, grad_bias) of batch_norm_relu_forward from the "
+        "output's gradient, the output and the input: torch's batch-norm backward of the "
+        "ReLU-masked gradient, the per-channel sums deterministic; grad_x and grad_residual "
+        "None unless asked for.");
 }
 
 }  // namespace nimble_train

@@ -50,6 +50,34 @@ def test_the_reference_is_float64_batch_norm_plus_residual_then_relu(dtype, resi
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_backward_reference_is_autograds_in_float64(dtype, residual):
+    x = channels_last(4, 6, 5, 3, dtype=dtype) * 2 + 0.5
+    r = channels_last(4, 6, 5, 3, dtype=dtype, seed=1) if residual else None
+    w, b = torch.randn(6), torch.randn(6)
+    mean, invstd = stats(x)
+    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5)
+    gy = channels_last(4, 6, 5, 3, dtype=dtype, seed=2).contiguous()  # NCHW: any layout
+    grad_x, grad_r, grad_w, grad_b = _C.batch_norm_relu_backward(
+        gy, y, x, mean, invstd, w, True, residual)
+    inputs = [t.double().requires_grad_() for t in (x, w, b)]
+    z = F.batch_norm(inputs[0], None, None, inputs[1], inputs[2], True, 0.1, 1e-5)
+    if residual:
+        inputs.append(r.double().requires_grad_())
+        z = z + inputs[3]
+    # the mask of the float64 output would differ where y rounded to 0 in `dtype`: take y's
+    expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
+    got = [grad_x, grad_w, grad_b] + ([grad_r] if residual else [])
+    tol = TOLERANCE[dtype] * 10
+    for name, a, e in zip(("x", "weight", "bias", "residual"), got, expected):
+        scale = e.abs().max().item()
+        assert (a.double() - e).abs().max().item() <= tol * scale, name
+    assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == torch.float32
+    assert (grad_r is not None) == residual
+    assert _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, False, False)[0] is None
+
+
 def test_no_running_averages_leaves_them_out():
     x = channels_last(2, 4, 3, 3)
     w, b = torch.ones(4), torch.zeros(4)

@@ -10,10 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import nimble_train as nt
-from nimble_train import _capture
+from nimble_train import _batch_norm_act, _capture
 from nimble_train._batch_norm_act import _BatchNormReLU
 from nimble_train._extension import _C
-from step_reference import assert_same_training, classification_batches, eager_loop
+from step_reference import (assert_same_training, classification_batches, eager_loop,
+                            training_gap)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -46,6 +47,56 @@ def test_the_kernel_is_float64_batch_norm_plus_residual_then_relu(dtype, channel
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 64, 9, 7), (6, 6, 9, 7), (64, 256, 16, 16)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, shape, residual):
+    torch.manual_seed(shape[1])
+    x = channels_last(*shape, dtype=dtype) * 2 + 0.5
+    r = channels_last(*shape, dtype=dtype) if residual else None
+    w, b = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
+    mean, invstd = torch.batch_norm_stats(x, 1e-5)
+    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5)
+    gy = channels_last(*shape, dtype=dtype)
+    got = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, True, residual)
+    again = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, True, residual)
+    for a, b_ in zip(got, again):
+        assert (a is None and b_ is None) or torch.equal(a, b_)  # the same sums, same order
+    inputs = [t.double().requires_grad_() for t in (x, w, b)]
+    z = F.batch_norm(inputs[0], None, None, inputs[1], inputs[2], True, 0.1, 1e-5)
+    if residual:
+        inputs.append(r.double().requires_grad_())
+        z = z + inputs[3]
+    # the mask of y as stored (a float64 output could round the other way at 0)
+    expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
+    grad_x, grad_r, grad_w, grad_b = got
+    for name, a, e in zip(("x", "weight", "bias", "residual"),
+                          [grad_x, grad_w, grad_b] + ([grad_r] if residual else []), expected):
+        scale = e.abs().max().item()
+        assert (a.double() - e).abs().max().item() <= 10 * TOLERANCE[dtype] * scale, name
+    assert grad_x.dtype == dtype and grad_x.is_contiguous(memory_format=torch.channels_last)
+    assert grad_r is None if not residual else grad_r.dtype == dtype
+
+
+def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
+    torch.manual_seed(5)
+    base = torch.randn(3, 1 + 2 * 8 * 4 * 4, device="cuda")
+    x, y_in, gy = (row[1:].view(2, 4, 4, 8).permute(0, 3, 1, 2) for row in base)
+    assert x.data_ptr() % 16
+    mean, invstd = torch.batch_norm_stats(x, 1e-5)
+    w, b = torch.randn(8, device="cuda"), torch.randn(8, device="cuda")
+    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None, None, None, 0.1, 1e-5)
+    y_odd = torch.empty_like(base[0]).copy_(base[0])[1:].view(2, 4, 4, 8).permute(0, 3, 1, 2)
+    y_odd.copy_(y)
+    aligned = _C.batch_norm_relu_backward(gy.contiguous(memory_format=torch.channels_last),
+                                          y, x.clone(memory_format=torch.channels_last), mean,
+                                          invstd, w, True, True)
+    unaligned = _C.batch_norm_relu_backward(gy.contiguous(), y_odd, x, mean, invstd, w, True,
+                                            True)
+    for a, b_ in zip(aligned, unaligned):
+        torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
+
+
 def test_the_kernel_keeps_nan_and_takes_unaligned_tensors():
     x = channels_last(2, 8, 4, 4)
     x[0, 3, 1, 1] = float("nan")
@@ -62,8 +113,10 @@ def test_the_kernel_keeps_nan_and_takes_unaligned_tensors():
     assert torch.equal(y, torch.relu(xs + 1))
 
 
+@pytest.mark.parametrize("ours", [True, False])
 @pytest.mark.parametrize("residual", [False, True])
-def test_the_fused_operators_gradients_are_autograds_in_float64(residual):
+def test_the_fused_operators_gradients_are_autograds_in_float64(residual, ours, monkeypatch):
+    monkeypatch.setattr(_batch_norm_act, "OUR_BACKWARD", ours)
     torch.manual_seed(1)
     x = channels_last(16, 32, 8, 8).requires_grad_()
     r = channels_last(16, 32, 8, 8).requires_grad_() if residual else None
@@ -80,6 +133,37 @@ def test_the_fused_operators_gradients_are_autograds_in_float64(residual):
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, torch.autograd.grad(expected, doubles, g.double())):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_under_autocast_the_fused_operator_is_torchs_batch_norm_and_relu(dtype):
+    """Half-precision activations, float32 parameters (a batch norm under autocast): the
+    output as torch's native kernels give it, to the storage dtype's rounding, the running
+    averages as theirs, and the gradients float64's of the same inputs through the mask of the
+    output as stored (a value rounding to the other side of zero flips it)."""
+    torch.manual_seed(2)
+    x = channels_last(16, 32, 8, 8, dtype=dtype).requires_grad_()
+    r = channels_last(16, 32, 8, 8, dtype=dtype).requires_grad_()
+    w = torch.randn(32, device="cuda", requires_grad=True)
+    b = torch.randn(32, device="cuda", requires_grad=True)
+    running = [torch.zeros(32, device="cuda"), torch.ones(32, device="cuda")]
+    y = _BatchNormReLU.apply(x, r, w, b, *running, 0.1, 1e-5)
+    assert y.dtype == dtype
+    g = channels_last(16, 32, 8, 8, dtype=dtype)
+    grads = torch.autograd.grad(y, [x, r, w, b], g)
+    expected_running = [torch.zeros(32, device="cuda"), torch.ones(32, device="cuda")]
+    with torch.backends.cudnn.flags(enabled=False):  # torch's native kernels, as in the step
+        z = F.batch_norm(x.detach(), *expected_running, w.detach(), b.detach(), True, 0.1, 1e-5)
+        expected = torch.relu(z + r.detach())
+    tol = TOLERANCE[dtype] * 4
+    torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol)
+    for got, want in zip(running, expected_running):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    doubles = [t.detach().double().requires_grad_() for t in (x, r, w, b)]
+    z = F.batch_norm(doubles[0], None, None, doubles[2], doubles[3], True, 0.1, 1e-5)
+    expected_grads = torch.autograd.grad(z + doubles[1], doubles, g.double() * (y.double() > 0))
+    for got, want in zip(grads, expected_grads):
+        assert (got.double() - want).abs().max() <= 10 * TOLERANCE[dtype] * want.abs().max()
 
 
 class Block(nn.Module):
@@ -171,3 +255,37 @@ def test_an_nchw_model_runs_unfused_and_trains_as_the_eager_loop(no_tf32):
     assert step.stats()["captured"] and step.stats()["fused_batch_norm_layers"] == 0
     eager_loop(reference, ref_opt, per_sample, batches)
     assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
+
+
+def bf16_run(batches, fuse: bool, step: bool = True, lr_scale: float = 1.0):
+    torch.manual_seed(0)
+    model = Net().cuda().to(memory_format=torch.channels_last)
+    opt = make_opt(model.parameters())
+    for group in opt.param_groups:
+        group["lr"] *= lr_scale
+    if not step:
+        eager_loop(model, opt, per_sample, batches, amp=torch.bfloat16)
+        return model, opt, None
+    saved = _capture.FUSE_BATCH_NORM_RELU
+    _capture.FUSE_BATCH_NORM_RELU = fuse
+    try:
+        s = nt.Step(model, opt, per_sample, streams="auto", amp="bf16", warmup=2)
+        for b in batches:
+            s(b)
+    finally:
+        _capture.FUSE_BATCH_NORM_RELU = saved
+    return model, opt, s.stats()
+
+
+def test_under_bf16_a_fused_step_trains_as_close_to_the_eager_loop_as_unfused(no_tf32):
+    batches = channels_last_batches(6)
+    eager, eager_opt, _ = bf16_run(batches, False, step=False)
+    fused, fused_opt, fused_stats = bf16_run(batches, True)
+    plain, plain_opt, plain_stats = bf16_run(batches, False)
+    assert fused_stats["captured"] and fused_stats["fused_batch_norm_layers"] == FUSED
+    assert plain_stats["fused_batch_norm_layers"] == 0
+    floor = training_gap(plain, plain_opt, eager, eager_opt)
+    gap = training_gap(fused, fused_opt, eager, eager_opt)
+    assert gap <= 3 * floor + 1e-6, f"gap to eager {gap:.3g}, unfused {floor:.3g}"
+    off, off_opt, _ = bf16_run(batches, False, step=False, lr_scale=1.5)
+    assert training_gap(off, off_opt, eager, eager_opt) > 3 * floor + 1e-6
