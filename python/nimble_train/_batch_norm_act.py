@@ -5,13 +5,13 @@ In training PyTorch's native batch norm runs three kernels (the batch statistics
 averages' update, the normalisation), then the ReLU runs one more, and a residual block's
 addition another, each reading and writing the whole activation. Where the traced forward
 (_multistream) has a 2-D batch norm whose only reader is a ReLU, or an addition whose only
-reader is a ReLU, the three operators become one: torch's statistics kernel, then one kernel of
+reader is a ReLU, the two or three operators become one: torch's statistics kernel, then one kernel of
 ours (src/ops/batch_norm_act.h) that normalises, adds the residual, applies the ReLU and updates
 the running averages. The backward is ours too: torch's batch-norm backward of the gradient
 the ReLU lets through (zero where the output is not positive, as threshold_backward gives it),
 reading the mask from the output as it goes where torch would write the masked gradient out
 first (a kernel and a pass over memory more), in three kernels: the per-channel sums
-(deterministic: the blocks' partial sums added in block order), the weight's and bias's
+(deterministic: the blocks' partial sums added in a fixed order), the weight's and bias's
 gradients, the input's. The residual's gradient is the masked gradient, as the addition's
 would be.
 
