@@ -1,16 +1,17 @@
-"""Batch norms fused with the ReLU after them in planned steps, against the batch norm, the
-addition and the ReLU as the model calls them (nimble_train/_batch_norm_act.py).
+"""Batch norms fused with the activation after them in planned steps, against the batch norm,
+the addition and the activation as the model calls them (nimble_train/_batch_norm_act.py).
 
-    python bench/bench_batch_norm_act.py               # branchy, GoogLeNet, ResNet-18 at batch 32
+    python bench/bench_batch_norm_act.py     # branchy, GoogLeNet, ResNet-18 b32, airbench b1024
     python bench/bench_batch_norm_act.py --workloads resnet18:128 --rounds 7
 
 One process, one GPU. Each network is built four times from the same seed (bench_streams.py's
-networks and batches): nt.Step on one stream (cuDNN's batch norms, nothing fused: the fusion
-rewrites the planned forward), and with streams="auto", captured with
-``_capture.FUSE_BATCH_NORM_RELU`` off, on with torch's backward
-(``_batch_norm_act.OUR_BACKWARD = False``) and on with ours. Timing alternates between the four
-in rounds (a CUDA-event mean over --steps steps after 10 untimed ones); the table gives each
-one's median over --rounds rounds and the ratios of the medians.
+networks and batches): nt.Step with streams=1 (cuDNN's batch norms, nothing fused: the fusion
+rewrites the planned forward), and with streams="auto" (for a chain such as airbench's, the
+backward's plan and a forward on one stream), captured with ``_capture.FUSE_BATCH_NORM_ACT``
+off, on with torch's backward (``_batch_norm_act.OUR_BACKWARD = False``) and on with ours.
+Timing alternates between the four in rounds (a CUDA-event mean over --steps steps after 10
+untimed ones); the table gives each one's median over --rounds rounds and the ratios of the
+medians.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def build_with(name: str, batch: int, streams, fuse: bool, ours: bool, device):
     saved = _batch_norm_act.OUR_BACKWARD
     _batch_norm_act.OUR_BACKWARD = ours  # read when the step is captured
     try:
-        return build(name, batch, streams, device, {"FUSE_BATCH_NORM_RELU": fuse})
+        return build(name, batch, streams, device, {"FUSE_BATCH_NORM_ACT": fuse})
     finally:
         _batch_norm_act.OUR_BACKWARD = saved
 
@@ -47,7 +48,8 @@ def measure(name: str, batch: int, args, device) -> dict:
 
 def main(argv=None) -> int:
     rows = measure_workloads(argv, __doc__.split("\n")[0], "bench_batch_norm_act", measure,
-                             rounds=5)
+                             rounds=5, workloads=["branchy:32", "googlenet:32", "resnet18:32",
+                                                  "airbench:1024"])
     if rows is None:
         return 2
     print("| network | fused | " + " | ".join(way for way, *_ in WAYS)

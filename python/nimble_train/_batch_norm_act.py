@@ -1,26 +1,31 @@
-"""A batch norm and the ReLU after it, with a residual added in between or not, as one operator
-of a planned forward.
+"""A batch norm and the ReLU after it (a residual added in between or not), or the exact GELU
+after it, as one operator of a planned forward.
 
 In training PyTorch's native batch norm runs three kernels (the batch statistics, the running
-averages' update, the normalisation), then the ReLU runs one more, and a residual block's
+averages' update, the normalisation), then the activation runs one more, and a residual block's
 addition another, each reading and writing the whole activation. Where the traced forward
 (_multistream) has a 2-D batch norm whose only reader is a ReLU, or an addition whose only
-reader is a ReLU, the two or three operators become one: torch's statistics kernel, then one kernel of
-ours (src/ops/batch_norm_act.h) that normalises, adds the residual, applies the ReLU and updates
-the running averages. The backward is ours too: torch's batch-norm backward of the gradient
-the ReLU lets through (zero where the output is not positive, as threshold_backward gives it),
-reading the mask from the output as it goes where torch would write the masked gradient out
-first (a kernel and a pass over memory more), in three kernels: the per-channel sums
-(deterministic: the blocks' partial sums added in a fixed order), the weight's and bias's
-gradients, the input's. The residual's gradient is the masked gradient, as the addition's
-would be.
+reader is a ReLU, or a batch norm whose only reader is an exact GELU (nn.GELU(), F.gelu), the
+two or three operators become one: torch's statistics kernel, then one kernel of ours
+(src/ops/batch_norm_act.h) that normalises, adds the residual, applies the activation and
+updates the running averages. The backward is ours too: torch's batch-norm backward of the
+gradient the activation lets through, in three kernels (the per-channel sums, deterministic:
+the blocks' partial sums added in a fixed order; the weight's and bias's gradients; the
+input's), where torch would first write that gradient out (a kernel and a pass over memory
+more). The ReLU's mask is read from the output as the kernels go (zero where the output is not
+positive, as threshold_backward gives it); the GELU's derivative is taken at the normalised
+value, recomputed from the input. The residual's gradient is the masked gradient, as the
+addition's would be.
+
+A chain (a forward the plan puts on one stream) with something to fuse runs its traced forward
+on that one stream, fused; without, the model's own forward as before.
 
 The rewrite is of the traced graph only; the model is not touched. The fused operator runs
 fused only inside a planned capture that runs the native batch-norm kernels (CapturedBatchNorms
 with native=True), on channels-last CUDA activations (float32, or float16/bfloat16 under
 autocast, with float32 parameters) of a layer in training; anywhere else (the fake-tensor run
 that sizes operators, another dtype or layout, a broadcast residual, a layer in eval mode) it
-calls the batch norm, the addition and the ReLU as the model would.
+calls the batch norm, the addition and the activation as the model would.
 """
 
 from __future__ import annotations
@@ -50,16 +55,19 @@ OUR_BACKWARD = True
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-class BatchNormReLU(nn.Module):
-    """relu(bn(x) [+ residual]), fused where it can be (see the module's docstring). Uses the
-    model's own batch norm, `layer_name` in the traced module: parameters, buffers and mode are
-    that layer's. The layer is not a child of this module, so its tensors are reached by their
-    one path (the fake-tensor run swaps them by name)."""
+class BatchNormAct(nn.Module):
+    """relu(bn(x) [+ residual]), or gelu(bn(x)), fused where it can be (see the module's
+    docstring). Uses the model's own batch norm, `layer_name` in the traced module: parameters,
+    buffers and mode are that layer's. The layer is not a child of this module, so its tensors
+    are reached by their one path (the fake-tensor run swaps them by name)."""
 
-    def __init__(self, bn: nn.BatchNorm2d, layer_name: str):
+    def __init__(self, bn: nn.BatchNorm2d, layer_name: str, gelu: bool = False,
+                 activation: nn.Module | None = None):
         super().__init__()
         self.layer_name = layer_name
-        self._layer = (bn,)
+        self.gelu = gelu
+        # the model's nn.ReLU / nn.GELU when it called one (None: a function), not children
+        self._layer = (bn, activation)
 
     @property
     def bn(self) -> nn.BatchNorm2d:
@@ -67,15 +75,25 @@ class BatchNormReLU(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         norms = _batch_norm.active()
-        bn = self.bn
-        if norms is None or not norms.native or not _fusable(bn, x, residual):
+        bn, activation = self._layer
+        if (norms is None or not norms.native or not _fusable(bn, x, residual)
+                or _hooked(bn) or (activation is not None and _hooked(activation))):
             y = bn(x)
             if residual is not None:
                 y = y + residual
-            return torch.relu(y)
+            if activation is not None:
+                return activation(y)
+            return F.gelu(y) if self.gelu else torch.relu(y)
         norms.count_call(bn)
-        return _BatchNormReLU.apply(x, residual, bn.weight, bn.bias, bn.running_mean,
-                                    bn.running_var, bn.momentum, bn.eps)
+        return _BatchNormAct.apply(x, residual, bn.weight, bn.bias, bn.running_mean,
+                                   bn.running_var, bn.momentum, bn.eps, self.gelu)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling `module` would run hooks (its own or every module's): the fused
+    operator does not call the layers, so it leaves such calls to them."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or _torch_private.global_module_hooks())
 
 
 def _fusable(bn: nn.BatchNorm2d, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
@@ -95,39 +113,45 @@ def _fusable(bn: nn.BatchNorm2d, x: torch.Tensor, residual: torch.Tensor | None)
                                 and residual.is_contiguous(memory_format=torch.channels_last))
 
 
-class _BatchNormReLU(torch.autograd.Function):
+class _BatchNormAct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, residual, weight, bias, running_mean, running_var, momentum, eps):
+    def forward(ctx, x, residual, weight, bias, running_mean, running_var, momentum, eps, gelu):
         mean, invstd = torch.batch_norm_stats(x, eps)
         y = _C.batch_norm_relu_forward(x, mean, invstd, weight, bias, residual, running_mean,
-                                       running_var, momentum, eps)
-        ctx.save_for_backward(x, y, weight, mean, invstd)
-        ctx.eps = eps
+                                       running_var, momentum, eps, gelu)
+        # The ReLU's mask is the output; the GELU's derivative is recomputed from x.
+        ctx.save_for_backward(x, None if gelu else y, weight, bias, mean, invstd)
+        ctx.eps, ctx.gelu = eps, gelu
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, y, weight, mean, invstd = ctx.saved_tensors
+        x, y, weight, bias, mean, invstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if OUR_BACKWARD:
             grad_x, grad_z, grad_w, grad_b = _C.batch_norm_relu_backward(
-                grad_y, y, x, mean, invstd, weight, needs[0], needs[1])
+                grad_y, x if y is None else y, x, mean, invstd, weight, bias, needs[0],
+                needs[1], ctx.gelu)
         else:
-            grad_z = torch.ops.aten.threshold_backward(grad_y, y, 0)
+            if ctx.gelu:
+                z = torch.batch_norm_elemt(x, weight, bias, mean, invstd, ctx.eps)
+                grad_z = torch.ops.aten.gelu_backward(grad_y, z)
+            else:
+                grad_z = torch.ops.aten.threshold_backward(grad_y, y, 0)
             grad_x, grad_w, grad_b = torch.ops.aten.native_batch_norm_backward(
                 grad_z, x, weight, None, None, mean, invstd, True, ctx.eps,
                 [needs[0], needs[2], needs[3]])
         return (grad_x if needs[0] else None, grad_z if needs[1] else None,
                 grad_w if needs[2] else None, grad_b if needs[3] else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 # ---------------------------------------------------------------------- the graph rewrite
 
-def fuse_batch_norm_relu(module: torch.fx.GraphModule) -> int:
-    """Rewrites `module`'s graph in place: each batch norm -> ReLU and batch norm -> addition
-    -> ReLU chain whose inner values have no other reader becomes one call of a BatchNormReLU
-    (at the ReLU's place). Returns how many chains it fused."""
+def fuse_batch_norm_act(module: torch.fx.GraphModule) -> int:
+    """Rewrites `module`'s graph in place: each batch norm -> ReLU, batch norm -> addition ->
+    ReLU and batch norm -> GELU chain whose inner values have no other reader becomes one call
+    of a BatchNormAct (at the activation's place). Returns how many chains it fused."""
     graph = module.graph
     fused = 0
     for node in list(graph.nodes):
@@ -139,12 +163,17 @@ def fuse_batch_norm_relu(module: torch.fx.GraphModule) -> int:
             continue
         residual = _residual(user, node)
         last = _only_user(user) if residual is not None else user
-        if last is None or not _is_relu(module, last, user if residual is not None else node):
+        if last is None:
+            continue
+        gelu = residual is None and _is_gelu(module, last, node)
+        if not gelu and not _is_relu(module, last, user if residual is not None else node):
             continue
         if _buffers_read_between(module, node, last, node.target):
-            continue  # moving the update to the ReLU's place would change what they read
-        name = _fresh_name(module, "nt_fused_" + node.target.replace(".", "_") + "_relu")
-        module.add_submodule(name, BatchNormReLU(bn, node.target))
+            continue  # moving the update to the activation's place would change what they read
+        name = _fresh_name(module, "nt_fused_" + node.target.replace(".", "_")
+                           + ("_gelu" if gelu else "_relu"))
+        activation = module.get_submodule(last.target) if last.op == "call_module" else None
+        module.add_submodule(name, BatchNormAct(bn, node.target, gelu, activation))
         with graph.inserting_before(last):
             args = (node.args[0],) if residual is None else (node.args[0], residual)
             new = graph.call_module(name, args)
@@ -208,6 +237,19 @@ def _is_relu(module: torch.fx.GraphModule, node: torch.fx.Node, source: torch.fx
         inplace = list(rest) + list(kwargs.values())  # F.relu(x, True) or inplace=True
         return (set(kwargs) <= {"inplace"} and len(inplace) <= 1
                 and all(isinstance(v, bool) for v in inplace))
+    return False
+
+
+def _is_gelu(module: torch.fx.GraphModule, node: torch.fx.Node, source: torch.fx.Node) -> bool:
+    """The exact GELU (approximate="none") of `source`, and nothing else."""
+    if not node.args or node.args[0] is not source or len(node.args) > 1:
+        return False
+    if node.op == "call_module":
+        m = module.get_submodule(node.target)
+        return type(m) is nn.GELU and m.approximate == "none" and not node.kwargs
+    if node.op == "call_function" and node.target is F.gelu:
+        return set(node.kwargs) <= {"approximate"} and node.kwargs.get(
+            "approximate", "none") == "none"
     return False
 
 

@@ -43,10 +43,11 @@ MAX_POOL_KERNELS = "ours"
 # _small_conv.py): "ours" on the inputs they take, torch's on the rest; "torch", torch's
 # everywhere (bench/bench_small_conv.py times one against the other).
 SMALL_CONV_KERNELS = "ours"
-# Whether a planned forward runs each batch norm with the ReLU after it (a residual added in
-# between) as one operator, on the native kernels and one of ours (see _batch_norm_act.py);
-# False: as the model calls them (bench/bench_batch_norm_act.py times one against the other).
-FUSE_BATCH_NORM_RELU = True
+# Whether a planned forward runs each batch norm with the activation after it (a ReLU, with a
+# residual added in between or not, or an exact GELU) as one operator, on the native statistics
+# and kernels of ours (see _batch_norm_act.py); False: as the model calls them
+# (bench/bench_batch_norm_act.py times one against the other).
+FUSE_BATCH_NORM_ACT = True
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
@@ -143,7 +144,7 @@ class CapturedStep:
         if self.multistream is None and self.single_stream_reason is None:
             self.multistream, self.single_stream_reason = (
                 build_multistream(model, streams, device, example,
-                                  fuse_norms=FUSE_BATCH_NORM_RELU)
+                                  fuse_norms=FUSE_BATCH_NORM_ACT)
                 if PLAN_FORWARD or streams == 1 else (None, FORWARD_OFF))
             planned = self.weight_grads is not None or self.splits_compiled
             # A chain's forward loses nothing when the backward is planned, nor a compiled

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _torch_private
-from ._batch_norm_act import BatchNormReLU, fuse_batch_norm_relu
+from ._batch_norm_act import BatchNormAct, fuse_batch_norm_act
 from ._extension import _C
 from ._torch_private import pytree
 
@@ -83,6 +83,7 @@ class OperatorGraph:
     module: torch.fx.GraphModule
     nodes: list[torch.fx.Node]
     edges: list[tuple[int, int]]
+    fused: int = 0  # batch norms fused with their activation (fuse_norms)
 
 
 def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> OperatorGraph:
@@ -94,12 +95,11 @@ def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> Operato
     tracer.proxy_buffer_attributes = True
     traced = tracer.trace(model)
     module = torch.fx.GraphModule(tracer.root, traced, type(model).__name__)
-    if fuse_norms:
-        fuse_batch_norm_relu(module)
+    fused = fuse_batch_norm_act(module) if fuse_norms else 0
     nodes = [n for n in module.graph.nodes if n.op in _OPS]
     index = {n: i for i, n in enumerate(nodes)}
     edges = sorted({(index[u], index[v]) for v in nodes for u in v.all_input_nodes if u in index})
-    return OperatorGraph(module, nodes, edges)
+    return OperatorGraph(module, nodes, edges, fused)
 
 
 def written_input(module: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
@@ -165,7 +165,7 @@ def _state_owner(module: torch.fx.GraphModule, node: torch.fx.Node) -> str:
     """The path of the module whose state a call_module node changes: its target, or for a
     batch norm fused with its ReLU, the batch norm's."""
     called = module.get_submodule(node.target)
-    return called.layer_name if isinstance(called, BatchNormReLU) else node.target
+    return called.layer_name if isinstance(called, BatchNormAct) else node.target
 
 
 def _ordered(i: int, nodes: list[torch.fx.Node], touches) -> set[tuple[int, int]]:
@@ -382,7 +382,8 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     `fuse_norms`: see trace_operators.
 
     None means one stream: streams == 1, a model fx cannot trace (the reason names the
-    error), or a plan with a single stream (nothing runs side by side).
+    error), or a plan with a single stream (nothing runs side by side), unless it fuses batch
+    norms with their activations: then the traced forward on one stream, with the reason.
     """
     if streams == 1:
         return None, "streams=1"
@@ -397,7 +398,8 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
         return None, f"torch.fx could not trace the model ({type(exc).__name__}: {first})"
     plan = plan_operators(graph, streams, example)
     if plan.num_streams == 1:
-        return None, CHAIN
+        # A chain: its traced forward only where it fuses batch norms (on the one stream).
+        return (MultiStreamForward(graph, plan, device) if graph.fused else None), CHAIN
     return MultiStreamForward(graph, plan, device), None
 
 

@@ -123,6 +123,14 @@ def fake_tensor_values(module: torch.fx.GraphModule, args: tuple) -> None:
     torch.func.functional_call(holder, state, fake_args)
 
 
+def global_module_hooks() -> bool:
+    """Whether hooks registered for every module (torch.nn.modules.module's
+    register_module_forward_hook and kin) are in place."""
+    from torch.nn.modules import module
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
+                or module._global_backward_hooks or module._global_backward_pre_hooks)
+
+
 def is_fake(t: torch.Tensor) -> bool:
     """Whether `t` is a fake tensor (shape and dtype, no data)."""
     from torch._subclasses.fake_tensor import FakeTensor

@@ -16,7 +16,7 @@ void forward(const void* x_, const void* residual_, void* y_, const BatchNormAct
       const int64_t i = r * s.channels + c;
       const float res = residual != nullptr ? Traits::load(residual[i]) : 0.0f;
       y[i] = Traits::store(BatchNormActMath::apply(Traits::load(x[i]), p.mean[c], p.invstd[c],
-                                                   p.weight[c], p.bias[c], res));
+                                                   p.weight[c], p.bias[c], res, p.activation));
     }
   }
   if (p.running_mean != nullptr) {
@@ -38,11 +38,16 @@ void backward(const void* grad_y_, const void* y_, const void* x_, const BatchNo
   S* grad_residual = static_cast<S*>(g.grad_residual);
   const float inv_rows = 1.0f / static_cast<float>(s.rows);
   for (int64_t c = 0; c < s.channels; ++c) {
+    const auto through = [&](int64_t i) {  // the gradient through the activation
+      const float z = BatchNormActMath::normalised(Traits::load(x[i]), p.mean[c], p.invstd[c],
+                                                   p.weight[c], p.bias[c], 0.0f);
+      return BatchNormActBackwardMath::through(Traits::load(grad_y[i]), Traits::load(y[i]), z,
+                                               p.activation);
+    };
     float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
     for (int64_t r = 0; r < s.rows; ++r) {
       const int64_t i = r * s.channels + c;
-      const float gz = BatchNormActBackwardMath::masked(Traits::load(grad_y[i]),
-                                                        Traits::load(y[i]));
+      const float gz = through(i);
       sum_dy += gz;
       sum_dy_xmu += gz * (Traits::load(x[i]) - p.mean[c]);
     }
@@ -50,8 +55,7 @@ void backward(const void* grad_y_, const void* y_, const void* x_, const BatchNo
     g.grad_bias[c] = sum_dy;
     for (int64_t r = 0; r < s.rows; ++r) {
       const int64_t i = r * s.channels + c;
-      const float gz = BatchNormActBackwardMath::masked(Traits::load(grad_y[i]),
-                                                        Traits::load(y[i]));
+      const float gz = through(i);
       if (grad_residual != nullptr) grad_residual[i] = Traits::store(gz);
       if (grad_x != nullptr) {
         grad_x[i] = Traits::store(BatchNormActBackwardMath::grad_input(

@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kThreads)
       const float res = kResidual ? Traits::load(r.v[k]) : 0.0f;
       out.v[k] = Traits::store(BatchNormActMath::apply(
           Traits::load(v.v[k]), __ldg(p.mean + c + k), __ldg(p.invstd + c + k),
-          __ldg(p.weight + c + k), __ldg(p.bias + c + k), res));
+          __ldg(p.weight + c + k), __ldg(p.bias + c + k), res, p.activation));
     }
     store_pack<kVec>(y, at, out);
   }
@@ -111,19 +111,25 @@ ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device) {
 template <typename Traits, int kVec>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(const typename Traits::Storage* grad_y, const typename Traits::Storage* y,
-                  const typename Traits::Storage* x, const float* mean, float* partials,
+                  const typename Traits::Storage* x, BatchNormActParams p, float* partials,
                   BatchNormActShape s) {
+  using S = typename Traits::Storage;
   __shared__ float sums[2][kThreads * kVec];
   const int64_t packs = s.channels / kVec;
   const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = pack < packs;
   const int64_t c = pack * kVec;
-  float dy[kVec], dy_xmu[kVec], m[kVec];
+  float dy[kVec], dy_xmu[kVec], m[kVec], scale[kVec], shift[kVec];
+  const bool gelu = p.activation == Activation::kGelu;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
     dy[k] = dy_xmu[k] = 0.0f;
-    m[k] = active ? __ldg(mean + c + k) : 0.0f;
+    m[k] = active ? __ldg(p.mean + c + k) : 0.0f;
+    // z's terms, for the GELU's derivative: z = weight * (x - mean) * invstd + bias
+    scale[k] = active && gelu ? __ldg(p.weight + c + k) : 0.0f;
+    shift[k] = active && gelu ? __ldg(p.bias + c + k) : 0.0f;
   }
+  const float* invstd = p.invstd;
   const int64_t share = (s.rows + gridDim.y - 1) / gridDim.y;
   const int64_t begin = blockIdx.y * share;
   const int64_t end = std::min<int64_t>(s.rows, begin + share);
@@ -131,14 +137,19 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t r = begin + threadIdx.y; r < end; r += blockDim.y) {
       const int64_t at = r * s.channels + c;
       const auto g = load_pack<kVec>(grad_y, at);
-      const auto o = load_pack<kVec>(y, at);
+      Pack<S, kVec> o{};  // the ReLU's mask is the output; the GELU's derivative needs z
+      if (!gelu) o = load_pack<kVec>(y, at);
       const auto v = load_pack<kVec>(x, at);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float gz = BatchNormActBackwardMath::masked(Traits::load(g.v[k]),
-                                                          Traits::load(o.v[k]));
+        const float xv = Traits::load(v.v[k]);
+        const float z = gelu ? BatchNormActMath::normalised(xv, m[k], __ldg(invstd + c + k),
+                                                            scale[k], shift[k], 0.0f)
+                             : 0.0f;
+        const float gz = BatchNormActBackwardMath::through(Traits::load(g.v[k]),
+                                                           Traits::load(o.v[k]), z, p.activation);
         dy[k] += gz;
-        dy_xmu[k] += gz * (Traits::load(v.v[k]) - m[k]);
+        dy_xmu[k] += gz * (xv - m[k]);
       }
     }
   }
@@ -221,21 +232,26 @@ __global__ void __launch_bounds__(kThreads)
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = (i % packs) * kVec;
     const int64_t at = i * kVec;
+    const bool gelu = p.activation == Activation::kGelu;
     const auto g = load_pack<kVec>(grad_y, at);
-    const auto o = load_pack<kVec>(y, at);
-    Pack<S, kVec> gx, gr;
-    Pack<S, kVec> v;
-    if (grad_x != nullptr) v = load_pack<kVec>(x, at);
+    Pack<S, kVec> o{}, v{}, gx, gr;
+    if (!gelu) o = load_pack<kVec>(y, at);
+    if (grad_x != nullptr || gelu) v = load_pack<kVec>(x, at);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
-      const float gz = BatchNormActBackwardMath::masked(Traits::load(g.v[k]),
-                                                        Traits::load(o.v[k]));
+      const float xv = Traits::load(v.v[k]);
+      const float z = gelu ? BatchNormActMath::normalised(xv, __ldg(p.mean + c + k),
+                                                          __ldg(p.invstd + c + k),
+                                                          __ldg(p.weight + c + k),
+                                                          __ldg(p.bias + c + k), 0.0f)
+                           : 0.0f;
+      const float gz = BatchNormActBackwardMath::through(Traits::load(g.v[k]),
+                                                         Traits::load(o.v[k]), z, p.activation);
       gr.v[k] = Traits::store(gz);
       if (grad_x != nullptr) {
         gx.v[k] = Traits::store(BatchNormActBackwardMath::grad_input(
-            gz, Traits::load(v.v[k]), __ldg(p.mean + c + k), __ldg(p.invstd + c + k),
-            __ldg(p.weight + c + k), __ldg(totals + c + k), __ldg(totals + s.channels + c + k),
-            inv_rows));
+            gz, xv, __ldg(p.mean + c + k), __ldg(p.invstd + c + k), __ldg(p.weight + c + k),
+            __ldg(totals + c + k), __ldg(totals + s.channels + c + k), inv_rows));
       }
     }
     if (grad_x != nullptr) store_pack<kVec>(grad_x, at, gx);
@@ -254,7 +270,7 @@ void backward(const void* grad_y, const void* y, const void* x, const BatchNormA
   float* partials = workspace;
   float* totals = workspace + int64_t(grid.splits) * 2 * s.channels;
   reduce_kernel<Traits, kVec><<<dim3(grid.columns, grid.splits), dim3(grid.lanes, grid.depth), 0,
-                                stream>>>(gys, ys, xs, p.mean, partials, s);
+                                stream>>>(gys, ys, xs, p, partials, s);
   NT_CHECK_LAUNCH();
   const int finish_blocks =
       static_cast<int>((s.channels + kFinishChannels - 1) / kFinishChannels);

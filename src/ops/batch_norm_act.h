@@ -1,19 +1,21 @@
-// A training batch norm's normalisation with the ReLU after it (and a residual added before
-// the ReLU) in one pass, for channels-last activations.
+// A training batch norm's normalisation with the activation after it (a ReLU, with a residual
+// added before it or not, or an exact GELU) in one pass, for channels-last activations.
 //
 // PyTorch's native batch norm runs three kernels in training: the batch statistics (mean and
 // 1/sqrt(var + eps) per channel), the running averages' update, and the normalisation; the
 // ReLU and a residual block's addition are kernels of their own, each reading and writing the
 // whole activation again. Here, after torch's statistics kernel, one kernel computes
-//   y = relu(weight * (x - mean) * invstd + bias [+ residual])
-// element by element, in float32 whatever the storage dtype, torch's normalisation expression
-// in torch's order, and its first block updates the running averages as torch does:
+//   y = act(weight * (x - mean) * invstd + bias [+ residual])
+// (act: relu, or the exact GELU z * Phi(z), as torch's approximate="none"; a residual only with
+// the ReLU) element by element, in float32 whatever the storage dtype, torch's normalisation
+// expression in torch's order, and its first block updates the running averages as torch does:
 //   running_mean = (1 - momentum) * running_mean + momentum * mean
 //   running_var  = (1 - momentum) * running_var  + momentum * var * count / (count - 1)
 // with the biased variance var = 1 / invstd^2 - eps (as SyncBatchNorm recovers it). The ReLU
 // keeps NaN, as torch's does. The CPU reference computes the same, element by element.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common/cuda_fwd.h"
@@ -29,7 +31,10 @@ struct BatchNormActShape {
 
 // The per-channel values the normalisation reads (float32, [channels]); running_mean and
 // running_var may both be null (no running averages to update).
+enum class Activation : int8_t { kRelu, kGelu };
+
 struct BatchNormActParams {
+  Activation activation = Activation::kRelu;
   const float* mean = nullptr;
   const float* invstd = nullptr;
   const float* weight = nullptr;
@@ -41,13 +46,25 @@ struct BatchNormActParams {
 };
 
 struct BatchNormActMath {
-  // One element's output before storage rounding: torch's expression, then the residual and
-  // the ReLU (NaN kept).
-  NT_HOST_DEVICE static float apply(float x, float mean, float invstd, float weight, float bias,
-                                    float residual) {
-    float z = weight * (x - mean) * invstd + bias;
-    z += residual;
+  static constexpr float kSqrtHalf = 0.70710678118654752f;    // 1 / sqrt(2)
+  static constexpr float kGeluBeta = 0.39894228040143268f;    // 1 / sqrt(2 pi)
+
+  // The normalised value before the activation: torch's expression, then the residual.
+  NT_HOST_DEVICE static float normalised(float x, float mean, float invstd, float weight,
+                                         float bias, float residual) {
+    return weight * (x - mean) * invstd + bias + residual;
+  }
+
+  // The ReLU keeps NaN, as torch's; the GELU is torch's exact one, z * Phi(z).
+  NT_HOST_DEVICE static float activate(float z, Activation a) {
+    if (a == Activation::kGelu) return z * 0.5f * erfcf(-z * kSqrtHalf);
     return z < 0.0f ? 0.0f : z;
+  }
+
+  // One element's output before storage rounding.
+  NT_HOST_DEVICE static float apply(float x, float mean, float invstd, float weight, float bias,
+                                    float residual, Activation a = Activation::kRelu) {
+    return activate(normalised(x, mean, invstd, weight, bias, residual), a);
   }
 
   // The running averages of one channel after a batch of `rows` elements.
@@ -64,6 +81,7 @@ struct BatchNormActMath {
 // The backward, from the output's gradient gy, the output y and the input x (one dtype, all
 // channels-last [rows, channels]):
 //   gz = y <= 0 ? 0 : gy                          (the ReLU's mask, as torch's threshold_backward)
+//   gz = gy * (Phi(z) + z * phi(z))               (the GELU's, z recomputed from x)
 //   sum_dy = sum over rows of gz,  sum_dy_xmu = sum over rows of gz * (x - mean)
 //   grad_weight = sum_dy_xmu * invstd,  grad_bias = sum_dy
 //   gx = (gz - sum_dy / rows - (x - mean) * invstd^2 * sum_dy_xmu / rows) * invstd * weight
@@ -79,6 +97,17 @@ struct BatchNormActGrads {
 
 struct BatchNormActBackwardMath {
   NT_HOST_DEVICE static float masked(float gy, float y) { return y <= 0.0f ? 0.0f : gy; }
+
+  // The gradient through the activation: the ReLU's mask from the output y, the GELU's
+  // derivative at the normalised value z (torch's gelu_backward: Phi(z) + z * phi(z)).
+  NT_HOST_DEVICE static float through(float gy, float y, float z, Activation a) {
+    if (a == Activation::kGelu) {
+      const float cdf = 0.5f * (1.0f + erff(z * BatchNormActMath::kSqrtHalf));
+      const float pdf = expf(-0.5f * z * z) * BatchNormActMath::kGeluBeta;
+      return gy * (cdf + z * pdf);
+    }
+    return masked(gy, y);
+  }
 
   // gx of one element from the channel's sums (torch's batch_norm_backward_elemt).
   NT_HOST_DEVICE static float grad_input(float gz, float x, float mean, float invstd,

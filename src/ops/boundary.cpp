@@ -259,7 +259,7 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
                                    const std::optional<at::Tensor>& residual,
                                    const std::optional<at::Tensor>& running_mean,
                                    const std::optional<at::Tensor>& running_var, double momentum,
-                                   double eps) {
+                                   double eps, bool gelu) {
   const char* op = "batch_norm_relu_forward";
   const DType dtype = channels_last_input(x, op);
   const BatchNormActShape s = rows_and_channels(x);
@@ -283,7 +283,10 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
   }
   p.momentum = static_cast<float>(momentum);
   p.eps = static_cast<float>(eps);
+  p.activation = gelu ? Activation::kGelu : Activation::kRelu;
   const bool has_residual = residual.has_value() && residual->defined();
+  NT_CHECK(!(gelu && has_residual), op, ": a residual goes with the ReLU only; got gelu=True "
+           "and a residual (add it after the GELU yourself)");
   if (has_residual) like_x(*residual, x, op, "residual");
   const void* res = has_residual ? residual->data_ptr() : nullptr;
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
@@ -301,8 +304,11 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
     const at::Tensor& grad_y, const at::Tensor& y, const at::Tensor& x, const at::Tensor& mean,
-    const at::Tensor& invstd, const at::Tensor& weight, bool input_grad, bool residual_grad) {
+    const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& bias, bool input_grad,
+    bool residual_grad, bool gelu) {
   const char* op = "batch_norm_relu_backward";
+  NT_CHECK(!(gelu && residual_grad), op, ": a residual goes with the ReLU only; got gelu=True "
+           "and residual_grad=True");
   const DType dtype = channels_last_input(x, op);
   like_x(y, x, op, "y");
   NT_CHECK(grad_y.defined() && grad_y.sizes() == x.sizes() &&
@@ -317,6 +323,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backw
   p.mean = channel_values(mean, x, s, op, "mean");
   p.invstd = channel_values(invstd, x, s, op, "invstd");
   p.weight = channel_values(weight, x, s, op, "weight");
+  p.bias = channel_values(bias, x, s, op, "bias");
+  p.activation = gelu ? Activation::kGelu : Activation::kRelu;
   const auto like = x.options().memory_format(at::MemoryFormat::ChannelsLast);
   at::Tensor grad_x = input_grad ? at::empty(x.sizes(), like) : at::Tensor();
   at::Tensor grad_residual = residual_grad ? at::empty(x.sizes(), like) : at::Tensor();

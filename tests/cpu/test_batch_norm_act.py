@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nimble_train._batch_norm_act import BatchNormReLU, fuse_batch_norm_relu
+from nimble_train._batch_norm_act import BatchNormAct, fuse_batch_norm_act
 from nimble_train._extension import _C
 from nimble_train._multistream import state_edges, trace_operators
+from nimble_train.models.airbench import airbench_cifar
 from nimble_train.models.branchy import branchy_cifar
 from nimble_train.models.resnet_cifar import resnet18_cifar
 
@@ -31,43 +32,56 @@ def stats(x, eps=1e-5):
     return mean.float(), (var + eps).rsqrt().float()
 
 
+# (activation, residual): a residual goes with the ReLU only
+ACTS = [("relu", False), ("relu", True), ("gelu", False)]
+
+
+def activate(z, act):
+    return F.gelu(z) if act == "gelu" else torch.relu(z)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("residual", [False, True])
-def test_the_reference_is_float64_batch_norm_plus_residual_then_relu(dtype, residual):
+@pytest.mark.parametrize("act, residual", ACTS)
+def test_the_reference_is_float64_batch_norm_plus_residual_then_activation(dtype, act,
+                                                                          residual):
     x = channels_last(4, 6, 5, 3, dtype=dtype) * 2 + 0.5
     r = channels_last(4, 6, 5, 3, dtype=dtype, seed=1) if residual else None
     w, b = torch.randn(6), torch.randn(6)
     running = [torch.randn(6), torch.rand(6) + 0.5]
     expected_running = [t.double().clone() for t in running]
-    y = _C.batch_norm_relu_forward(x, *stats(x), w, b, r, *running, 0.2, 1e-5)
+    y = _C.batch_norm_relu_forward(x, *stats(x), w, b, r, *running, 0.2, 1e-5, act == "gelu")
     z = F.batch_norm(x.double(), *expected_running, w.double(), b.double(), True, 0.2, 1e-5)
-    expected = torch.relu(z + r.double() if residual else z)
+    expected = activate(z + r.double() if residual else z, act)
     assert y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last)
     scale = expected.abs().max().item()
     assert (y.double() - expected).abs().max().item() <= TOLERANCE[dtype] * scale
-    assert (y == 0).any() and (y > 0).any()
+    assert (y <= 0).any() and (y > 0).any()
     for got, want in zip(running, expected_running):
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("residual", [False, True])
-def test_the_backward_reference_is_autograds_in_float64(dtype, residual):
+@pytest.mark.parametrize("act, residual", ACTS)
+def test_the_backward_reference_is_autograds_in_float64(dtype, act, residual):
+    gelu = act == "gelu"
     x = channels_last(4, 6, 5, 3, dtype=dtype) * 2 + 0.5
     r = channels_last(4, 6, 5, 3, dtype=dtype, seed=1) if residual else None
     w, b = torch.randn(6), torch.randn(6)
     mean, invstd = stats(x)
-    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5)
+    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5, gelu)
     gy = channels_last(4, 6, 5, 3, dtype=dtype, seed=2).contiguous()  # NCHW: any layout
     grad_x, grad_r, grad_w, grad_b = _C.batch_norm_relu_backward(
-        gy, y, x, mean, invstd, w, True, residual)
+        gy, y, x, mean, invstd, w, b, True, residual, gelu)
     inputs = [t.double().requires_grad_() for t in (x, w, b)]
     z = F.batch_norm(inputs[0], None, None, inputs[1], inputs[2], True, 0.1, 1e-5)
     if residual:
         inputs.append(r.double().requires_grad_())
         z = z + inputs[3]
-    # the mask of the float64 output would differ where y rounded to 0 in `dtype`: take y's
-    expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
+    if gelu:
+        expected = torch.autograd.grad(F.gelu(z), inputs, gy.double())
+    else:
+        # the mask of the float64 output would differ where y rounded to 0 in `dtype`: y's
+        expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
     got = [grad_x, grad_w, grad_b] + ([grad_r] if residual else [])
     tol = TOLERANCE[dtype] * 10
     for name, a, e in zip(("x", "weight", "bias", "residual"), got, expected):
@@ -75,7 +89,7 @@ def test_the_backward_reference_is_autograds_in_float64(dtype, residual):
         assert (a.double() - e).abs().max().item() <= tol * scale, name
     assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == torch.float32
     assert (grad_r is not None) == residual
-    assert _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, False, False)[0] is None
+    assert _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, False, False)[0] is None
 
 
 def test_no_running_averages_leaves_them_out():
@@ -98,6 +112,8 @@ def test_bad_arguments_say_what_was_expected():
         _C.batch_norm_relu_forward(x, m, s, w, b, None, torch.zeros(4), None, 0.1, 1e-5)
     with pytest.raises(ValueError, match="residual must be channels-last"):
         _C.batch_norm_relu_forward(x, m, s, w, b, x.contiguous(), None, None, 0.1, 1e-5)
+    with pytest.raises(ValueError, match="a residual goes with the ReLU only"):
+        _C.batch_norm_relu_forward(x, m, s, w, b, x, None, None, 0.1, 1e-5, True)
     with pytest.raises(ValueError, match="more than one value per channel"):
         one = channels_last(1, 4, 1, 1)
         _C.batch_norm_relu_forward(one, m, s, w, b, None, torch.zeros(4), torch.ones(4), 0.1,
@@ -107,12 +123,13 @@ def test_bad_arguments_say_what_was_expected():
 # ---------------------------------------------------------------------- the rewrite
 
 def fused_count(module):
-    return sum(isinstance(m, BatchNormReLU) for m in module.modules())
+    return sum(isinstance(m, BatchNormAct) for m in module.modules())
 
 
 @pytest.mark.parametrize("make, fused, removed", [
     (resnet18_cifar, 17, 25),  # 9 batch norm -> ReLU, 8 batch norm -> addition -> ReLU
     (branchy_cifar, 57, 57),   # every conv_bn_relu
+    (airbench_cifar, 6, 6),    # each conv group's two batch norm -> GELU
 ])
 def test_the_rewrite_fuses_the_networks_chains_and_computes_the_model(make, fused, removed):
     torch.manual_seed(0)
@@ -133,9 +150,10 @@ class Chains(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.bns = nn.ModuleList(nn.BatchNorm2d(4) for _ in range(7))
+        self.bns = nn.ModuleList(nn.BatchNorm2d(4) for _ in range(9))
         self.bns[5].momentum = None  # a cumulative average: torch's forward reads the counter
         self.relu = nn.ReLU()
+        self.gelu = nn.GELU()
 
     def forward(self, x):
         a = self.bns[0](x)
@@ -152,14 +170,16 @@ class Chains(nn.Module):
         mean = self.bns[4].running_mean          # read between the norm and its ReLU
         y = y + self.relu(e) + mean.view(1, -1, 1, 1)
         y = y + self.relu(self.bns[5](x))        # momentum None
+        y = y + F.gelu(self.bns[7](x), approximate="tanh")  # not the exact GELU
+        y = y + self.gelu(self.bns[8](x))         # fused
         return y + torch.relu(x + self.bns[6](x))  # fused: the sum's other operand first
 
 
 def test_the_rewrite_leaves_chains_it_cannot_fuse():
     model = Chains()
     graph = trace_operators(copy.deepcopy(model), fuse_norms=True)
-    fused = [m for m in graph.module.modules() if isinstance(m, BatchNormReLU)]
-    assert [m.layer_name for m in fused] == ["bns.6"]
+    fused = [m for m in graph.module.modules() if isinstance(m, BatchNormAct)]
+    assert sorted((m.layer_name, m.gelu) for m in fused) == [("bns.6", False), ("bns.8", True)]
     x = torch.randn(2, 4, 3, 3)
     twin = copy.deepcopy(model)
     torch.testing.assert_close(graph.module(x), twin(x), rtol=0, atol=0)

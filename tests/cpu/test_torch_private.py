@@ -193,6 +193,17 @@ def test_is_fake_tells_fake_tensors_from_real_ones():
         assert _torch_private.is_fake(torch.empty(2))  # made under the mode
 
 
+
+def test_global_module_hooks_are_seen():
+    assert not _torch_private.global_module_hooks()
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)
+    try:
+        assert _torch_private.global_module_hooks()
+    finally:
+        handle.remove()
+    assert not _torch_private.global_module_hooks()
+
+
 _GROUP_RELEASED = r"""
 import sys
 import torch

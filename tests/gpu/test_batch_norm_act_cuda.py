@@ -11,8 +11,9 @@ from torch import nn
 
 import nimble_train as nt
 from nimble_train import _batch_norm_act, _capture
-from nimble_train._batch_norm_act import _BatchNormReLU
+from nimble_train._batch_norm_act import _BatchNormAct
 from nimble_train._extension import _C
+from nimble_train.models.airbench import airbench_cifar
 from step_reference import (assert_same_training, classification_batches, eager_loop,
                             training_gap)
 
@@ -26,10 +27,19 @@ def channels_last(*shape, dtype=torch.float32):
         memory_format=torch.channels_last)
 
 
+# (activation, residual): a residual goes with the ReLU only
+ACTS = [("relu", False), ("relu", True), ("gelu", False)]
+
+
+def activate(z, act):
+    return F.gelu(z) if act == "gelu" else torch.relu(z)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("channels", [64, 6, 200])  # packs of 16 bytes; one element at a time
-@pytest.mark.parametrize("residual", [False, True])
-def test_the_kernel_is_float64_batch_norm_plus_residual_then_relu(dtype, channels, residual):
+@pytest.mark.parametrize("act, residual", ACTS)
+def test_the_kernel_is_float64_batch_norm_plus_residual_then_activation(dtype, channels, act,
+                                                                       residual):
     torch.manual_seed(channels)
     x = channels_last(6, channels, 9, 7, dtype=dtype) * 3 + 1
     r = channels_last(6, channels, 9, 7, dtype=dtype) if residual else None
@@ -37,9 +47,10 @@ def test_the_kernel_is_float64_batch_norm_plus_residual_then_relu(dtype, channel
     w, b = torch.randn(channels, device="cuda"), torch.randn(channels, device="cuda")
     running = [torch.randn(channels, device="cuda"), torch.rand(channels, device="cuda") + 0.5]
     expected_running = [t.double().clone() for t in running]
-    y = _C.batch_norm_relu_forward(x, mean.float(), invstd.float(), w, b, r, *running, 0.1, 1e-5)
+    y = _C.batch_norm_relu_forward(x, mean.float(), invstd.float(), w, b, r, *running, 0.1, 1e-5,
+                                   act == "gelu")
     z = F.batch_norm(x.double(), *expected_running, w.double(), b.double(), True, 0.1, 1e-5)
-    expected = torch.relu(z + r.double() if residual else z)
+    expected = activate(z + r.double() if residual else z, act)
     assert y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last)
     scale = expected.abs().max().item()
     assert (y.double() - expected).abs().max().item() <= TOLERANCE[dtype] * scale
@@ -49,17 +60,19 @@ def test_the_kernel_is_float64_batch_norm_plus_residual_then_relu(dtype, channel
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(6, 64, 9, 7), (6, 6, 9, 7), (64, 256, 16, 16)])
-@pytest.mark.parametrize("residual", [False, True])
-def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, shape, residual):
+@pytest.mark.parametrize("act, residual", ACTS)
+def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, shape, act,
+                                                                         residual):
+    gelu = act == "gelu"
     torch.manual_seed(shape[1])
     x = channels_last(*shape, dtype=dtype) * 2 + 0.5
     r = channels_last(*shape, dtype=dtype) if residual else None
     w, b = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
     mean, invstd = torch.batch_norm_stats(x, 1e-5)
-    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5)
+    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5, gelu)
     gy = channels_last(*shape, dtype=dtype)
-    got = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, True, residual)
-    again = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, True, residual)
+    got = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, True, residual, gelu)
+    again = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, True, residual, gelu)
     for a, b_ in zip(got, again):
         assert (a is None and b_ is None) or torch.equal(a, b_)  # the same sums, same order
     inputs = [t.double().requires_grad_() for t in (x, w, b)]
@@ -67,8 +80,10 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
     if residual:
         inputs.append(r.double().requires_grad_())
         z = z + inputs[3]
-    # the mask of y as stored (a float64 output could round the other way at 0)
-    expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
+    if gelu:
+        expected = torch.autograd.grad(F.gelu(z), inputs, gy.double())
+    else:  # the mask of y as stored (a float64 output could round the other way at 0)
+        expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
     grad_x, grad_r, grad_w, grad_b = got
     for name, a, e in zip(("x", "weight", "bias", "residual"),
                           [grad_x, grad_w, grad_b] + ([grad_r] if residual else []), expected):
@@ -76,7 +91,6 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
         assert (a.double() - e).abs().max().item() <= 10 * TOLERANCE[dtype] * scale, name
     assert grad_x.dtype == dtype and grad_x.is_contiguous(memory_format=torch.channels_last)
     assert grad_r is None if not residual else grad_r.dtype == dtype
-
 
 def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
     torch.manual_seed(5)
@@ -90,8 +104,8 @@ def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
     y_odd.copy_(y)
     aligned = _C.batch_norm_relu_backward(gy.contiguous(memory_format=torch.channels_last),
                                           y, x.clone(memory_format=torch.channels_last), mean,
-                                          invstd, w, True, True)
-    unaligned = _C.batch_norm_relu_backward(gy.contiguous(), y_odd, x, mean, invstd, w, True,
+                                          invstd, w, b, True, True)
+    unaligned = _C.batch_norm_relu_backward(gy.contiguous(), y_odd, x, mean, invstd, w, b, True,
                                             True)
     for a, b_ in zip(aligned, unaligned):
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
@@ -114,8 +128,9 @@ def test_the_kernel_keeps_nan_and_takes_unaligned_tensors():
 
 
 @pytest.mark.parametrize("ours", [True, False])
-@pytest.mark.parametrize("residual", [False, True])
-def test_the_fused_operators_gradients_are_autograds_in_float64(residual, ours, monkeypatch):
+@pytest.mark.parametrize("act, residual", ACTS)
+def test_the_fused_operators_gradients_are_autograds_in_float64(act, residual, ours,
+                                                                 monkeypatch):
     monkeypatch.setattr(_batch_norm_act, "OUR_BACKWARD", ours)
     torch.manual_seed(1)
     x = channels_last(16, 32, 8, 8).requires_grad_()
@@ -123,13 +138,13 @@ def test_the_fused_operators_gradients_are_autograds_in_float64(residual, ours, 
     w = torch.randn(32, device="cuda", requires_grad=True)
     b = torch.randn(32, device="cuda", requires_grad=True)
     rm, rv = torch.zeros(32, device="cuda"), torch.ones(32, device="cuda")
-    y = _BatchNormReLU.apply(x, r, w, b, rm, rv, 0.1, 1e-5)
+    y = _BatchNormAct.apply(x, r, w, b, rm, rv, 0.1, 1e-5, act == "gelu")
     g = torch.randn_like(y)
     inputs = [x, w, b] + ([r] if residual else [])
     grads = torch.autograd.grad(y, inputs, g)
     doubles = [t.detach().double().requires_grad_() for t in inputs]
     z = F.batch_norm(doubles[0], None, None, doubles[1], doubles[2], True, 0.1, 1e-5)
-    expected = torch.relu(z + doubles[3] if residual else z)
+    expected = activate(z + doubles[3] if residual else z, act)
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, torch.autograd.grad(expected, doubles, g.double())):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
@@ -147,7 +162,7 @@ def test_under_autocast_the_fused_operator_is_torchs_batch_norm_and_relu(dtype):
     w = torch.randn(32, device="cuda", requires_grad=True)
     b = torch.randn(32, device="cuda", requires_grad=True)
     running = [torch.zeros(32, device="cuda"), torch.ones(32, device="cuda")]
-    y = _BatchNormReLU.apply(x, r, w, b, *running, 0.1, 1e-5)
+    y = _BatchNormAct.apply(x, r, w, b, *running, 0.1, 1e-5, False)
     assert y.dtype == dtype
     g = channels_last(16, 32, 8, 8, dtype=dtype)
     grads = torch.autograd.grad(y, [x, r, w, b], g)
@@ -224,7 +239,7 @@ def channels_last_batches(n):
 
 @pytest.mark.parametrize("fuse", [True, False])
 def test_a_fused_step_trains_as_the_eager_loop(fuse, monkeypatch, no_tf32):
-    monkeypatch.setattr(_capture, "FUSE_BATCH_NORM_RELU", fuse)
+    monkeypatch.setattr(_capture, "FUSE_BATCH_NORM_ACT", fuse)
     torch.manual_seed(0)
     model = Net().cuda().to(memory_format=torch.channels_last)
     reference = copy.deepcopy(model)
@@ -241,6 +256,21 @@ def test_a_fused_step_trains_as_the_eager_loop(fuse, monkeypatch, no_tf32):
     assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
     assert {n: int(b) for n, b in model.named_buffers() if "num_batches" in n} == \
         {n: int(b) for n, b in reference.named_buffers() if "num_batches" in n}
+
+
+def test_layers_with_hooks_run_unfused_and_their_hooks_run_in_the_capture(no_tf32):
+    torch.manual_seed(0)
+    model = Net().cuda().to(memory_format=torch.channels_last)
+    seen = []
+    for layer in (model.stem[1], model.left[2]):  # a batch norm, a ReLU module
+        layer.register_forward_hook(lambda m, args, out: seen.append(
+            (type(m).__name__, torch.cuda.is_current_stream_capturing())))
+    step = nt.Step(model, make_opt(model.parameters()), per_sample, streams="auto", warmup=1)
+    for b in channels_last_batches(3):
+        step(b)
+    stats = step.stats()
+    assert stats["captured"] and stats["fused_batch_norm_layers"] == FUSED - 2
+    assert ("BatchNorm2d", True) in seen and ("ReLU", True) in seen
 
 
 def test_an_nchw_model_runs_unfused_and_trains_as_the_eager_loop(no_tf32):
@@ -266,14 +296,14 @@ def bf16_run(batches, fuse: bool, step: bool = True, lr_scale: float = 1.0):
     if not step:
         eager_loop(model, opt, per_sample, batches, amp=torch.bfloat16)
         return model, opt, None
-    saved = _capture.FUSE_BATCH_NORM_RELU
-    _capture.FUSE_BATCH_NORM_RELU = fuse
+    saved = _capture.FUSE_BATCH_NORM_ACT
+    _capture.FUSE_BATCH_NORM_ACT = fuse
     try:
         s = nt.Step(model, opt, per_sample, streams="auto", amp="bf16", warmup=2)
         for b in batches:
             s(b)
     finally:
-        _capture.FUSE_BATCH_NORM_RELU = saved
+        _capture.FUSE_BATCH_NORM_ACT = saved
     return model, opt, s.stats()
 
 
@@ -289,3 +319,24 @@ def test_under_bf16_a_fused_step_trains_as_close_to_the_eager_loop_as_unfused(no
     assert gap <= 3 * floor + 1e-6, f"gap to eager {gap:.3g}, unfused {floor:.3g}"
     off, off_opt, _ = bf16_run(batches, False, step=False, lr_scale=1.5)
     assert training_gap(off, off_opt, eager, eager_opt) > 3 * floor + 1e-6
+
+
+def test_a_chain_runs_its_traced_forward_fused_on_one_stream(no_tf32):
+    """airbench's network: a chain (one stream) whose batch norms feed GELUs; its traced
+    forward runs fused, and trains as the eager loop."""
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(16, 3, 32, 32, generator=g).cuda()
+                .contiguous(memory_format=torch.channels_last),
+                torch.randint(0, 10, (16,), generator=g).cuda()) for _ in range(4)]
+    torch.manual_seed(0)
+    model = airbench_cifar().cuda().to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    step = nt.Step(model, opt, per_sample, streams="auto", warmup=2)
+    for b in batches:
+        step(b)
+    stats = step.stats()
+    assert stats["captured"] and stats["streams"] == 1
+    assert stats["fused_batch_norm_layers"] == 6
+    eager_loop(reference, ref_opt, per_sample, batches)
+    assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)

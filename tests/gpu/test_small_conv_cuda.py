@@ -163,14 +163,15 @@ def airbench_run(batches, small: str, lr_scale: float = 1.0, step: bool = True):
     if not step:
         eager_loop(model, opt, per_sample, batches, amp=torch.bfloat16)
         return model, opt, None
-    saved = _capture.SMALL_CONV_KERNELS
-    _capture.SMALL_CONV_KERNELS = small
+    saved = _capture.SMALL_CONV_KERNELS, _capture.FUSE_BATCH_NORM_ACT
+    # the stem alone: the batch norms and GELUs as the eager loop runs them
+    _capture.SMALL_CONV_KERNELS, _capture.FUSE_BATCH_NORM_ACT = small, False
     try:
         s = nt.Step(model, opt, per_sample, streams="auto", amp="bf16", warmup=2)
         for b in batches:
             s(b)
     finally:
-        _capture.SMALL_CONV_KERNELS = saved
+        _capture.SMALL_CONV_KERNELS, _capture.FUSE_BATCH_NORM_ACT = saved
     return model, opt, s.stats()
 
 
