@@ -12,7 +12,8 @@ CaptureError. Either way the capture is abandoned in C++ and nothing of it stays
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Callable
+import gc
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -48,6 +49,22 @@ SMALL_CONV_KERNELS = "ours"
 # and kernels of ours (see _batch_norm_act.py); False: as the model calls them
 # (bench/bench_batch_norm_act.py times one against the other).
 FUSE_BATCH_NORM_ACT = True
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off for the block (a capture): a collection inside a capture
+    can free CUDA objects of earlier steps (graphs, their pools, events) whose release the
+    capture forbids, invalidating it at its next operation or aborting the process from a
+    destructor. What became garbage meanwhile is collected after, as usual. (No collection
+    first: with torch's modules loaded one takes a good part of a second, a capture's time.)"""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
     from . import _inductor_wgrad
@@ -225,7 +242,7 @@ class CapturedStep:
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
         launched = self.compiled_split.launched if self.compiled_split is not None else 0
-        with torch.cuda.stream(stream):
+        with collector_paused(), torch.cuda.stream(stream):
             try:
                 self.graph.begin_capture(entry, staged=planned)
             except RuntimeError as exc:

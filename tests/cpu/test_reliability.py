@@ -398,3 +398,25 @@ def test_a_failing_rank_ends_its_peers_with_distributed_error_within_the_deadlin
     if scenario != "extra-step":  # the failed call changed nothing on the peer
         before_model, before_opt = peer["before_last"]
         assert _same(peer["model"], before_model)
+
+
+def test_captures_run_with_the_garbage_collector_paused_and_restored():
+    import gc
+
+    from nimble_train._capture import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError, match="inside"):
+        with collector_paused():
+            raise RuntimeError("inside")
+    assert gc.isenabled()
+    gc.disable()  # a program that runs without it keeps it off
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
