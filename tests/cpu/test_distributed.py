@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import nimble_train as nt
+from nimble_train import _torch_private
 from nimble_train._gradsync import plan_buckets
 from nimble_train.distributed import World
 from step_reference import (MLP, ReadsTheHeadLate, assert_same_training, classification_batches,
@@ -140,6 +141,10 @@ PER_RANK = 8
 
 
 def _worker(rank, world, init_file, result_file, mismatch, accumulate=1):
+    # As nt.init_distributed does: modules that torch.optim imports on its first optimizer,
+    # imported after the group exists, keep it alive past destroy_process_group, and its gloo
+    # threads abort the process at exit ("terminate called without an active exception").
+    _torch_private.import_before_process_group()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
