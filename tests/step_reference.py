@@ -232,6 +232,21 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
                 assert a == b
 
 
+def batch_norm_act_grads(x, weight, bias, residual, grad_y, y, gelu=False):
+    """The float64 gradients (x, weight, bias[, residual]) of act(batch_norm(x) [+ residual])
+    in training, for the output's gradient grad_y: autograd's reference for the fused batch
+    norm. The ReLU's mask is that of y, the output as the kernel stored it (a float64 output
+    can round to the other side of zero)."""
+    inputs = [t.detach().double().requires_grad_() for t in (x, weight, bias)]
+    z = F.batch_norm(inputs[0], None, None, inputs[1], inputs[2], True, 0.1, 1e-5)
+    if residual is not None:
+        inputs.append(residual.detach().double().requires_grad_())
+        z = z + inputs[3]
+    if gelu:
+        return torch.autograd.grad(F.gelu(z), inputs, grad_y.double())
+    return torch.autograd.grad(z, inputs, grad_y.double() * (y.double() > 0))
+
+
 def training_gap(model_a, opt_a, model_b, opt_b) -> float:
     """||a - b|| / ||b|| over all floating tensors of the models and their optimizer state.
 

@@ -69,10 +69,6 @@ class BatchNormAct(nn.Module):
         # the model's nn.ReLU / nn.GELU when it called one (None: a function), not children
         self._layer = (bn, activation)
 
-    @property
-    def bn(self) -> nn.BatchNorm2d:
-        return self._layer[0]
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         norms = _batch_norm.active()
         bn, activation = self._layer
@@ -97,13 +93,13 @@ def _hooked(module: nn.Module) -> bool:
 
 
 def _fusable(bn: nn.BatchNorm2d, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether this call can run fused: a layer in training with a momentum, on real
-    channels-last CUDA data (float32, or float16/bfloat16 under autocast) with more than one
-    value per channel, float32 parameters and running averages, and a residual (if any) of
-    x's shape, dtype and layout."""
+    """Whether this call can run fused: a layer in training with a momentum, on channels-last
+    CUDA data (float32, or float16/bfloat16 under autocast) with more than one value per
+    channel, float32 parameters and running averages, and a residual (if any) of x's shape,
+    dtype and layout."""
     if not (bn.training and bn.momentum is not None and x.is_cuda and x.dim() == 4
             and x.dtype in _DTYPES and x.is_contiguous(memory_format=torch.channels_last)
-            and x.numel() > x.shape[1] and not _torch_private.is_fake(x)):
+            and x.numel() > x.shape[1]):
         return False
     if any(t is None or t.dtype != torch.float32
            for t in (bn.weight, bn.bias, bn.running_mean, bn.running_var)):

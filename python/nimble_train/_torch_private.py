@@ -131,12 +131,6 @@ def global_module_hooks() -> bool:
                 or module._global_backward_hooks or module._global_backward_pre_hooks)
 
 
-def is_fake(t: torch.Tensor) -> bool:
-    """Whether `t` is a fake tensor (shape and dtype, no data)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-    return isinstance(t, FakeTensor)
-
-
 def tensor_hooks(p: torch.Tensor) -> dict:
     """The hooks registered on `p` with ``p.register_hook`` (they see its gradient before it
     is accumulated); empty when there are none."""

@@ -1,7 +1,10 @@
-// NT_CHECK_CUDA and NT_CHECK_LAUNCH: CUDA runtime status turned into a RuntimeFailure.
+// NT_CHECK_CUDA and NT_CHECK_LAUNCH: CUDA runtime status turned into a RuntimeFailure; the
+// device's multiprocessor count, which kernels size their grids by.
 #pragma once
 
 #include <cuda_runtime_api.h>
+
+#include <algorithm>
 
 #include "common/check.h"
 
@@ -16,3 +19,13 @@
 
 // After every kernel launch: a bad configuration is reported here, not at the next sync.
 #define NT_CHECK_LAUNCH() NT_CHECK_CUDA(cudaGetLastError())
+
+namespace nimble_train {
+
+inline int multiprocessors(int device) {
+  int sms = 0;
+  NT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::max(sms, 1);
+}
+
+}  // namespace nimble_train

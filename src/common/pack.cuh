@@ -11,6 +11,11 @@ struct alignas(sizeof(T) * kWidth) Pack {
   T v[kWidth];
 };
 
+// Whether `p` may be read or written in packs of `bytes` (a null pointer is).
+inline bool aligned(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 // base + i must be aligned to the pack's size.
 template <int kWidth, typename T>
 __device__ Pack<T, kWidth> load_pack(const T* base, int64_t i) {

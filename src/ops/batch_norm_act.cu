@@ -11,6 +11,7 @@
 #include "common/cuda_check.h"
 #include "common/pack.cuh"
 #include "ops/batch_norm_act.h"
+#include "ops/packs.cuh"
 
 namespace nimble_train::ops {
 namespace {
@@ -68,10 +69,6 @@ void launch(const void* x, const void* residual, void* y, const BatchNormActPara
   NT_CHECK_LAUNCH();
 }
 
-bool aligned(const void* ptr, int bytes) {
-  return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
-}
-
 // ---------------------------------------------------------------------------- backward
 
 constexpr int kBlocksPerSm = 2;  // of the backward's reduction
@@ -83,17 +80,6 @@ struct ReduceGrid {
   int columns = 1;  // blocks across the channels (blockIdx.x)
   int splits = 1;   // blocks across the rows (blockIdx.y)
 };
-
-int multiprocessors(int device) {
-  int sms = 0;
-  NT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(sms, 1);
-}
-
-int pack_width(const BatchNormActShape& s, DType dtype, bool aligned_pointers) {
-  const int vec = dtype == DType::kFloat32 ? 4 : 8;
-  return aligned_pointers && s.channels % vec == 0 ? vec : 1;
-}
 
 ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device) {
   ReduceGrid g;
@@ -289,13 +275,12 @@ void backward(const void* grad_y, const void* y, const void* x, const BatchNormA
 }  // namespace
 
 int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device) {
-  // The widest packs the shape takes: pointers unaligned for them get the same grid or fewer
-  // splits' worth of blocks, never more floats than this.
-  int64_t most = 0;
-  for (const int vec : {1, pack_width(s, dtype, true)}) {
-    most = std::max<int64_t>(most, reduce_grid(s, vec, device).splits);
-  }
-  return (most + 1) * 2 * s.channels;
+  // Enough for the grid of either pack width a launch may take (unaligned pointers: one).
+  int64_t splits = reduce_grid(s, 1, device).splits;
+  dispatch_packs(dtype, s.channels, true, [&](auto, auto vec) {
+    splits = std::max<int64_t>(splits, reduce_grid(s, decltype(vec)::value, device).splits);
+  });
+  return (splits + 1) * 2 * s.channels;
 }
 
 void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void* x,
@@ -305,18 +290,12 @@ void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void
   if (s.rows == 0 || s.channels == 0) return;
   int device = 0;
   NT_CHECK_CUDA(cudaGetDevice(&device));
-  const bool aligned_pointers = aligned(grad_y, 16) && aligned(y, 16) && aligned(x, 16) &&
-                                aligned(g.grad_x, 16) && aligned(g.grad_residual, 16);
-  const int vec = pack_width(s, dtype, aligned_pointers);
-  const ReduceGrid grid = reduce_grid(s, vec, device);
-  optim::dispatch_dtype(dtype, [&](auto traits) {
-    using Traits = decltype(traits);
-    constexpr int kWide = 16 / sizeof(typename Traits::Storage);
-    if (vec == kWide) {
-      backward<Traits, kWide>(grad_y, y, x, p, g, workspace, s, grid, stream);
-    } else {
-      backward<Traits, 1>(grad_y, y, x, p, g, workspace, s, grid, stream);
-    }
+  const bool packs = aligned(grad_y, 16) && aligned(y, 16) && aligned(x, 16) &&
+                     aligned(g.grad_x, 16) && aligned(g.grad_residual, 16);
+  dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
+    constexpr int kVec = decltype(vec)::value;
+    backward<decltype(traits), kVec>(grad_y, y, x, p, g, workspace, s,
+                                     reduce_grid(s, kVec, device), stream);
   });
 }
 
@@ -324,16 +303,9 @@ void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
                                   DType dtype, cudaStream_t stream) {
   if (s.rows == 0 || s.channels == 0) return;
-  optim::dispatch_dtype(dtype, [&](auto traits) {
-    using Traits = decltype(traits);
-    constexpr int kVec = 16 / sizeof(typename Traits::Storage);  // 4 floats, 8 halves
-    const bool packed = s.channels % kVec == 0 && aligned(x, 16) && aligned(residual, 16) &&
-                        aligned(y, 16);
-    if (packed) {
-      launch<Traits, kVec>(x, residual, y, p, s, stream);
-    } else {
-      launch<Traits, 1>(x, residual, y, p, s, stream);
-    }
+  const bool packs = aligned(x, 16) && aligned(residual, 16) && aligned(y, 16);
+  dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
+    launch<decltype(traits), decltype(vec)::value>(x, residual, y, p, s, stream);
   });
 }
 

@@ -9,6 +9,7 @@
 #include "common/cuda_check.h"
 #include "common/pack.cuh"
 #include "ops/max_pool.h"
+#include "ops/packs.cuh"
 
 namespace nimble_train::ops {
 namespace {
@@ -115,22 +116,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
-// Calls launch(traits, pack width): 16-byte packs where the channels and every pointer allow.
-template <typename Launch>
-void dispatch(DType dtype, int64_t channels, bool aligned, Launch&& launch) {
-  optim::dispatch_dtype(dtype, [&](auto traits) {
-    using Traits = decltype(traits);
-    constexpr int kVec = 16 / sizeof(typename Traits::Storage);
-    if (aligned && channels % kVec == 0) {
-      launch(traits, std::integral_constant<int, kVec>{});
-    } else {
-      launch(traits, std::integral_constant<int, 1>{});
-    }
-  });
-}
-
 unsigned blocks_for(int64_t threads) {
   return static_cast<unsigned>(std::clamp<int64_t>((threads + kThreads - 1) / kThreads, 1,
                                                    kMaxBlocks));
@@ -140,8 +125,8 @@ unsigned blocks_for(int64_t threads) {
 
 void max_pool_forward_cuda(const void* x, void* y, uint8_t* argmax, const MaxPoolShape& s,
                            DType dtype, cudaStream_t stream) {
-  const bool aligned = aligned16(x) && aligned16(y) && aligned16(argmax);
-  dispatch(dtype, s.channels, aligned, [&](auto traits, auto vec) {
+  const bool packs = aligned(x, 16) && aligned(y, 16) && aligned(argmax, 16);
+  dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
     using Traits = decltype(traits);
     using S = typename Traits::Storage;
     constexpr int kVec = decltype(vec)::value;
@@ -154,8 +139,8 @@ void max_pool_forward_cuda(const void* x, void* y, uint8_t* argmax, const MaxPoo
 
 void max_pool_backward_cuda(const void* grad_y, const uint8_t* argmax, void* grad_x,
                             const MaxPoolShape& s, DType dtype, cudaStream_t stream) {
-  const bool aligned = aligned16(grad_y) && aligned16(argmax) && aligned16(grad_x);
-  dispatch(dtype, s.channels, aligned, [&](auto traits, auto vec) {
+  const bool packs = aligned(grad_y, 16) && aligned(argmax, 16) && aligned(grad_x, 16);
+  dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
     using Traits = decltype(traits);
     using S = typename Traits::Storage;
     constexpr int kVec = decltype(vec)::value;

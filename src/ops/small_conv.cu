@@ -375,14 +375,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-int multiprocessors(int device) {
-  int sms = 0;
-  NT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return std::max(sms, 1);
-}
-
-bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 }  // namespace
 
 int small_conv_weight_grad_blocks(const SmallConvShape& s, int device) {

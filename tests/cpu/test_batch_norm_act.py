@@ -17,6 +17,7 @@ from nimble_train._multistream import state_edges, trace_operators
 from nimble_train.models.airbench import airbench_cifar
 from nimble_train.models.branchy import branchy_cifar
 from nimble_train.models.resnet_cifar import resnet18_cifar
+from step_reference import batch_norm_act_grads
 
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -72,16 +73,7 @@ def test_the_backward_reference_is_autograds_in_float64(dtype, act, residual):
     gy = channels_last(4, 6, 5, 3, dtype=dtype, seed=2).contiguous()  # NCHW: any layout
     grad_x, grad_r, grad_w, grad_b = _C.batch_norm_relu_backward(
         gy, y, x, mean, invstd, w, b, True, residual, gelu)
-    inputs = [t.double().requires_grad_() for t in (x, w, b)]
-    z = F.batch_norm(inputs[0], None, None, inputs[1], inputs[2], True, 0.1, 1e-5)
-    if residual:
-        inputs.append(r.double().requires_grad_())
-        z = z + inputs[3]
-    if gelu:
-        expected = torch.autograd.grad(F.gelu(z), inputs, gy.double())
-    else:
-        # the mask of the float64 output would differ where y rounded to 0 in `dtype`: y's
-        expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
+    expected = batch_norm_act_grads(x, w, b, r, gy, y, gelu)
     got = [grad_x, grad_w, grad_b] + ([grad_r] if residual else [])
     tol = TOLERANCE[dtype] * 10
     for name, a, e in zip(("x", "weight", "bias", "residual"), got, expected):

@@ -184,16 +184,6 @@ def test_shares_storage_sees_views_of_fake_and_real_tensors():
 
 
 
-def test_is_fake_tells_fake_tensors_from_real_ones():
-    t = torch.randn(3)
-    assert not _torch_private.is_fake(t)
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    with FakeTensorMode() as mode:
-        assert _torch_private.is_fake(mode.from_tensor(t))
-        assert _torch_private.is_fake(torch.empty(2))  # made under the mode
-
-
-
 def test_global_module_hooks_are_seen():
     assert not _torch_private.global_module_hooks()
     handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None)

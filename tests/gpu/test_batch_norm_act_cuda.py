@@ -14,8 +14,8 @@ from nimble_train import _batch_norm_act, _capture
 from nimble_train._batch_norm_act import _BatchNormAct
 from nimble_train._extension import _C
 from nimble_train.models.airbench import airbench_cifar
-from step_reference import (assert_same_training, classification_batches, eager_loop,
-                            training_gap)
+from step_reference import (assert_same_training, batch_norm_act_grads, classification_batches,
+                            eager_loop, training_gap)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -75,15 +75,7 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
     again = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, True, residual, gelu)
     for a, b_ in zip(got, again):
         assert (a is None and b_ is None) or torch.equal(a, b_)  # the same sums, same order
-    inputs = [t.double().requires_grad_() for t in (x, w, b)]
-    z = F.batch_norm(inputs[0], None, None, inputs[1], inputs[2], True, 0.1, 1e-5)
-    if residual:
-        inputs.append(r.double().requires_grad_())
-        z = z + inputs[3]
-    if gelu:
-        expected = torch.autograd.grad(F.gelu(z), inputs, gy.double())
-    else:  # the mask of y as stored (a float64 output could round the other way at 0)
-        expected = torch.autograd.grad(z, inputs, gy.double() * (y.double() > 0))
+    expected = batch_norm_act_grads(x, w, b, r, gy, y, gelu)
     grad_x, grad_r, grad_w, grad_b = got
     for name, a, e in zip(("x", "weight", "bias", "residual"),
                           [grad_x, grad_w, grad_b] + ([grad_r] if residual else []), expected):
@@ -91,6 +83,7 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
         assert (a.double() - e).abs().max().item() <= 10 * TOLERANCE[dtype] * scale, name
     assert grad_x.dtype == dtype and grad_x.is_contiguous(memory_format=torch.channels_last)
     assert grad_r is None if not residual else grad_r.dtype == dtype
+
 
 def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
     torch.manual_seed(5)
@@ -174,10 +167,8 @@ def test_under_autocast_the_fused_operator_is_torchs_batch_norm_and_relu(dtype):
     torch.testing.assert_close(y.float(), expected.float(), rtol=tol, atol=tol)
     for got, want in zip(running, expected_running):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    doubles = [t.detach().double().requires_grad_() for t in (x, r, w, b)]
-    z = F.batch_norm(doubles[0], None, None, doubles[2], doubles[3], True, 0.1, 1e-5)
-    expected_grads = torch.autograd.grad(z + doubles[1], doubles, g.double() * (y.double() > 0))
-    for got, want in zip(grads, expected_grads):
+    gx, gw, gb, gr = batch_norm_act_grads(x, w, b, r, g, y)
+    for got, want in zip(grads, (gx, gr, gw, gb)):
         assert (got.double() - want).abs().max() <= 10 * TOLERANCE[dtype] * want.abs().max()
 
 
