@@ -4,12 +4,13 @@ the addition and the activation as the model calls them (nimble_train/_batch_nor
     python bench/bench_batch_norm_act.py     # branchy, GoogLeNet, ResNet-18 b32, airbench b1024
     python bench/bench_batch_norm_act.py --workloads resnet18:128 --rounds 7
 
-One process, one GPU. Each network is built four times from the same seed (bench_streams.py's
+One process, one GPU. Each network is built five times from the same seed (bench_streams.py's
 networks and batches): nt.Step with streams=1 (cuDNN's batch norms, nothing fused: the fusion
 rewrites the planned forward), and with streams="auto" (for a chain such as airbench's, the
 backward's plan and a forward on one stream), captured with ``_capture.FUSE_BATCH_NORM_ACT``
-off, on with torch's backward (``_batch_norm_act.OUR_BACKWARD = False``) and on with ours.
-Timing alternates between the four in rounds (a CUDA-event mean over --steps steps after 10
+off, on with torch's backward (``_batch_norm_act.OUR_BACKWARD = False``), on with torch's
+statistics kernel (``_batch_norm_act.OUR_STATS = False``) and on with ours for both.
+Timing alternates between the five in rounds (a CUDA-event mean over --steps steps after 10
 untimed ones); the table gives each one's median over --rounds rounds and the ratios of the
 medians.
 """
@@ -24,24 +25,27 @@ from nimble_train import _batch_norm_act
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_streams import alternate, build, measure_workloads  # noqa: E402
 
-# (name, streams, fused, our backward)
-WAYS = (("1 stream", 1, False, True), ("auto, separate", "auto", False, True),
-        ("auto, fused, torch's backward", "auto", True, False),
-        ("auto, fused", "auto", True, True))
+# (name, streams, fused, our backward, our statistics)
+WAYS = (("1 stream", 1, False, True, True), ("auto, separate", "auto", False, True, True),
+        ("auto, fused, torch's backward", "auto", True, False, True),
+        ("auto, fused, torch's statistics", "auto", True, True, False),
+        ("auto, fused", "auto", True, True, True))
 
 
-def build_with(name: str, batch: int, streams, fuse: bool, ours: bool, device):
-    saved = _batch_norm_act.OUR_BACKWARD
-    _batch_norm_act.OUR_BACKWARD = ours  # read when the step is captured
+def build_with(name: str, batch: int, streams, fuse: bool, backward: bool, stats: bool,
+               device):
+    saved = _batch_norm_act.OUR_BACKWARD, _batch_norm_act.OUR_STATS
+    # read when the step is captured
+    _batch_norm_act.OUR_BACKWARD, _batch_norm_act.OUR_STATS = backward, stats
     try:
         return build(name, batch, streams, device, {"FUSE_BATCH_NORM_ACT": fuse})
     finally:
-        _batch_norm_act.OUR_BACKWARD = saved
+        _batch_norm_act.OUR_BACKWARD, _batch_norm_act.OUR_STATS = saved
 
 
 def measure(name: str, batch: int, args, device) -> dict:
-    built = {way: build_with(name, batch, streams, fuse, ours, device)
-             for way, streams, fuse, ours in WAYS}
+    built = {way: build_with(name, batch, streams, fuse, backward, stats, device)
+             for way, streams, fuse, backward, stats in WAYS}
     fused = built["auto, fused"][0].stats()["fused_batch_norm_layers"]
     return {"workload": f"{name} b{batch}", **alternate(built, args), "fused": fused}
 
@@ -53,13 +57,15 @@ def main(argv=None) -> int:
     if rows is None:
         return 2
     print("| network | fused | " + " | ".join(way for way, *_ in WAYS)
-          + " | fused: gain | our backward: gain | auto ÷ 1 stream: separate | fused |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          + " | fused: gain | our backward: gain | our statistics: gain"
+          " | auto ÷ 1 stream: separate | fused |")
+    print("|---" * 12 + "|")
     for r in rows:
-        one, separate, torch_backward, fused = (r[way] for way, *_ in WAYS)
+        one, separate, torch_backward, torch_stats, fused = (r[way] for way, *_ in WAYS)
         print(f"| {r['workload']} | {r['fused']} | {one:.3f} | {separate:.3f} "
-              f"| {torch_backward:.3f} | {fused:.3f} | {separate / fused:.3f}x "
-              f"| {torch_backward / fused:.3f}x | {one / separate:.3f}x "
+              f"| {torch_backward:.3f} | {torch_stats:.3f} | {fused:.3f} "
+              f"| {separate / fused:.3f}x | {torch_backward / fused:.3f}x "
+              f"| {torch_stats / fused:.3f}x | {one / separate:.3f}x "
               f"| **{one / fused:.3f}x** |")
     return 0
 

@@ -6,16 +6,17 @@ averages' update, the normalisation), then the activation runs one more, and a r
 addition another, each reading and writing the whole activation. Where the traced forward
 (_multistream) has a 2-D batch norm whose only reader is a ReLU, or an addition whose only
 reader is a ReLU, or a batch norm whose only reader is an exact GELU (nn.GELU(), F.gelu), the
-two or three operators become one: torch's statistics kernel, then one kernel of ours
-(src/ops/batch_norm_act.h) that normalises, adds the residual, applies the activation and
-updates the running averages. The backward is ours too: torch's batch-norm backward of the
-gradient the activation lets through, in three kernels (the per-channel sums, deterministic:
-the blocks' partial sums added in a fixed order; the weight's and bias's gradients; the
-input's), where torch would first write that gradient out (a kernel and a pass over memory
-more). The ReLU's mask is read from the output as the kernels go (zero where the output is not
-positive, as threshold_backward gives it); the GELU's derivative is taken at the normalised
-value, recomputed from the input. The residual's gradient is the masked gradient, as the
-addition's would be.
+two or three operators become one: the batch statistics (ours: the per-channel sums, then
+their totals; torch's kernel zeroes its semaphores with a memset first and takes longer), then
+one kernel of ours (src/ops/batch_norm_act.h) that normalises, adds the residual, applies the
+activation and updates the running averages. The backward is ours too: torch's batch-norm
+backward of the gradient the activation lets through, in three kernels (the per-channel sums,
+deterministic: the blocks' partial sums added in a fixed order; the weight's and bias's
+gradients; the input's), where torch would first write that gradient out (a kernel and a pass
+over memory more). The ReLU's mask is read from the output as the kernels go (zero where the
+output is not positive, as threshold_backward gives it); the GELU's derivative is taken at the
+normalised value, recomputed from the input. The residual's gradient is the masked gradient, as
+the addition's would be.
 
 A chain (a forward the plan puts on one stream) with something to fuse runs its traced forward
 on that one stream, fused; without, the model's own forward as before.
@@ -51,6 +52,9 @@ _ADD_FUNCTIONS = {operator.add, torch.add}
 # torch's threshold_backward and native batch-norm backward (bench/bench_batch_norm_act.py
 # times one against the other).
 OUR_BACKWARD = True
+# The batch statistics: ours (True), or torch.batch_norm_stats (bench/bench_batch_norm_act.py
+# times one against the other).
+OUR_STATS = True
 # Activations the kernel stores; its arithmetic and the statistics are float32 for all three.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -112,7 +116,8 @@ def _fusable(bn: nn.BatchNorm2d, x: torch.Tensor, residual: torch.Tensor | None)
 class _BatchNormAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, running_mean, running_var, momentum, eps, gelu):
-        mean, invstd = torch.batch_norm_stats(x, eps)
+        stats = _C.batch_norm_stats if OUR_STATS else torch.batch_norm_stats
+        mean, invstd = stats(x, eps)
         y = _C.batch_norm_relu_forward(x, mean, invstd, weight, bias, residual, running_mean,
                                        running_var, momentum, eps, gelu)
         # The ReLU's mask is the output; the GELU's derivative is recomputed from x.

@@ -66,7 +66,29 @@ void backward(const void* grad_y_, const void* y_, const void* x_, const BatchNo
   }
 }
 
+template <typename Traits>
+void stats(const void* x_, const BatchNormStats& out, const BatchNormActShape& s) {
+  using S = typename Traits::Storage;
+  const S* x = static_cast<const S*>(x_);
+  for (int64_t c = 0; c < s.channels; ++c) {
+    const float shift = Traits::load(x[c]);
+    float sum_d = 0.0f, sum_dd = 0.0f;
+    for (int64_t r = 0; r < s.rows; ++r) {
+      const float d = Traits::load(x[r * s.channels + c]) - shift;
+      sum_d += d;
+      sum_dd += d * d;
+    }
+    BatchNormStatsMath::finish(shift, sum_d, sum_dd, s.rows, out.eps, out.mean + c,
+                               out.invstd + c);
+  }
+}
+
 }  // namespace
+
+void batch_norm_stats_reference(const void* x, const BatchNormStats& out,
+                                const BatchNormActShape& s, DType dtype) {
+  optim::dispatch_dtype(dtype, [&](auto traits) { stats<decltype(traits)>(x, out, s); });
+}
 
 void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const void* x,
                                         const BatchNormActParams& p, const BatchNormActGrads& g,

@@ -1,6 +1,7 @@
-// CUDA kernels of batch_norm_act.h. Forward: one thread per pack of channels of one row (16
-// bytes when the channels and the pointers allow it), striding over the rows; block 0 also
-// updates the running averages. Backward: (1) blocks of packs of channels x a share of the rows
+// CUDA kernels of batch_norm_act.h. Statistics: the backward's two-kernel sums (below), of
+// x - shift and its square. Forward: one thread per pack of channels of one row (16 bytes when
+// the channels and the pointers allow it), striding over the rows; block 0 also updates the
+// running averages. Backward: (1) blocks of packs of channels x a share of the rows
 // sum gz and gz * (x - mean) per channel, over the block's rows in a fixed tree, into per-block
 // partials; (2) 32 threads per channel add the blocks' partials, each a fixed subset in order,
 // then in a fixed tree, and write the weight's and bias's gradients; (3) the element-wise
@@ -81,7 +82,10 @@ struct ReduceGrid {
   int splits = 1;   // blocks across the rows (blockIdx.y)
 };
 
-ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device) {
+// `rows_per_thread`: the fewest rows each thread of a block should get (fewer blocks, and so
+// fewer parts to add after, where that many rows would leave them idle).
+ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device,
+                       int64_t rows_per_thread = 1) {
   ReduceGrid g;
   const int64_t packs = s.channels / vec;
   while (g.lanes * 2 <= std::min<int64_t>(packs, 32)) g.lanes *= 2;
@@ -89,9 +93,80 @@ ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device) {
   g.columns = static_cast<int>((packs + g.lanes - 1) / g.lanes);
   const int64_t wanted = (int64_t(kBlocksPerSm) * multiprocessors(device) + g.columns - 1) /
                          g.columns;
-  const int64_t most = (s.rows + g.depth - 1) / g.depth;
+  const int64_t most = (s.rows + g.depth * rows_per_thread - 1) / (g.depth * rows_per_thread);
   g.splits = static_cast<int>(std::clamp<int64_t>(std::min(wanted, most), 1, kMaxSplits));
   return g;
+}
+
+// ---------------------------------------------------------------------------- statistics
+
+// A fixed tree over the block's rows of threads (threadIdx.y) of two sums per channel; the
+// result is in row 0's slots. a, b: [kThreads * kVec] shared arrays, this thread's at `slot`.
+template <int kVec>
+__device__ void sum_rows(float* a, float* b, int slot) {
+  __syncthreads();
+  for (int stride = blockDim.y / 2; stride > 0; stride /= 2) {
+    if (threadIdx.y < stride) {
+      const int other = slot + stride * blockDim.x * kVec;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        a[slot + k] += a[other + k];
+        b[slot + k] += b[other + k];
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Blocks (columns of packs of channels) x (splits of the rows); each thread sums d = x - shift
+// and d * d over its rows of the block's share (shift: the channel's first value, so that the
+// sums do not cancel), and the block adds them in a fixed tree into its part.
+template <typename Traits, int kVec>
+__global__ void __launch_bounds__(kThreads)
+    stats_kernel(const typename Traits::Storage* x, float* parts, BatchNormActShape s) {
+  __shared__ float sum[kThreads * kVec], squares[kThreads * kVec];
+  const int64_t packs = s.channels / kVec;
+  const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool active = pack < packs;
+  const int64_t c = pack * kVec;
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * kVec;
+  const int64_t share = (s.rows + gridDim.y - 1) / gridDim.y;
+  const int64_t begin = blockIdx.y * share;
+  const int64_t end = std::min<int64_t>(s.rows, begin + share);
+  float shift[kVec], t1[kVec], t2[kVec];
+  Pack<typename Traits::Storage, kVec> first{};
+  if (active) first = load_pack<kVec>(x, c);
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    shift[k] = Traits::load(first.v[k]);
+    t1[k] = t2[k] = 0.0f;
+  }
+  if (active) {
+#pragma unroll 4
+    for (int64_t r = begin + threadIdx.y; r < end; r += blockDim.y) {
+      const auto v = load_pack<kVec>(x, r * s.channels + c);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float d = Traits::load(v.v[k]) - shift[k];
+        t1[k] += d;
+        t2[k] = fmaf(d, d, t2[k]);
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    sum[slot + k] = t1[k];
+    squares[slot + k] = t2[k];
+  }
+  sum_rows<kVec>(sum, squares, slot);
+  if (threadIdx.y == 0 && active) {
+    float* part = parts + int64_t(blockIdx.y) * 2 * s.channels;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      part[c + k] = sum[slot + k];
+      part[s.channels + c + k] = squares[slot + k];
+    }
+  }
 }
 
 template <typename Traits, int kVec>
@@ -167,25 +242,24 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-constexpr int kFinishChannels = 32;  // per block of the second kernel (threadIdx.x)
+constexpr int kFinishChannels = 32;  // per block of the second kernels (threadIdx.x)
 constexpr int kFinishLanes = 32;     // threads adding one channel's partials (threadIdx.y)
 
-__global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
-    finish_kernel(const float* partials, int splits, float* totals, const float* invstd,
-                  float* grad_weight, float* grad_bias, int64_t channels) {
+// Channel c's two totals over the blocks' partial sums ([splits][2][channels]), in the threads
+// of row 0 (threadIdx.y == 0): lane l adds the partials of blocks l, l + lanes, ... in order,
+// then a fixed tree over the lanes: the same order on every run.
+__device__ void add_partials(const float* partials, int splits, int64_t channels, int64_t c,
+                             float& a, float& b) {
   __shared__ float sums[2][kFinishLanes][kFinishChannels];
-  const int64_t c = int64_t(blockIdx.x) * kFinishChannels + threadIdx.x;
-  float dy = 0.0f, dy_xmu = 0.0f;
+  a = b = 0.0f;
   if (c < channels) {
-    // Lane l adds the partials of blocks l, l + lanes, ... in order; then a fixed tree over
-    // the lanes: the same order on every run.
     for (int j = threadIdx.y; j < splits; j += kFinishLanes) {
-      dy += partials[int64_t(j) * 2 * channels + c];
-      dy_xmu += partials[int64_t(j) * 2 * channels + channels + c];
+      a += partials[int64_t(j) * 2 * channels + c];
+      b += partials[int64_t(j) * 2 * channels + channels + c];
     }
   }
-  sums[0][threadIdx.y][threadIdx.x] = dy;
-  sums[1][threadIdx.y][threadIdx.x] = dy_xmu;
+  sums[0][threadIdx.y][threadIdx.x] = a;
+  sums[1][threadIdx.y][threadIdx.x] = b;
   __syncthreads();
   for (int stride = kFinishLanes / 2; stride > 0; stride /= 2) {
     if (threadIdx.y < stride) {
@@ -194,13 +268,34 @@ __global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
     }
     __syncthreads();
   }
+  a = sums[0][0][threadIdx.x];
+  b = sums[1][0][threadIdx.x];
+}
+
+__global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
+    finish_kernel(const float* partials, int splits, float* totals, const float* invstd,
+                  float* grad_weight, float* grad_bias, int64_t channels) {
+  const int64_t c = int64_t(blockIdx.x) * kFinishChannels + threadIdx.x;
+  float dy, dy_xmu;
+  add_partials(partials, splits, channels, c, dy, dy_xmu);
   if (threadIdx.y == 0 && c < channels) {
-    dy = sums[0][0][threadIdx.x];
-    dy_xmu = sums[1][0][threadIdx.x];
     totals[c] = dy;
     totals[channels + c] = dy_xmu;
     grad_weight[c] = dy_xmu * invstd[c];
     grad_bias[c] = dy;
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
+    stats_finish_kernel(const typename Traits::Storage* x, const float* parts, int splits,
+                        BatchNormStats out, BatchNormActShape s) {
+  const int64_t c = int64_t(blockIdx.x) * kFinishChannels + threadIdx.x;
+  float sum_d, sum_dd;
+  add_partials(parts, splits, s.channels, c, sum_d, sum_dd);
+  if (threadIdx.y == 0 && c < s.channels) {
+    BatchNormStatsMath::finish(Traits::load(x[c]), sum_d, sum_dd, s.rows, out.eps,
+                               out.mean + c, out.invstd + c);
   }
 }
 
@@ -296,6 +391,39 @@ void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void
     constexpr int kVec = decltype(vec)::value;
     backward<decltype(traits), kVec>(grad_y, y, x, p, g, workspace, s,
                                      reduce_grid(s, kVec, device), stream);
+  });
+}
+
+// Rows per thread of the statistics' blocks, at the least: fewer parts to add after.
+constexpr int64_t kStatsRowsPerThread = 8;
+
+int64_t batch_norm_stats_workspace(const BatchNormActShape& s, DType dtype, int device) {
+  int64_t splits = reduce_grid(s, 1, device, kStatsRowsPerThread).splits;
+  dispatch_packs(dtype, s.channels, true, [&](auto, auto vec) {
+    splits = std::max<int64_t>(
+        splits, reduce_grid(s, decltype(vec)::value, device, kStatsRowsPerThread).splits);
+  });
+  return splits * 2 * s.channels;
+}
+
+void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* workspace,
+                           const BatchNormActShape& s, DType dtype, cudaStream_t stream) {
+  if (s.rows == 0 || s.channels == 0) return;
+  int device = 0;
+  NT_CHECK_CUDA(cudaGetDevice(&device));
+  dispatch_packs(dtype, s.channels, aligned(x, 16), [&](auto traits, auto vec) {
+    using Traits = decltype(traits);
+    using S = typename Traits::Storage;
+    constexpr int kVec = decltype(vec)::value;
+    const ReduceGrid grid = reduce_grid(s, kVec, device, kStatsRowsPerThread);
+    const S* xs = static_cast<const S*>(x);
+    stats_kernel<Traits, kVec><<<dim3(grid.columns, grid.splits), dim3(grid.lanes, grid.depth),
+                                 0, stream>>>(xs, workspace, s);
+    NT_CHECK_LAUNCH();
+    const int blocks = static_cast<int>((s.channels + kFinishChannels - 1) / kFinishChannels);
+    stats_finish_kernel<Traits><<<blocks, dim3(kFinishChannels, kFinishLanes), 0, stream>>>(
+        xs, workspace, grid.splits, out, s);
+    NT_CHECK_LAUNCH();
   });
 }
 

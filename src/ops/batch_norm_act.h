@@ -119,6 +119,35 @@ struct BatchNormActBackwardMath {
   }
 };
 
+// The batch statistics of a training batch norm over channels-last x [rows, channels]: per
+// channel the mean and invstd = 1 / sqrt(var + eps), var the biased variance (as
+// torch.batch_norm_stats gives them), float32. The sums are of d = x - shift and d * d, shift
+// the channel's first value (so that they do not cancel when the mean is far from zero):
+//   mean = shift + sum_d / rows,  var = max(sum_dd / rows - (sum_d / rows)^2, 0).
+// On CUDA two kernels, as the backward's sums: blocks of packs of channels x a share of the rows
+// add their part in a fixed tree; then 32 threads per channel add the parts, each a fixed subset
+// in order, then in a fixed tree (deterministic). The reference adds the rows in order.
+struct BatchNormStats {
+  float* mean = nullptr;    // [channels], written
+  float* invstd = nullptr;  // [channels], written
+  float eps = 1e-5f;
+};
+
+struct BatchNormStatsMath {
+  // The statistics from the sums over `rows` values.
+  NT_HOST_DEVICE static void finish(float shift, float sum_d, float sum_dd, int64_t rows,
+                                    float eps, float* mean, float* invstd) {
+    const float inv_rows = 1.0f / static_cast<float>(rows);
+    const float mean_d = sum_d * inv_rows;
+    const float var = fmaxf(sum_dd * inv_rows - mean_d * mean_d, 0.0f);
+    *mean = shift + mean_d;
+    *invstd = 1.0f / sqrtf(var + eps);
+  }
+};
+
+void batch_norm_stats_reference(const void* x, const BatchNormStats& out,
+                                const BatchNormActShape& s, DType dtype);
+
 // x, residual (null: none) and y: channels-last [rows, channels] of `dtype`.
 void batch_norm_relu_forward_reference(const void* x, const void* residual, void* y,
                                        const BatchNormActParams& p, const BatchNormActShape& s,
@@ -132,6 +161,12 @@ void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const
 void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
                                   DType dtype, cudaStream_t stream);
+
+// The statistics' workspace: floats for the blocks' parts.
+int64_t batch_norm_stats_workspace(const BatchNormActShape& s, DType dtype, int device);
+
+void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* workspace,
+                           const BatchNormActShape& s, DType dtype, cudaStream_t stream);
 
 // The backward's workspace: floats for its per-block partial sums and the channels' totals.
 int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device);

@@ -253,6 +253,31 @@ std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
   return {grad_w, grad_b};
 }
 
+std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double eps) {
+  const char* op = "batch_norm_stats";
+  const DType dtype = channels_last_input(x, op);
+  const BatchNormActShape s = rows_and_channels(x);
+  NT_CHECK(s.rows > 0, op, ": x has no values per channel (input ", x.sizes(), ")");
+  at::Tensor mean = at::empty({s.channels}, x.options().dtype(at::kFloat));
+  at::Tensor invstd = at::empty({s.channels}, x.options().dtype(at::kFloat));
+  BatchNormStats out;
+  out.mean = mean.data_ptr<float>();
+  out.invstd = invstd.data_ptr<float>();
+  out.eps = static_cast<float>(eps);
+  if (x.is_cpu()) {
+    batch_norm_stats_reference(x.data_ptr(), out, s, dtype);
+  } else {
+#if NT_HAVE_CUDA
+    const c10::cuda::CUDAGuard guard(x.device());
+    at::Tensor workspace = at::empty(
+        {batch_norm_stats_workspace(s, dtype, x.device().index())}, mean.options());
+    batch_norm_stats_cuda(x.data_ptr(), out, workspace.data_ptr<float>(), s, dtype,
+                          c10::cuda::getCurrentCUDAStream());
+#endif
+  }
+  return {mean, invstd};
+}
+
 at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
                                    const at::Tensor& invstd, const at::Tensor& weight,
                                    const at::Tensor& bias,

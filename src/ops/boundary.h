@@ -47,6 +47,11 @@ std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
     const std::vector<int64_t>& stride, const std::vector<int64_t>& padding,
     const std::vector<int64_t>& dilation, bool with_bias);
 
+// A training batch norm's batch statistics (see batch_norm_act.h): (mean, invstd), float32 [C],
+// of x [N, C, H, W] channels-last contiguous, float32, float16 or bfloat16, as
+// torch.batch_norm_stats(x, eps) gives them (deterministic; no memset).
+std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double eps);
+
 // A training batch norm's normalisation, an optional residual and the ReLU in one pass (see
 // batch_norm_act.h): x (and residual) [N, C, H, W] channels-last contiguous, float32, float16 or
 // bfloat16; mean and invstd as torch.batch_norm_stats gives them, weight, bias, running_mean

@@ -31,6 +31,11 @@ void bind_ops(py::module_& m) {
         py::arg("dilation"), py::arg("with_bias"), py::call_guard<py::gil_scoped_release>(),
         "(grad_weight, grad_bias) of small_conv2d_forward, in weight_like's dtype and layout; "
         "grad_bias None unless with_bias.");
+  m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), py::arg("eps"),
+        py::call_guard<py::gil_scoped_release>(),
+        "(mean, invstd) of a channels-last [N, C, H, W] x, as torch.batch_norm_stats(x, eps) "
+        "gives them: sums of x minus each channel's first value and of their squares, in two "
+        "kernels on CUDA, deterministic.");
   m.def("batch_norm_relu_forward", &ops::batch_norm_relu_forward, py::arg("x"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("bias"), py::arg("residual"),
         py::arg("running_mean"), py::arg("running_var"), py::arg("momentum"), py::arg("eps"),

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "ops/batch_norm_act.h"
@@ -19,6 +20,19 @@ struct Oracle {
   std::vector<double> y, running_mean, running_var;
 };
 
+// Channel c's mean and biased variance of x [rows, channels], two passes in double.
+std::pair<double, double> double_stats(const std::vector<float>& x, int64_t rows,
+                                       int64_t channels, int64_t c) {
+  double sum = 0.0, squares = 0.0;
+  for (int64_t r = 0; r < rows; ++r) sum += x[r * channels + c];
+  const double mean = sum / rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double d = x[r * channels + c] - mean;
+    squares += d * d;
+  }
+  return {mean, squares / rows};
+}
+
 // x and residual: [rows, channels] floats; the statistics in double, as a float64 batch norm.
 Oracle oracle(const std::vector<float>& x, const std::vector<float>* residual, int64_t rows,
               int64_t channels, const std::vector<float>& w, const std::vector<float>& b,
@@ -27,14 +41,7 @@ Oracle oracle(const std::vector<float>& x, const std::vector<float>* residual, i
   Oracle o{std::vector<double>(x.size()), std::vector<double>(channels),
            std::vector<double>(channels)};
   for (int64_t c = 0; c < channels; ++c) {
-    double sum = 0.0, squares = 0.0;
-    for (int64_t r = 0; r < rows; ++r) sum += x[r * channels + c];
-    const double mean = sum / rows;
-    for (int64_t r = 0; r < rows; ++r) {
-      const double d = x[r * channels + c] - mean;
-      squares += d * d;
-    }
-    const double var = squares / rows;
+    const auto [mean, var] = double_stats(x, rows, channels, c);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = r * channels + c;
       double z = w[c] * (x[i] - mean) / std::sqrt(var + eps) + b[c];
@@ -100,6 +107,28 @@ TEST(BatchNormRelu, ReferenceIsTheFloat64Oracle) {
   check(37, 5, false);
   check(64, 16, true);
   check(2, 3, true);  // the fewest rows the unbiased variance takes
+}
+
+// The statistics from shifted sums against two-pass double sums, with the mean far from zero
+// (40 standard deviations), where sums of x and x * x in float would lose the variance.
+TEST(BatchNormRelu, StatisticsReferenceIsTheFloat64Oracle) {
+  const int64_t rows = 4096, channels = 3;
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(20.0f, 0.5f);
+  std::vector<float> x(rows * channels);
+  for (float& v : x) v = normal(gen);
+  std::vector<float> mean(channels), invstd(channels);
+  BatchNormStats out;
+  out.mean = mean.data();
+  out.invstd = invstd.data();
+  out.eps = 1e-5f;
+  batch_norm_stats_reference(x.data(), out, BatchNormActShape{rows, channels}, DType::kFloat32);
+  for (int64_t c = 0; c < channels; ++c) {
+    const auto [m, var] = double_stats(x, rows, channels, c);
+    EXPECT_NEAR(mean[c], m, 1e-6 * m) << c;
+    const double inv = 1.0 / std::sqrt(var + 1e-5);
+    EXPECT_NEAR(invstd[c], inv, 1e-4 * inv) << c;
+  }
 }
 
 TEST(BatchNormRelu, ReluKeepsNaNAndHalfStorageRounds) {

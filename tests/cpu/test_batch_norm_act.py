@@ -84,6 +84,27 @@ def test_the_backward_reference_is_autograds_in_float64(dtype, act, residual):
     assert _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, False, False)[0] is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_statistics_reference_is_float64s(dtype):
+    """Sums of x minus the channel's first value: no cancellation with the mean far from 0."""
+    x = channels_last(4, 6, 5, 3, dtype=dtype) * 0.5 + 20
+    mean, invstd = _C.batch_norm_stats(x, 1e-5)
+    var, want_mean = torch.var_mean(x.double(), (0, 2, 3), unbiased=False)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)
+    torch.testing.assert_close(invstd.double(), (var + 1e-5).rsqrt(), rtol=1e-4, atol=0)
+    assert mean.dtype == invstd.dtype == torch.float32
+
+
+def test_the_statistics_say_what_they_expected():
+    x = channels_last(2, 4, 3, 3)
+    with pytest.raises(ValueError, match="channels-last contiguous"):
+        _C.batch_norm_stats(x.contiguous(), 1e-5)
+    with pytest.raises(ValueError, match="x must be a 4-D"):
+        _C.batch_norm_stats(x[0], 1e-5)
+    with pytest.raises(ValueError, match="no values per channel"):
+        _C.batch_norm_stats(channels_last(0, 4, 3, 3), 1e-5)
+
+
 def test_no_running_averages_leaves_them_out():
     x = channels_last(2, 4, 3, 3)
     w, b = torch.ones(4), torch.zeros(4)

@@ -85,6 +85,42 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
     assert grad_r is None if not residual else grad_r.dtype == dtype
 
 
+def float64_stats(x, eps=1e-5):
+    var, mean = torch.var_mean(x.double(), (0, 2, 3), unbiased=False)
+    return mean, (var + eps).rsqrt()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 6, 9, 7), (6, 33, 9, 7), (8, 640, 12, 12),
+                                   (128, 64, 32, 32), (32, 512, 4, 4)])
+def test_the_statistics_are_float64s_and_deterministic(dtype, shape):
+    """Shapes: one element at a time (6 and 33 channels), several blocks across the channels
+    (640), 256 blocks down the rows (131072 rows), ResNet-18's last batch norm. The mean sits
+    far from zero, where plain sums of x and x * x would cancel."""
+    torch.manual_seed(shape[1])
+    x = channels_last(*shape, dtype=dtype) * 0.5 + 20
+    mean, invstd = _C.batch_norm_stats(x, 1e-5)
+    again = _C.batch_norm_stats(x, 1e-5)
+    assert torch.equal(mean, again[0]) and torch.equal(invstd, again[1])
+    want_mean, want_invstd = float64_stats(x)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=2e-6, atol=0)
+    torch.testing.assert_close(invstd.double(), want_invstd, rtol=2e-4, atol=0)
+    torch_mean, torch_invstd = torch.batch_norm_stats(x, 1e-5)  # about as accurate as torch's
+    assert ((invstd.double() - want_invstd).abs().max()
+            <= 2 * (torch_invstd.double() - want_invstd).abs().max() + 1e-6 * want_invstd.max())
+
+
+def test_the_statistics_take_unaligned_tensors():
+    torch.manual_seed(3)
+    base = torch.randn(1 + 4 * 8 * 5 * 5, device="cuda")
+    x = base[1:].view(4, 5, 5, 8).permute(0, 3, 1, 2)
+    assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
+    mean, invstd = _C.batch_norm_stats(x, 1e-3)
+    want_mean, want_invstd = float64_stats(x, 1e-3)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(invstd.double(), want_invstd, rtol=1e-5, atol=0)
+
+
 def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
     torch.manual_seed(5)
     base = torch.randn(3, 1 + 2 * 8 * 4 * 4, device="cuda")
@@ -120,11 +156,13 @@ def test_the_kernel_keeps_nan_and_takes_unaligned_tensors():
     assert torch.equal(y, torch.relu(xs + 1))
 
 
+@pytest.mark.parametrize("our_stats", [True, False])
 @pytest.mark.parametrize("ours", [True, False])
 @pytest.mark.parametrize("act, residual", ACTS)
-def test_the_fused_operators_gradients_are_autograds_in_float64(act, residual, ours,
+def test_the_fused_operators_gradients_are_autograds_in_float64(act, residual, ours, our_stats,
                                                                  monkeypatch):
     monkeypatch.setattr(_batch_norm_act, "OUR_BACKWARD", ours)
+    monkeypatch.setattr(_batch_norm_act, "OUR_STATS", our_stats)
     torch.manual_seed(1)
     x = channels_last(16, 32, 8, 8).requires_grad_()
     r = channels_last(16, 32, 8, 8).requires_grad_() if residual else None
@@ -141,6 +179,9 @@ def test_the_fused_operators_gradients_are_autograds_in_float64(act, residual, o
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
     for got, want in zip(grads, torch.autograd.grad(expected, doubles, g.double())):
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+    var, mean = torch.var_mean(doubles[0].detach(), (0, 2, 3))  # unbiased, as the running var
+    torch.testing.assert_close(rm.double(), 0.1 * mean, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(rv.double(), 0.9 + 0.1 * var, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
