@@ -4,7 +4,8 @@
 // PyTorch's native batch norm runs three kernels in training: the batch statistics (mean and
 // 1/sqrt(var + eps) per channel), the running averages' update, and the normalisation; the
 // ReLU and a residual block's addition are kernels of their own, each reading and writing the
-// whole activation again. Here, after torch's statistics kernel, one kernel computes
+// whole activation again. Here, after the batch statistics (ours, batch_norm_stats below, or
+// torch's), one kernel computes
 //   y = act(weight * (x - mean) * invstd + bias [+ residual])
 // (act: relu, or the exact GELU z * Phi(z), as torch's approximate="none"; a residual only with
 // the ReLU) element by element, in float32 whatever the storage dtype, torch's normalisation

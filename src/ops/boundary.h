@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double 
 
 // A training batch norm's normalisation, an optional residual and the ReLU in one pass (see
 // batch_norm_act.h): x (and residual) [N, C, H, W] channels-last contiguous, float32, float16 or
-// bfloat16; mean and invstd as torch.batch_norm_stats gives them, weight, bias, running_mean
+// bfloat16; mean and invstd as batch_norm_stats (or torch's) gives them, weight, bias, running_mean
 // and running_var: float32 [C] (the running averages updated in place when given, both or
 // neither). Returns relu(weight * (x - mean) * invstd + bias [+ residual]), channels-last, in
 // x's dtype.
