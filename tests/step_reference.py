@@ -232,6 +232,13 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
                 assert a == b
 
 
+def batch_norm_stats_float64(x, eps=1e-5):
+    """torch.batch_norm_stats(x, eps) in float64: each channel's mean and 1/sqrt(var + eps),
+    var the biased variance over N, H and W."""
+    var, mean = torch.var_mean(x.double(), (0, 2, 3), unbiased=False)
+    return mean, (var + eps).rsqrt()
+
+
 def batch_norm_act_grads(x, weight, bias, residual, grad_y, y, gelu=False):
     """The float64 gradients (x, weight, bias[, residual]) of act(batch_norm(x) [+ residual])
     in training, for the output's gradient grad_y: autograd's reference for the fused batch

@@ -100,21 +100,38 @@ ReduceGrid reduce_grid(const BatchNormActShape& s, int vec, int device,
 
 // ---------------------------------------------------------------------------- statistics
 
-// A fixed tree over the block's rows of threads (threadIdx.y) of two sums per channel; the
-// result is in row 0's slots. a, b: [kThreads * kVec] shared arrays, this thread's at `slot`.
+// A block's part of two per-channel sums: each thread's (a, b) for its kVec channels from c
+// on, added over the block's rows of threads (threadIdx.y) in a fixed tree (in the shared
+// arrays sa, sb: [kThreads * kVec]), written by row 0 to parts[blockIdx.y] ([2][channels]).
 template <int kVec>
-__device__ void sum_rows(float* a, float* b, int slot) {
+__device__ void write_block_part(const float (&a)[kVec], const float (&b)[kVec], float* sa,
+                                 float* sb, bool active, int64_t c, int64_t channels,
+                                 float* parts) {
+  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * kVec;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    sa[slot + k] = a[k];
+    sb[slot + k] = b[k];
+  }
   __syncthreads();
   for (int stride = blockDim.y / 2; stride > 0; stride /= 2) {
     if (threadIdx.y < stride) {
       const int other = slot + stride * blockDim.x * kVec;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        a[slot + k] += a[other + k];
-        b[slot + k] += b[other + k];
+        sa[slot + k] += sa[other + k];
+        sb[slot + k] += sb[other + k];
       }
     }
     __syncthreads();
+  }
+  if (threadIdx.y == 0 && active) {
+    float* out = parts + int64_t(blockIdx.y) * 2 * channels;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      out[c + k] = sa[slot + k];
+      out[channels + c + k] = sb[slot + k];
+    }
   }
 }
 
@@ -129,7 +146,6 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = pack < packs;
   const int64_t c = pack * kVec;
-  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * kVec;
   const int64_t share = (s.rows + gridDim.y - 1) / gridDim.y;
   const int64_t begin = blockIdx.y * share;
   const int64_t end = std::min<int64_t>(s.rows, begin + share);
@@ -153,20 +169,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-#pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    sum[slot + k] = t1[k];
-    squares[slot + k] = t2[k];
-  }
-  sum_rows<kVec>(sum, squares, slot);
-  if (threadIdx.y == 0 && active) {
-    float* part = parts + int64_t(blockIdx.y) * 2 * s.channels;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      part[c + k] = sum[slot + k];
-      part[s.channels + c + k] = squares[slot + k];
-    }
-  }
+  write_block_part<kVec>(t1, t2, sum, squares, active, c, s.channels, parts);
 }
 
 template <typename Traits, int kVec>
@@ -214,32 +217,7 @@ __global__ void __launch_bounds__(kThreads)
       }
     }
   }
-  const int slot = (threadIdx.y * blockDim.x + threadIdx.x) * kVec;
-#pragma unroll
-  for (int k = 0; k < kVec; ++k) {
-    sums[0][slot + k] = dy[k];
-    sums[1][slot + k] = dy_xmu[k];
-  }
-  __syncthreads();
-  for (int stride = blockDim.y / 2; stride > 0; stride /= 2) {  // a fixed tree over the rows
-    if (threadIdx.y < stride) {
-      const int other = slot + stride * blockDim.x * kVec;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        sums[0][slot + k] += sums[0][other + k];
-        sums[1][slot + k] += sums[1][other + k];
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.y == 0 && active) {
-    float* out = partials + int64_t(blockIdx.y) * 2 * s.channels;
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      out[c + k] = sums[0][slot + k];
-      out[s.channels + c + k] = sums[1][slot + k];
-    }
-  }
+  write_block_part<kVec>(dy, dy_xmu, sums[0], sums[1], active, c, s.channels, partials);
 }
 
 constexpr int kFinishChannels = 32;  // per block of the second kernels (threadIdx.x)
@@ -367,15 +345,22 @@ void backward(const void* grad_y, const void* y, const void* x, const BatchNormA
   NT_CHECK_LAUNCH();
 }
 
+// The most blocks down the rows of reduce_grid for either pack width a launch may take
+// (unaligned pointers: one): what a workspace of parts must hold.
+int64_t most_splits(const BatchNormActShape& s, DType dtype, int device,
+                    int64_t rows_per_thread = 1) {
+  int64_t splits = reduce_grid(s, 1, device, rows_per_thread).splits;
+  dispatch_packs(dtype, s.channels, true, [&](auto, auto vec) {
+    splits = std::max<int64_t>(
+        splits, reduce_grid(s, decltype(vec)::value, device, rows_per_thread).splits);
+  });
+  return splits;
+}
+
 }  // namespace
 
 int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device) {
-  // Enough for the grid of either pack width a launch may take (unaligned pointers: one).
-  int64_t splits = reduce_grid(s, 1, device).splits;
-  dispatch_packs(dtype, s.channels, true, [&](auto, auto vec) {
-    splits = std::max<int64_t>(splits, reduce_grid(s, decltype(vec)::value, device).splits);
-  });
-  return (splits + 1) * 2 * s.channels;
+  return (most_splits(s, dtype, device) + 1) * 2 * s.channels;
 }
 
 void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void* x,
@@ -398,12 +383,7 @@ void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void
 constexpr int64_t kStatsRowsPerThread = 8;
 
 int64_t batch_norm_stats_workspace(const BatchNormActShape& s, DType dtype, int device) {
-  int64_t splits = reduce_grid(s, 1, device, kStatsRowsPerThread).splits;
-  dispatch_packs(dtype, s.channels, true, [&](auto, auto vec) {
-    splits = std::max<int64_t>(
-        splits, reduce_grid(s, decltype(vec)::value, device, kStatsRowsPerThread).splits);
-  });
-  return splits * 2 * s.channels;
+  return most_splits(s, dtype, device, kStatsRowsPerThread) * 2 * s.channels;
 }
 
 void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* workspace,

@@ -14,8 +14,8 @@ from nimble_train import _batch_norm_act, _capture
 from nimble_train._batch_norm_act import _BatchNormAct
 from nimble_train._extension import _C
 from nimble_train.models.airbench import airbench_cifar
-from step_reference import (assert_same_training, batch_norm_act_grads, classification_batches,
-                            eager_loop, training_gap)
+from step_reference import (assert_same_training, batch_norm_act_grads, batch_norm_stats_float64,
+                            classification_batches, eager_loop, training_gap)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -85,11 +85,6 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
     assert grad_r is None if not residual else grad_r.dtype == dtype
 
 
-def float64_stats(x, eps=1e-5):
-    var, mean = torch.var_mean(x.double(), (0, 2, 3), unbiased=False)
-    return mean, (var + eps).rsqrt()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(6, 6, 9, 7), (6, 33, 9, 7), (8, 640, 12, 12),
                                    (128, 64, 32, 32), (32, 512, 4, 4)])
@@ -102,7 +97,7 @@ def test_the_statistics_are_float64s_and_deterministic(dtype, shape):
     mean, invstd = _C.batch_norm_stats(x, 1e-5)
     again = _C.batch_norm_stats(x, 1e-5)
     assert torch.equal(mean, again[0]) and torch.equal(invstd, again[1])
-    want_mean, want_invstd = float64_stats(x)
+    want_mean, want_invstd = batch_norm_stats_float64(x)
     torch.testing.assert_close(mean.double(), want_mean, rtol=2e-6, atol=0)
     torch.testing.assert_close(invstd.double(), want_invstd, rtol=2e-4, atol=0)
     torch_mean, torch_invstd = torch.batch_norm_stats(x, 1e-5)  # about as accurate as torch's
@@ -116,7 +111,7 @@ def test_the_statistics_take_unaligned_tensors():
     x = base[1:].view(4, 5, 5, 8).permute(0, 3, 1, 2)
     assert x.is_contiguous(memory_format=torch.channels_last) and x.data_ptr() % 16
     mean, invstd = _C.batch_norm_stats(x, 1e-3)
-    want_mean, want_invstd = float64_stats(x, 1e-3)
+    want_mean, want_invstd = batch_norm_stats_float64(x, 1e-3)
     torch.testing.assert_close(mean.double(), want_mean, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(invstd.double(), want_invstd, rtol=1e-5, atol=0)
 
