@@ -254,6 +254,17 @@ def batch_norm_act_grads(x, weight, bias, residual, grad_y, y, gelu=False):
     return torch.autograd.grad(z, inputs, grad_y.double() * (y.double() > 0))
 
 
+def relu_mask_words(y):
+    """The ReLU mask the fused batch norm's forward writes for its output y, as int64 words:
+    bit i % 32 of word i // 32 set where y's element i (channels-last order) is not <= 0 (NaN
+    included), the bits past the last element clear."""
+    flat = y.detach().cpu().permute(0, 2, 3, 1).reshape(-1)
+    words = (flat.numel() + 31) // 32
+    bits = torch.zeros(words * 32, dtype=torch.int64)
+    bits[:flat.numel()] = (~(flat <= 0)).long()
+    return (bits.view(words, 32) << torch.arange(32)).sum(1)
+
+
 def training_gap(model_a, opt_a, model_b, opt_b) -> float:
     """||a - b|| / ||b|| over all floating tensors of the models and their optimizer state.
 

@@ -9,14 +9,15 @@ reader is a ReLU, or a batch norm whose only reader is an exact GELU (nn.GELU(),
 two or three operators become one: the batch statistics (ours: the per-channel sums, then
 their totals; torch's kernel zeroes its semaphores with a memset first and takes longer), then
 one kernel of ours (src/ops/batch_norm_act.h) that normalises, adds the residual, applies the
-activation and updates the running averages. The backward is ours too: torch's batch-norm
-backward of the gradient the activation lets through, in three kernels (the per-channel sums,
-deterministic: the blocks' partial sums added in a fixed order; the weight's and bias's
-gradients; the input's), where torch would first write that gradient out (a kernel and a pass
-over memory more). The ReLU's mask is read from the output as the kernels go (zero where the
-output is not positive, as threshold_backward gives it); the GELU's derivative is taken at the
-normalised value, recomputed from the input. The residual's gradient is the masked gradient, as
-the addition's would be.
+activation and updates the running averages (and, for the ReLU, writes its mask as a bit per
+element). The backward is ours too: torch's batch-norm backward of the gradient the
+activation lets through, in three kernels (the per-channel sums, deterministic: the blocks'
+partial sums added in a fixed order; the weight's and bias's gradients; the input's), where
+torch would first write that gradient out (a kernel and a pass over memory more). The ReLU's
+mask is read from the forward's bits as the kernels go (a bit where the output is positive or
+NaN, as threshold_backward lets the gradient through): a 32nd of the reads of the float32
+output it stands for; the GELU's derivative is taken at the normalised value, recomputed from
+the input. The residual's gradient is the masked gradient, as the addition's would be.
 
 A chain (a forward the plan puts on one stream) with something to fuse runs its traced forward
 on that one stream, fused; without, the model's own forward as before.
@@ -55,6 +56,10 @@ OUR_BACKWARD = True
 # The batch statistics: ours (True), or torch.batch_norm_stats (bench/bench_batch_norm_act.py
 # times one against the other).
 OUR_STATS = True
+# Our backward's ReLU mask: bits the forward writes (True: a bit per element read back, where
+# the output is 32 bits in float32), or the output itself (bench/bench_batch_norm_act.py times
+# one against the other).
+MASK_BITS = True
 # Activations the kernel stores; its arithmetic and the statistics are float32 for all three.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -118,21 +123,23 @@ class _BatchNormAct(torch.autograd.Function):
     def forward(ctx, x, residual, weight, bias, running_mean, running_var, momentum, eps, gelu):
         stats = _C.batch_norm_stats if OUR_STATS else torch.batch_norm_stats
         mean, invstd = stats(x, eps)
-        y = _C.batch_norm_relu_forward(x, mean, invstd, weight, bias, residual, running_mean,
-                                       running_var, momentum, eps, gelu)
-        # The ReLU's mask is the output; the GELU's derivative is recomputed from x.
-        ctx.save_for_backward(x, None if gelu else y, weight, bias, mean, invstd)
+        bits = not gelu and OUR_BACKWARD and MASK_BITS
+        y, mask = _C.batch_norm_relu_forward(x, mean, invstd, weight, bias, residual,
+                                             running_mean, running_var, momentum, eps, gelu,
+                                             bits)
+        # The ReLU's mask is its bits, or else the output; the GELU's derivative is recomputed
+        # from x.
+        ctx.save_for_backward(x, None if gelu or bits else y, mask, weight, bias, mean, invstd)
         ctx.eps, ctx.gelu = eps, gelu
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, y, weight, bias, mean, invstd = ctx.saved_tensors
+        x, y, mask, weight, bias, mean, invstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         if OUR_BACKWARD:
             grad_x, grad_z, grad_w, grad_b = _C.batch_norm_relu_backward(
-                grad_y, x if y is None else y, x, mean, invstd, weight, bias, needs[0],
-                needs[1], ctx.gelu)
+                grad_y, y, x, mean, invstd, weight, bias, needs[0], needs[1], ctx.gelu, mask)
         else:
             if ctx.gelu:
                 z = torch.batch_norm_elemt(x, weight, bias, mean, invstd, ctx.eps)

@@ -1,12 +1,14 @@
 // The CPU reference of batch_norm_act.h.
 #include "ops/batch_norm_act.h"
 
+#include <algorithm>
+
 namespace nimble_train::ops {
 namespace {
 
 template <typename Traits>
-void forward(const void* x_, const void* residual_, void* y_, const BatchNormActParams& p,
-             const BatchNormActShape& s) {
+void forward(const void* x_, const void* residual_, void* y_, uint32_t* mask,
+             const BatchNormActParams& p, const BatchNormActShape& s) {
   using S = typename Traits::Storage;
   const S* x = static_cast<const S*>(x_);
   const S* residual = static_cast<const S*>(residual_);
@@ -19,6 +21,12 @@ void forward(const void* x_, const void* residual_, void* y_, const BatchNormAct
                                                    p.weight[c], p.bias[c], res, p.activation));
     }
   }
+  if (mask != nullptr) {
+    std::fill(mask, mask + relu_mask_words(s), 0u);
+    for (int64_t i = 0; i < s.rows * s.channels; ++i) {
+      mask[i >> 5] |= BatchNormActBackwardMath::kept(Traits::load(y[i])) << (i & 31);
+    }
+  }
   if (p.running_mean != nullptr) {
     for (int64_t c = 0; c < s.channels; ++c) {
       BatchNormActMath::update_running(p.mean[c], p.invstd[c], p.momentum, p.eps, s.rows,
@@ -28,8 +36,9 @@ void forward(const void* x_, const void* residual_, void* y_, const BatchNormAct
 }
 
 template <typename Traits>
-void backward(const void* grad_y_, const void* y_, const void* x_, const BatchNormActParams& p,
-              const BatchNormActGrads& g, const BatchNormActShape& s) {
+void backward(const void* grad_y_, const void* y_, const uint32_t* mask, const void* x_,
+              const BatchNormActParams& p, const BatchNormActGrads& g,
+              const BatchNormActShape& s) {
   using S = typename Traits::Storage;
   const S* grad_y = static_cast<const S*>(grad_y_);
   const S* y = static_cast<const S*>(y_);
@@ -41,8 +50,12 @@ void backward(const void* grad_y_, const void* y_, const void* x_, const BatchNo
     const auto through = [&](int64_t i) {  // the gradient through the activation
       const float z = BatchNormActMath::normalised(Traits::load(x[i]), p.mean[c], p.invstd[c],
                                                    p.weight[c], p.bias[c], 0.0f);
-      return BatchNormActBackwardMath::through(Traits::load(grad_y[i]), Traits::load(y[i]), z,
-                                               p.activation);
+      if (p.activation == Activation::kGelu) {
+        return BatchNormActBackwardMath::through(Traits::load(grad_y[i]), 0.0f, z, p.activation);
+      }
+      const float gy = Traits::load(grad_y[i]);
+      if (mask != nullptr) return BatchNormActBackwardMath::kept_at(mask, i) ? gy : 0.0f;
+      return BatchNormActBackwardMath::masked(gy, Traits::load(y[i]));
     };
     float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
     for (int64_t r = 0; r < s.rows; ++r) {
@@ -90,18 +103,21 @@ void batch_norm_stats_reference(const void* x, const BatchNormStats& out,
   optim::dispatch_dtype(dtype, [&](auto traits) { stats<decltype(traits)>(x, out, s); });
 }
 
-void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const void* x,
-                                        const BatchNormActParams& p, const BatchNormActGrads& g,
-                                        const BatchNormActShape& s, DType dtype) {
-  optim::dispatch_dtype(dtype,
-                        [&](auto traits) { backward<decltype(traits)>(grad_y, y, x, p, g, s); });
+void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const uint32_t* mask,
+                                        const void* x, const BatchNormActParams& p,
+                                        const BatchNormActGrads& g, const BatchNormActShape& s,
+                                        DType dtype) {
+  optim::dispatch_dtype(dtype, [&](auto traits) {
+    backward<decltype(traits)>(grad_y, y, mask, x, p, g, s);
+  });
 }
 
 void batch_norm_relu_forward_reference(const void* x, const void* residual, void* y,
-                                       const BatchNormActParams& p, const BatchNormActShape& s,
-                                       DType dtype) {
-  optim::dispatch_dtype(dtype,
-                        [&](auto traits) { forward<decltype(traits)>(x, residual, y, p, s); });
+                                       uint32_t* mask, const BatchNormActParams& p,
+                                       const BatchNormActShape& s, DType dtype) {
+  optim::dispatch_dtype(dtype, [&](auto traits) {
+    forward<decltype(traits)>(x, residual, y, mask, p, s);
+  });
 }
 
 }  // namespace nimble_train::ops

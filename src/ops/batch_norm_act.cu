@@ -5,9 +5,11 @@
 // sum gz and gz * (x - mean) per channel, over the block's rows in a fixed tree, into per-block
 // partials; (2) 32 threads per channel add the blocks' partials, each a fixed subset in order,
 // then in a fixed tree, and write the weight's and bias's gradients; (3) the element-wise
-// gradients, as the forward.
+// gradients, as the forward. The ReLU's mask: the forward's lanes OR their packs' bits into
+// words (a warp's packs are consecutive); the backward reads them, or the output without.
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "common/cuda_check.h"
 #include "common/pack.cuh"
@@ -20,10 +22,24 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;  // then each thread strides over the rest
 
-template <typename Traits, int kVec, bool kResidual>
+// The ReLU mask's word of 32 / kVec packs: lane l of a warp (consecutive packs from a multiple
+// of 32) holds the kVec bits of pack i; the lanes of each word OR theirs together and the first
+// writes it. Every lane of the warp calls this (those past the end with no bits).
+template <int kVec>
+__device__ void write_mask(uint32_t* mask, int64_t i, int64_t total, uint32_t bits) {
+  constexpr int kLanes = 32 / kVec;  // packs per word
+  const int lane = threadIdx.x & 31;
+  uint32_t word = bits << ((lane % kLanes) * kVec);
+#pragma unroll
+  for (int d = 1; d < kLanes; d <<= 1) word |= __shfl_xor_sync(0xffffffffu, word, d);
+  if (lane % kLanes == 0 && i < total) mask[(i * kVec) >> 5] = word;
+}
+
+template <typename Traits, int kVec, bool kResidual, bool kMask>
 __global__ void __launch_bounds__(kThreads)
     forward_kernel(const typename Traits::Storage* x, const typename Traits::Storage* residual,
-                   typename Traits::Storage* y, BatchNormActParams p, BatchNormActShape s) {
+                   typename Traits::Storage* y, uint32_t* mask, BatchNormActParams p,
+                   BatchNormActShape s) {
   using S = typename Traits::Storage;
   if (blockIdx.x == 0 && p.running_mean != nullptr) {
     for (int64_t c = threadIdx.x; c < s.channels; c += blockDim.x) {
@@ -33,28 +49,35 @@ __global__ void __launch_bounds__(kThreads)
   }
   const int64_t packs = s.channels / kVec;
   const int64_t total = s.rows * packs;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t c = (i % packs) * kVec;
-    const int64_t at = i * kVec;  // == row * channels + c
-    const auto v = load_pack<kVec>(x, at);
-    Pack<S, kVec> r;
-    if constexpr (kResidual) r = load_pack<kVec>(residual, at);
-    Pack<S, kVec> out;
+  // The whole block steps together (the mask's words are a warp's).
+  for (int64_t base = int64_t(blockIdx.x) * blockDim.x; base < total;
+       base += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    uint32_t kept = 0;
+    if (i < total) {
+      const int64_t c = (i % packs) * kVec;
+      const int64_t at = i * kVec;  // == row * channels + c
+      const auto v = load_pack<kVec>(x, at);
+      Pack<S, kVec> r;
+      if constexpr (kResidual) r = load_pack<kVec>(residual, at);
+      Pack<S, kVec> out;
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) {
-      const float res = kResidual ? Traits::load(r.v[k]) : 0.0f;
-      out.v[k] = Traits::store(BatchNormActMath::apply(
-          Traits::load(v.v[k]), __ldg(p.mean + c + k), __ldg(p.invstd + c + k),
-          __ldg(p.weight + c + k), __ldg(p.bias + c + k), res, p.activation));
+      for (int k = 0; k < kVec; ++k) {
+        const float res = kResidual ? Traits::load(r.v[k]) : 0.0f;
+        out.v[k] = Traits::store(BatchNormActMath::apply(
+            Traits::load(v.v[k]), __ldg(p.mean + c + k), __ldg(p.invstd + c + k),
+            __ldg(p.weight + c + k), __ldg(p.bias + c + k), res, p.activation));
+        if constexpr (kMask) kept |= BatchNormActBackwardMath::kept(Traits::load(out.v[k])) << k;
+      }
+      store_pack<kVec>(y, at, out);
     }
-    store_pack<kVec>(y, at, out);
+    if constexpr (kMask) write_mask<kVec>(mask, i, total, kept);
   }
 }
 
 template <typename Traits, int kVec>
-void launch(const void* x, const void* residual, void* y, const BatchNormActParams& p,
-            const BatchNormActShape& s, cudaStream_t stream) {
+void launch(const void* x, const void* residual, void* y, uint32_t* mask,
+            const BatchNormActParams& p, const BatchNormActShape& s, cudaStream_t stream) {
   using S = typename Traits::Storage;
   const int64_t total = s.rows * (s.channels / kVec);
   const int blocks = static_cast<int>(
@@ -62,12 +85,38 @@ void launch(const void* x, const void* residual, void* y, const BatchNormActPara
   const S* xs = static_cast<const S*>(x);
   const S* rs = static_cast<const S*>(residual);
   S* ys = static_cast<S*>(y);
+  const auto run = [&](auto residual_, auto mask_) {
+    forward_kernel<Traits, kVec, decltype(residual_)::value, decltype(mask_)::value>
+        <<<blocks, kThreads, 0, stream>>>(xs, rs, ys, mask, p, s);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
   if (residual != nullptr) {
-    forward_kernel<Traits, kVec, true><<<blocks, kThreads, 0, stream>>>(xs, rs, ys, p, s);
+    mask != nullptr ? run(Yes{}, Yes{}) : run(Yes{}, No{});
   } else {
-    forward_kernel<Traits, kVec, false><<<blocks, kThreads, 0, stream>>>(xs, rs, ys, p, s);
+    mask != nullptr ? run(No{}, Yes{}) : run(No{}, No{});
   }
   NT_CHECK_LAUNCH();
+}
+
+// The ReLU's mask of a pack of kVec elements from element `at` on (bit k: element k passes):
+// from the forward's bits (mask), else from the output y.
+template <typename Traits, int kVec>
+__device__ uint32_t pack_kept(const uint32_t* mask, const typename Traits::Storage* y,
+                              int64_t at) {
+  if (mask != nullptr) return (__ldg(mask + (at >> 5)) >> (at & 31)) & ((1u << kVec) - 1u);
+  const auto o = load_pack<kVec>(y, at);
+  uint32_t kept = 0;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) kept |= BatchNormActBackwardMath::kept(Traits::load(o.v[k])) << k;
+  return kept;
+}
+
+// The gradient through the activation of element k of a pack: the ReLU's from its mask bits,
+// the GELU's at the normalised value z.
+__device__ inline float through(float gy, uint32_t kept, int k, float z, Activation a) {
+  if (a == Activation::kGelu) return BatchNormActBackwardMath::through(gy, 0.0f, z, a);
+  return (kept >> k) & 1u ? gy : 0.0f;
 }
 
 // ---------------------------------------------------------------------------- backward
@@ -175,9 +224,8 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Traits, int kVec>
 __global__ void __launch_bounds__(kThreads)
     reduce_kernel(const typename Traits::Storage* grad_y, const typename Traits::Storage* y,
-                  const typename Traits::Storage* x, BatchNormActParams p, float* partials,
-                  BatchNormActShape s) {
-  using S = typename Traits::Storage;
+                  const uint32_t* mask, const typename Traits::Storage* x, BatchNormActParams p,
+                  float* partials, BatchNormActShape s) {
   __shared__ float sums[2][kThreads * kVec];
   const int64_t packs = s.channels / kVec;
   const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -201,8 +249,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t r = begin + threadIdx.y; r < end; r += blockDim.y) {
       const int64_t at = r * s.channels + c;
       const auto g = load_pack<kVec>(grad_y, at);
-      Pack<S, kVec> o{};  // the ReLU's mask is the output; the GELU's derivative needs z
-      if (!gelu) o = load_pack<kVec>(y, at);
+      // the ReLU's mask; the GELU's derivative needs z
+      const uint32_t kept = gelu ? 0u : pack_kept<Traits, kVec>(mask, y, at);
       const auto v = load_pack<kVec>(x, at);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -210,8 +258,7 @@ __global__ void __launch_bounds__(kThreads)
         const float z = gelu ? BatchNormActMath::normalised(xv, m[k], __ldg(invstd + c + k),
                                                             scale[k], shift[k], 0.0f)
                              : 0.0f;
-        const float gz = BatchNormActBackwardMath::through(Traits::load(g.v[k]),
-                                                           Traits::load(o.v[k]), z, p.activation);
+        const float gz = through(Traits::load(g.v[k]), kept, k, z, p.activation);
         dy[k] += gz;
         dy_xmu[k] += gz * (xv - m[k]);
       }
@@ -280,7 +327,8 @@ __global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
 template <typename Traits, int kVec>
 __global__ void __launch_bounds__(kThreads)
     grad_input_kernel(const typename Traits::Storage* grad_y, const typename Traits::Storage* y,
-                      const typename Traits::Storage* x, const float* totals,
+                      const uint32_t* mask, const typename Traits::Storage* x,
+                      const float* totals,
                       BatchNormActParams p, typename Traits::Storage* grad_x,
                       typename Traits::Storage* grad_residual, BatchNormActShape s) {
   using S = typename Traits::Storage;
@@ -293,8 +341,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t at = i * kVec;
     const bool gelu = p.activation == Activation::kGelu;
     const auto g = load_pack<kVec>(grad_y, at);
-    Pack<S, kVec> o{}, v{}, gx, gr;
-    if (!gelu) o = load_pack<kVec>(y, at);
+    const uint32_t kept = gelu ? 0u : pack_kept<Traits, kVec>(mask, y, at);
+    Pack<S, kVec> v{}, gx, gr;
     if (grad_x != nullptr || gelu) v = load_pack<kVec>(x, at);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
@@ -304,8 +352,7 @@ __global__ void __launch_bounds__(kThreads)
                                                           __ldg(p.weight + c + k),
                                                           __ldg(p.bias + c + k), 0.0f)
                            : 0.0f;
-      const float gz = BatchNormActBackwardMath::through(Traits::load(g.v[k]),
-                                                         Traits::load(o.v[k]), z, p.activation);
+      const float gz = through(Traits::load(g.v[k]), kept, k, z, p.activation);
       gr.v[k] = Traits::store(gz);
       if (grad_x != nullptr) {
         gx.v[k] = Traits::store(BatchNormActBackwardMath::grad_input(
@@ -319,9 +366,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Traits, int kVec>
-void backward(const void* grad_y, const void* y, const void* x, const BatchNormActParams& p,
-              const BatchNormActGrads& g, float* workspace, const BatchNormActShape& s,
-              const ReduceGrid& grid, cudaStream_t stream) {
+void backward(const void* grad_y, const void* y, const uint32_t* mask, const void* x,
+              const BatchNormActParams& p, const BatchNormActGrads& g, float* workspace,
+              const BatchNormActShape& s, const ReduceGrid& grid, cudaStream_t stream) {
   using S = typename Traits::Storage;
   const S* gys = static_cast<const S*>(grad_y);
   const S* ys = static_cast<const S*>(y);
@@ -329,7 +376,7 @@ void backward(const void* grad_y, const void* y, const void* x, const BatchNormA
   float* partials = workspace;
   float* totals = workspace + int64_t(grid.splits) * 2 * s.channels;
   reduce_kernel<Traits, kVec><<<dim3(grid.columns, grid.splits), dim3(grid.lanes, grid.depth), 0,
-                                stream>>>(gys, ys, xs, p, partials, s);
+                                stream>>>(gys, ys, mask, xs, p, partials, s);
   NT_CHECK_LAUNCH();
   const int finish_blocks =
       static_cast<int>((s.channels + kFinishChannels - 1) / kFinishChannels);
@@ -341,7 +388,8 @@ void backward(const void* grad_y, const void* y, const void* x, const BatchNormA
   const int blocks = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks)));
   grad_input_kernel<Traits, kVec><<<blocks, kThreads, 0, stream>>>(
-      gys, ys, xs, totals, p, static_cast<S*>(g.grad_x), static_cast<S*>(g.grad_residual), s);
+      gys, ys, mask, xs, totals, p, static_cast<S*>(g.grad_x),
+      static_cast<S*>(g.grad_residual), s);
   NT_CHECK_LAUNCH();
 }
 
@@ -363,10 +411,10 @@ int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dty
   return (most_splits(s, dtype, device) + 1) * 2 * s.channels;
 }
 
-void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void* x,
-                                   const BatchNormActParams& p, const BatchNormActGrads& g,
-                                   float* workspace, const BatchNormActShape& s, DType dtype,
-                                   cudaStream_t stream) {
+void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const uint32_t* mask,
+                                   const void* x, const BatchNormActParams& p,
+                                   const BatchNormActGrads& g, float* workspace,
+                                   const BatchNormActShape& s, DType dtype, cudaStream_t stream) {
   if (s.rows == 0 || s.channels == 0) return;
   int device = 0;
   NT_CHECK_CUDA(cudaGetDevice(&device));
@@ -374,7 +422,7 @@ void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void
                      aligned(g.grad_x, 16) && aligned(g.grad_residual, 16);
   dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
     constexpr int kVec = decltype(vec)::value;
-    backward<decltype(traits), kVec>(grad_y, y, x, p, g, workspace, s,
+    backward<decltype(traits), kVec>(grad_y, y, mask, x, p, g, workspace, s,
                                      reduce_grid(s, kVec, device), stream);
   });
 }
@@ -407,13 +455,13 @@ void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* work
   });
 }
 
-void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y,
+void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y, uint32_t* mask,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
                                   DType dtype, cudaStream_t stream) {
   if (s.rows == 0 || s.channels == 0) return;
   const bool packs = aligned(x, 16) && aligned(residual, 16) && aligned(y, 16);
   dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
-    launch<decltype(traits), decltype(vec)::value>(x, residual, y, p, s, stream);
+    launch<decltype(traits), decltype(vec)::value>(x, residual, y, mask, p, s, stream);
   });
 }
 

@@ -79,8 +79,17 @@ struct BatchNormActMath {
   }
 };
 
-// The backward, from the output's gradient gy, the output y and the input x (one dtype, all
-// channels-last [rows, channels]):
+// The ReLU's mask as bits: the forward may write, for element i = row * channels + c of the
+// output, bit i % 32 of word i / 32, set where the stored output is not <= 0 (where torch's
+// threshold_backward lets the gradient through; NaN included), the bits past the last element
+// clear. The backward then reads a bit per element instead of the output (1/32 of the reads
+// of a float32 output, 1/16 of a half one).
+inline int64_t relu_mask_words(const BatchNormActShape& s) {
+  return (s.rows * s.channels + 31) / 32;
+}
+
+// The backward, from the output's gradient gy, the output y (or its mask) and the input x (one
+// dtype, all channels-last [rows, channels]):
 //   gz = y <= 0 ? 0 : gy                          (the ReLU's mask, as torch's threshold_backward)
 //   gz = gy * (Phi(z) + z * phi(z))               (the GELU's, z recomputed from x)
 //   sum_dy = sum over rows of gz,  sum_dy_xmu = sum over rows of gz * (x - mean)
@@ -98,6 +107,14 @@ struct BatchNormActGrads {
 
 struct BatchNormActBackwardMath {
   NT_HOST_DEVICE static float masked(float gy, float y) { return y <= 0.0f ? 0.0f : gy; }
+
+  // The mask's bit of a stored output y (see relu_mask_words).
+  NT_HOST_DEVICE static uint32_t kept(float y) { return y <= 0.0f ? 0u : 1u; }
+
+  // Bit i % 32 of `mask`'s word i / 32.
+  NT_HOST_DEVICE static bool kept_at(const uint32_t* mask, int64_t i) {
+    return (mask[i >> 5] >> (i & 31)) & 1u;
+  }
 
   // The gradient through the activation: the ReLU's mask from the output y, the GELU's
   // derivative at the normalised value z (torch's gelu_backward: Phi(z) + z * phi(z)).
@@ -149,17 +166,20 @@ struct BatchNormStatsMath {
 void batch_norm_stats_reference(const void* x, const BatchNormStats& out,
                                 const BatchNormActShape& s, DType dtype);
 
-// x, residual (null: none) and y: channels-last [rows, channels] of `dtype`.
+// x, residual (null: none) and y: channels-last [rows, channels] of `dtype`; mask (null: not
+// wanted; the ReLU only): relu_mask_words(s) words, written.
 void batch_norm_relu_forward_reference(const void* x, const void* residual, void* y,
-                                       const BatchNormActParams& p, const BatchNormActShape& s,
-                                       DType dtype);
+                                       uint32_t* mask, const BatchNormActParams& p,
+                                       const BatchNormActShape& s, DType dtype);
 
-void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const void* x,
-                                        const BatchNormActParams& p, const BatchNormActGrads& g,
-                                        const BatchNormActShape& s, DType dtype);
+// The ReLU's mask from `mask` when it is not null (y is then not read), else from y.
+void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const uint32_t* mask,
+                                        const void* x, const BatchNormActParams& p,
+                                        const BatchNormActGrads& g, const BatchNormActShape& s,
+                                        DType dtype);
 
 // ------------------------------------------------------------------ CUDA (NT_HAVE_CUDA builds)
-void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y,
+void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y, uint32_t* mask,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
                                   DType dtype, cudaStream_t stream);
 
@@ -172,9 +192,9 @@ void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* work
 // The backward's workspace: floats for its per-block partial sums and the channels' totals.
 int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device);
 
-void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const void* x,
-                                   const BatchNormActParams& p, const BatchNormActGrads& g,
-                                   float* workspace, const BatchNormActShape& s, DType dtype,
-                                   cudaStream_t stream);
+void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const uint32_t* mask,
+                                   const void* x, const BatchNormActParams& p,
+                                   const BatchNormActGrads& g, float* workspace,
+                                   const BatchNormActShape& s, DType dtype, cudaStream_t stream);
 
 }  // namespace nimble_train::ops

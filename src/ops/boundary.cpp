@@ -89,6 +89,18 @@ void like_x(const at::Tensor& t, const at::Tensor& x, const char* op, const char
            t.defined() ? t.strides() : at::IntArrayRef{});
 }
 
+// The ReLU's mask of a batch norm over x (see relu_mask_words): int32, on x's device.
+uint32_t* relu_mask_of(const at::Tensor& mask, const at::Tensor& x, const BatchNormActShape& s,
+                       const char* op) {
+  const int64_t words = relu_mask_words(s);
+  NT_CHECK(mask.dim() == 1 && mask.size(0) == words && mask.scalar_type() == at::kInt &&
+               mask.device() == x.device() && mask.is_contiguous(),
+           op, ": mask must be the int32 [", words, "] tensor batch_norm_relu_forward(..., "
+           "mask=True) returned for x ", x.sizes(), " on ", x.device(), "; got ", mask.sizes(),
+           " ", mask.scalar_type(), " on ", mask.device());
+  return reinterpret_cast<uint32_t*>(mask.data_ptr<int32_t>());
+}
+
 SmallConvShape conv_shape_of(const at::Tensor& x, at::IntArrayRef weight_size,
                              const std::vector<int64_t>& stride,
                              const std::vector<int64_t>& padding,
@@ -278,13 +290,11 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double 
   return {mean, invstd};
 }
 
-at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
-                                   const at::Tensor& invstd, const at::Tensor& weight,
-                                   const at::Tensor& bias,
-                                   const std::optional<at::Tensor>& residual,
-                                   const std::optional<at::Tensor>& running_mean,
-                                   const std::optional<at::Tensor>& running_var, double momentum,
-                                   double eps, bool gelu) {
+std::tuple<at::Tensor, at::Tensor> batch_norm_relu_forward(
+    const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+    const at::Tensor& weight, const at::Tensor& bias, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    double momentum, double eps, bool gelu, bool mask) {
   const char* op = "batch_norm_relu_forward";
   const DType dtype = channels_last_input(x, op);
   const BatchNormActShape s = rows_and_channels(x);
@@ -312,30 +322,41 @@ at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
   const bool has_residual = residual.has_value() && residual->defined();
   NT_CHECK(!(gelu && has_residual), op, ": a residual goes with the ReLU only; got gelu=True "
            "and a residual (add it after the GELU yourself)");
+  NT_CHECK(!(gelu && mask), op, ": the mask is the ReLU's; got gelu=True and mask=True (the "
+           "GELU's backward recomputes its derivative from x)");
   if (has_residual) like_x(*residual, x, op, "residual");
   const void* res = has_residual ? residual->data_ptr() : nullptr;
   at::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  at::Tensor bits =
+      mask ? at::empty({relu_mask_words(s)}, x.options().dtype(at::kInt)) : at::Tensor();
+  uint32_t* bits_ptr = mask ? reinterpret_cast<uint32_t*>(bits.data_ptr<int32_t>()) : nullptr;
   if (x.is_cpu()) {
-    batch_norm_relu_forward_reference(x.data_ptr(), res, y.data_ptr(), p, s, dtype);
+    batch_norm_relu_forward_reference(x.data_ptr(), res, y.data_ptr(), bits_ptr, p, s, dtype);
   } else {
 #if NT_HAVE_CUDA
     const c10::cuda::CUDAGuard guard(x.device());
-    batch_norm_relu_forward_cuda(x.data_ptr(), res, y.data_ptr(), p, s, dtype,
+    batch_norm_relu_forward_cuda(x.data_ptr(), res, y.data_ptr(), bits_ptr, p, s, dtype,
                                  c10::cuda::getCurrentCUDAStream());
 #endif
   }
-  return y;
+  return {y, bits};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
-    const at::Tensor& grad_y, const at::Tensor& y, const at::Tensor& x, const at::Tensor& mean,
-    const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& bias, bool input_grad,
-    bool residual_grad, bool gelu) {
+    const at::Tensor& grad_y, const std::optional<at::Tensor>& y, const at::Tensor& x,
+    const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
+    const at::Tensor& bias, bool input_grad, bool residual_grad, bool gelu,
+    const std::optional<at::Tensor>& mask) {
   const char* op = "batch_norm_relu_backward";
   NT_CHECK(!(gelu && residual_grad), op, ": a residual goes with the ReLU only; got gelu=True "
            "and residual_grad=True");
   const DType dtype = channels_last_input(x, op);
-  like_x(y, x, op, "y");
+  const bool has_y = y.has_value() && y->defined();
+  const bool has_mask = mask.has_value() && mask->defined();
+  NT_CHECK(gelu || has_y || has_mask, op, ": the ReLU's backward needs the output y or its "
+           "mask (batch_norm_relu_forward(..., mask=True)); got neither");
+  // Read by the kernels only where the mask is not given (the ReLU's mask).
+  if (has_y) like_x(*y, x, op, "y");
   NT_CHECK(grad_y.defined() && grad_y.sizes() == x.sizes() &&
                grad_y.scalar_type() == x.scalar_type() && grad_y.device() == x.device(),
            op, ": grad_y must have x's sizes ", x.sizes(), ", dtype ", x.scalar_type(),
@@ -360,8 +381,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backw
   grads.grad_residual = residual_grad ? grad_residual.data_ptr() : nullptr;
   grads.grad_weight = grad_weight.data_ptr<float>();
   grads.grad_bias = grad_bias.data_ptr<float>();
+  const void* y_ptr = has_y ? y->data_ptr() : nullptr;
+  const uint32_t* mask_ptr = has_mask ? relu_mask_of(*mask, x, s, op) : nullptr;
   if (x.is_cpu()) {
-    batch_norm_relu_backward_reference(g.data_ptr(), y.data_ptr(), x.data_ptr(), p, grads, s,
+    batch_norm_relu_backward_reference(g.data_ptr(), y_ptr, mask_ptr, x.data_ptr(), p, grads, s,
                                        dtype);
   } else {
 #if NT_HAVE_CUDA
@@ -369,7 +392,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backw
     at::Tensor workspace = at::empty(
         {batch_norm_relu_backward_workspace(s, dtype, x.device().index())},
         x.options().dtype(at::kFloat));
-    batch_norm_relu_backward_cuda(g.data_ptr(), y.data_ptr(), x.data_ptr(), p, grads,
+    batch_norm_relu_backward_cuda(g.data_ptr(), y_ptr, mask_ptr, x.data_ptr(), p, grads,
                                   workspace.data_ptr<float>(), s, dtype,
                                   c10::cuda::getCurrentCUDAStream());
 #endif

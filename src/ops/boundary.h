@@ -58,23 +58,23 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double 
 // and running_var: float32 [C] (the running averages updated in place when given, both or
 // neither). Returns relu(weight * (x - mean) * invstd + bias [+ residual]), channels-last, in
 // x's dtype.
-// With gelu, the exact GELU instead of the ReLU (no residual).
-at::Tensor batch_norm_relu_forward(const at::Tensor& x, const at::Tensor& mean,
-                                   const at::Tensor& invstd, const at::Tensor& weight,
-                                   const at::Tensor& bias,
-                                   const std::optional<at::Tensor>& residual,
-                                   const std::optional<at::Tensor>& running_mean,
-                                   const std::optional<at::Tensor>& running_var, double momentum,
-                                   double eps, bool gelu);
+// With gelu, the exact GELU instead of the ReLU (no residual). Returns (y, mask): with `mask`
+// (the ReLU only) the ReLU's mask as bits (relu_mask_words(s) int32 words), else undefined.
+std::tuple<at::Tensor, at::Tensor> batch_norm_relu_forward(
+    const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
+    const at::Tensor& weight, const at::Tensor& bias, const std::optional<at::Tensor>& residual,
+    const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
+    double momentum, double eps, bool gelu, bool mask);
 
 // The backward of batch_norm_relu_forward (see batch_norm_act.h) from the output's gradient
-// grad_y (any layout, y's dtype), the output y and the input x (channels-last contiguous) and
-// the forward's mean, invstd, weight and bias: (grad_x, grad_residual, grad_weight,
-// grad_bias), the first two channels-last in x's dtype and undefined unless asked for, the last
-// two float32.
+// grad_y (any layout, y's dtype), the ReLU's mask (the forward's `mask`, or else the output y;
+// the GELU needs neither), the input x (channels-last contiguous) and the forward's mean,
+// invstd, weight and bias: (grad_x, grad_residual, grad_weight, grad_bias), the first two
+// channels-last in x's dtype and undefined unless asked for, the last two float32.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backward(
-    const at::Tensor& grad_y, const at::Tensor& y, const at::Tensor& x, const at::Tensor& mean,
-    const at::Tensor& invstd, const at::Tensor& weight, const at::Tensor& bias, bool input_grad,
-    bool residual_grad, bool gelu);
+    const at::Tensor& grad_y, const std::optional<at::Tensor>& y, const at::Tensor& x,
+    const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
+    const at::Tensor& bias, bool input_grad, bool residual_grad, bool gelu,
+    const std::optional<at::Tensor>& mask);
 
 }  // namespace nimble_train::ops

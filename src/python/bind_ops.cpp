@@ -39,19 +39,24 @@ void bind_ops(py::module_& m) {
   m.def("batch_norm_relu_forward", &ops::batch_norm_relu_forward, py::arg("x"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("bias"), py::arg("residual"),
         py::arg("running_mean"), py::arg("running_var"), py::arg("momentum"), py::arg("eps"),
-        py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>(),
-        "relu(weight * (x - mean) * invstd + bias [+ residual]) (gelu: the exact GELU, no "
-        "residual) for a channels-last [N, C, H, W] x (float32/16, bfloat16; mean and invstd "
-        "from torch.batch_norm_stats, the rest float32 [C]), in one pass; running_mean and "
-        "running_var (both or None) updated in place as a training batch norm does.");
+        py::arg("gelu") = false, py::arg("mask") = false,
+        py::call_guard<py::gil_scoped_release>(),
+        "(y, mask): y = relu(weight * (x - mean) * invstd + bias [+ residual]) (gelu: the exact "
+        "GELU, no residual) for a channels-last [N, C, H, W] x (float32/16, bfloat16; mean and "
+        "invstd from torch.batch_norm_stats, the rest float32 [C]), in one pass; running_mean "
+        "and running_var (both or None) updated in place as a training batch norm does. mask "
+        "(the ReLU only; else None): int32 words, bit i % 32 of word i / 32 set where y's "
+        "element i (channels-last order) is not <= 0, for batch_norm_relu_backward.");
   m.def("batch_norm_relu_backward", &ops::batch_norm_relu_backward, py::arg("grad_y"),
         py::arg("y"), py::arg("x"), py::arg("mean"), py::arg("invstd"), py::arg("weight"),
         py::arg("bias"), py::arg("input_grad"), py::arg("residual_grad"),
-        py::arg("gelu") = false, py::call_guard<py::gil_scoped_release>(),
+        py::arg("gelu") = false, py::arg("mask") = py::none(),
+        py::call_guard<py::gil_scoped_release>(),
         "(grad_x, grad_residual, grad_weight, grad_bias) of batch_norm_relu_forward from the "
-        "output's gradient, the output and the input: torch's batch-norm backward of the "
-        "gradient through the ReLU (or GELU), the per-channel sums deterministic; grad_x and "
-        "grad_residual None unless asked for.");
+        "output's gradient, the output (None when the forward's mask is given; the GELU needs "
+        "neither) and the input: torch's batch-norm backward of the gradient through the ReLU "
+        "(or GELU), the per-channel sums deterministic; grad_x and grad_residual None unless "
+        "asked for.");
 }
 
 }  // namespace nimble_train

@@ -88,12 +88,18 @@ void check(int64_t rows, int64_t channels, bool with_residual) {
   p.running_var = rv.data();
   p.momentum = static_cast<float>(momentum);
   p.eps = static_cast<float>(eps);
-  batch_norm_relu_forward_reference(x.data(), with_residual ? res.data() : nullptr, y.data(), p,
-                                    BatchNormActShape{rows, channels}, DType::kFloat32);
+  const BatchNormActShape s{rows, channels};
+  std::vector<uint32_t> mask(relu_mask_words(s), 0xA5A5A5A5u);  // every word written
+  batch_norm_relu_forward_reference(x.data(), with_residual ? res.data() : nullptr, y.data(),
+                                    mask.data(), p, s, DType::kFloat32);
   int zeros = 0;
   for (size_t i = 0; i < y.size(); ++i) {
     EXPECT_NEAR(y[i], o.y[i], 1e-5 * (1.0 + std::abs(o.y[i]))) << "element " << i;
     zeros += y[i] == 0.0f;
+    EXPECT_EQ((mask[i / 32] >> (i % 32)) & 1u, y[i] > 0.0f ? 1u : 0u) << "element " << i;
+  }
+  for (size_t i = y.size(); i < mask.size() * 32; ++i) {
+    EXPECT_EQ((mask[i / 32] >> (i % 32)) & 1u, 0u) << "bit " << i << " past the end";
   }
   EXPECT_GT(zeros, 0);
   EXPECT_LT(zeros, static_cast<int>(y.size()));
@@ -146,11 +152,73 @@ TEST(BatchNormRelu, ReluKeepsNaNAndHalfStorageRounds) {
   p.invstd = &invstd;
   p.weight = &w;
   p.bias = &b;
-  batch_norm_relu_forward_reference(x.data(), nullptr, y.data(), p, BatchNormActShape{2, 1},
-                                    DType::kBFloat16);
+  batch_norm_relu_forward_reference(x.data(), nullptr, y.data(), nullptr, p,
+                                    BatchNormActShape{2, 1}, DType::kBFloat16);
   for (int i = 0; i < 2; ++i) {
     const float expected = BatchNormActMath::apply(BF16::load(x[i]), mean, invstd, w, b, 0.0f);
     EXPECT_EQ(y[i], BF16::store(expected)) << i;
+  }
+}
+
+// The backward from the forward's mask bits is the backward from the output, element for
+// element, NaN outputs letting the gradient through as threshold_backward does; the mask's
+// bits past the last element are never read as elements.
+TEST(BatchNormRelu, BackwardFromTheMaskIsTheBackwardFromTheOutput) {
+  const int64_t rows = 13, channels = 3;  // 39 elements: a second word, partly used
+  const BatchNormActShape s{rows, channels};
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x(rows * channels), gy(x.size()), y(x.size());
+  for (auto* v : {&x, &gy}) {
+    for (float& e : *v) e = normal(gen);
+  }
+  x[4] = std::numeric_limits<float>::quiet_NaN();  // a NaN output
+  const std::vector<float> mean = {0.1f, -0.2f, 0.3f}, invstd = {1.1f, 0.9f, 1.3f},
+                           w = {0.8f, 1.2f, -0.5f}, b = {0.2f, 0.1f, -0.1f};
+  BatchNormActParams p;
+  p.mean = mean.data();
+  p.invstd = invstd.data();
+  p.weight = w.data();
+  p.bias = b.data();
+  std::vector<uint32_t> mask(relu_mask_words(s), 0xFFFFFFFFu);
+  batch_norm_relu_forward_reference(x.data(), nullptr, y.data(), mask.data(), p, s,
+                                    DType::kFloat32);
+  EXPECT_TRUE(std::isnan(y[4]));
+  EXPECT_EQ((mask[0] >> 4) & 1u, 1u);
+  EXPECT_EQ(mask[1] >> 7, 0u);
+  struct Grads {
+    std::vector<float> x, r, w, b;
+  };
+  const auto run = [&](const void* out, const uint32_t* bits) {
+    Grads got{std::vector<float>(x.size()), std::vector<float>(x.size()),
+              std::vector<float>(channels), std::vector<float>(channels)};
+    BatchNormActGrads g;
+    g.grad_x = got.x.data();
+    g.grad_residual = got.r.data();
+    g.grad_weight = got.w.data();
+    g.grad_bias = got.b.data();
+    batch_norm_relu_backward_reference(gy.data(), out, bits, x.data(), p, g, s,
+                                       DType::kFloat32);
+    return got;
+  };
+  const Grads from_y = run(y.data(), nullptr);
+  const Grads from_mask = run(nullptr, mask.data());
+  int passed = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const float through = y[i] <= 0.0f ? 0.0f : gy[i];
+    EXPECT_EQ(from_y.r[i], through) << i;
+    EXPECT_EQ(from_mask.r[i], through) << i;
+    passed += through != 0.0f;
+    const bool both_nan = std::isnan(from_y.x[i]) && std::isnan(from_mask.x[i]);
+    if (!both_nan) EXPECT_EQ(from_y.x[i], from_mask.x[i]) << i;
+  }
+  EXPECT_GT(passed, 0);
+  EXPECT_LT(passed, static_cast<int>(x.size()));
+  for (int64_t c = 0; c < channels; ++c) {
+    const bool w_nan = std::isnan(from_y.w[c]) && std::isnan(from_mask.w[c]);
+    if (!w_nan) EXPECT_EQ(from_y.w[c], from_mask.w[c]) << c;
+    const bool b_nan = std::isnan(from_y.b[c]) && std::isnan(from_mask.b[c]);
+    if (!b_nan) EXPECT_EQ(from_y.b[c], from_mask.b[c]) << c;
   }
 }
 

@@ -17,7 +17,7 @@ from nimble_train._multistream import state_edges, trace_operators
 from nimble_train.models.airbench import airbench_cifar
 from nimble_train.models.branchy import branchy_cifar
 from nimble_train.models.resnet_cifar import resnet18_cifar
-from step_reference import batch_norm_act_grads, batch_norm_stats_float64
+from step_reference import batch_norm_act_grads, batch_norm_stats_float64, relu_mask_words
 
 TOLERANCE = {torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -50,7 +50,14 @@ def test_the_reference_is_float64_batch_norm_plus_residual_then_activation(dtype
     w, b = torch.randn(6), torch.randn(6)
     running = [torch.randn(6), torch.rand(6) + 0.5]
     expected_running = [t.double().clone() for t in running]
-    y = _C.batch_norm_relu_forward(x, *stats(x), w, b, r, *running, 0.2, 1e-5, act == "gelu")
+    gelu = act == "gelu"
+    y, mask = _C.batch_norm_relu_forward(x, *stats(x), w, b, r, *running, 0.2, 1e-5, gelu,
+                                         not gelu)
+    if gelu:
+        assert mask is None
+    else:  # 360 elements: a last word partly used
+        assert mask.dtype == torch.int32
+        assert torch.equal(mask.long() & 0xFFFFFFFF, relu_mask_words(y))
     z = F.batch_norm(x.double(), *expected_running, w.double(), b.double(), True, 0.2, 1e-5)
     expected = activate(z + r.double() if residual else z, act)
     assert y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last)
@@ -69,10 +76,16 @@ def test_the_backward_reference_is_autograds_in_float64(dtype, act, residual):
     r = channels_last(4, 6, 5, 3, dtype=dtype, seed=1) if residual else None
     w, b = torch.randn(6), torch.randn(6)
     mean, invstd = stats(x)
-    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5, gelu)
+    y, mask = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5, gelu,
+                                         not gelu)
     gy = channels_last(4, 6, 5, 3, dtype=dtype, seed=2).contiguous()  # NCHW: any layout
     grad_x, grad_r, grad_w, grad_b = _C.batch_norm_relu_backward(
         gy, y, x, mean, invstd, w, b, True, residual, gelu)
+    if not gelu:  # the mask's bits in the output's place: the same values, bit for bit
+        from_mask = _C.batch_norm_relu_backward(gy, None, x, mean, invstd, w, b, True, residual,
+                                                gelu, mask)
+        for a, e in zip(from_mask, (grad_x, grad_r, grad_w, grad_b)):
+            assert (a is None and e is None) or torch.equal(a, e)
     expected = batch_norm_act_grads(x, w, b, r, gy, y, gelu)
     got = [grad_x, grad_w, grad_b] + ([grad_r] if residual else [])
     tol = TOLERANCE[dtype] * 10
@@ -108,7 +121,8 @@ def test_the_statistics_say_what_they_expected():
 def test_no_running_averages_leaves_them_out():
     x = channels_last(2, 4, 3, 3)
     w, b = torch.ones(4), torch.zeros(4)
-    y = _C.batch_norm_relu_forward(x, *stats(x), w, b, None, None, None, 0.1, 1e-5)
+    y, mask = _C.batch_norm_relu_forward(x, *stats(x), w, b, None, None, None, 0.1, 1e-5)
+    assert mask is None
     expected = torch.relu(F.batch_norm(x.double(), None, None, None, None, True, 0.1, 1e-5))
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
@@ -131,6 +145,17 @@ def test_bad_arguments_say_what_was_expected():
         one = channels_last(1, 4, 1, 1)
         _C.batch_norm_relu_forward(one, m, s, w, b, None, torch.zeros(4), torch.ones(4), 0.1,
                                    1e-5)
+    with pytest.raises(ValueError, match="the mask is the ReLU's"):
+        _C.batch_norm_relu_forward(x, m, s, w, b, None, None, None, 0.1, 1e-5, True, True)
+    y, mask = _C.batch_norm_relu_forward(x, m, s, w, b, None, None, None, 0.1, 1e-5, False, True)
+    assert mask.shape == (3,)  # 72 elements
+    gy = torch.ones_like(y)
+    with pytest.raises(ValueError, match="needs the output y or its mask"):
+        _C.batch_norm_relu_backward(gy, None, x, m, s, w, b, True, False)
+    with pytest.raises(ValueError, match=r"mask must be the int32 \[3\] tensor"):
+        _C.batch_norm_relu_backward(gy, None, x, m, s, w, b, True, False, False, mask[:2])
+    with pytest.raises(ValueError, match=r"mask must be the int32 \[3\] tensor"):
+        _C.batch_norm_relu_backward(gy, None, x, m, s, w, b, True, False, False, mask.float())
 
 
 # ---------------------------------------------------------------------- the rewrite

@@ -15,7 +15,7 @@ from nimble_train._batch_norm_act import _BatchNormAct
 from nimble_train._extension import _C
 from nimble_train.models.airbench import airbench_cifar
 from step_reference import (assert_same_training, batch_norm_act_grads, batch_norm_stats_float64,
-                            classification_batches, eager_loop, training_gap)
+                            classification_batches, eager_loop, relu_mask_words, training_gap)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -47,8 +47,11 @@ def test_the_kernel_is_float64_batch_norm_plus_residual_then_activation(dtype, c
     w, b = torch.randn(channels, device="cuda"), torch.randn(channels, device="cuda")
     running = [torch.randn(channels, device="cuda"), torch.rand(channels, device="cuda") + 0.5]
     expected_running = [t.double().clone() for t in running]
-    y = _C.batch_norm_relu_forward(x, mean.float(), invstd.float(), w, b, r, *running, 0.1, 1e-5,
-                                   act == "gelu")
+    gelu = act == "gelu"
+    y, mask = _C.batch_norm_relu_forward(x, mean.float(), invstd.float(), w, b, r, *running,
+                                         0.1, 1e-5, gelu, not gelu)
+    if not gelu:  # 6 and 200 channels: a last word partly used
+        assert torch.equal(mask.cpu().long() & 0xFFFFFFFF, relu_mask_words(y))
     z = F.batch_norm(x.double(), *expected_running, w.double(), b.double(), True, 0.1, 1e-5)
     expected = activate(z + r.double() if residual else z, act)
     assert y.dtype == dtype and y.is_contiguous(memory_format=torch.channels_last)
@@ -69,12 +72,18 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
     r = channels_last(*shape, dtype=dtype) if residual else None
     w, b = torch.randn(shape[1], device="cuda"), torch.randn(shape[1], device="cuda")
     mean, invstd = torch.batch_norm_stats(x, 1e-5)
-    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5, gelu)
+    y, mask = _C.batch_norm_relu_forward(x, mean, invstd, w, b, r, None, None, 0.1, 1e-5, gelu,
+                                         not gelu)
     gy = channels_last(*shape, dtype=dtype)
     got = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, True, residual, gelu)
     again = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, True, residual, gelu)
     for a, b_ in zip(got, again):
         assert (a is None and b_ is None) or torch.equal(a, b_)  # the same sums, same order
+    if not gelu:  # the ReLU's mask from the forward's bits: the same values, bit for bit
+        from_mask = _C.batch_norm_relu_backward(gy, None, x, mean, invstd, w, b, True, residual,
+                                                gelu, mask)
+        for a, b_ in zip(got, from_mask):
+            assert (a is None and b_ is None) or torch.equal(a, b_)
     expected = batch_norm_act_grads(x, w, b, r, gy, y, gelu)
     grad_x, grad_r, grad_w, grad_b = got
     for name, a, e in zip(("x", "weight", "bias", "residual"),
@@ -123,7 +132,9 @@ def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
     assert x.data_ptr() % 16
     mean, invstd = torch.batch_norm_stats(x, 1e-5)
     w, b = torch.randn(8, device="cuda"), torch.randn(8, device="cuda")
-    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None, None, None, 0.1, 1e-5)
+    y, mask = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None, None, None, 0.1, 1e-5,
+                                         False, True)
+    assert torch.equal(mask.cpu().long() & 0xFFFFFFFF, relu_mask_words(y))
     y_odd = torch.empty_like(base[0]).copy_(base[0])[1:].view(2, 4, 4, 8).permute(0, 3, 1, 2)
     y_odd.copy_(y)
     aligned = _C.batch_norm_relu_backward(gy.contiguous(memory_format=torch.channels_last),
@@ -131,8 +142,11 @@ def test_the_backward_takes_unaligned_tensors_and_any_gradient_layout():
                                           invstd, w, b, True, True)
     unaligned = _C.batch_norm_relu_backward(gy.contiguous(), y_odd, x, mean, invstd, w, b, True,
                                             True)
-    for a, b_ in zip(aligned, unaligned):
+    from_mask = _C.batch_norm_relu_backward(gy.contiguous(), None, x, mean, invstd, w, b, True,
+                                            True, False, mask)
+    for a, b_, c in zip(aligned, unaligned, from_mask):
         torch.testing.assert_close(a, b_, rtol=1e-5, atol=1e-6)
+        assert torch.equal(b_, c)
 
 
 def test_the_kernel_keeps_nan_and_takes_unaligned_tensors():
@@ -140,23 +154,46 @@ def test_the_kernel_keeps_nan_and_takes_unaligned_tensors():
     x[0, 3, 1, 1] = float("nan")
     mean = torch.zeros(8, device="cuda")
     invstd, w, b = (torch.ones(8, device="cuda") for _ in range(3))
-    y = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None, None, None, 0.1, 1e-5)
+    y, mask = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None, None, None, 0.1, 1e-5,
+                                         False, True)
     assert torch.isnan(y[0, 3, 1, 1])  # torch.relu keeps NaN
     assert torch.equal(torch.nan_to_num(y), torch.relu(torch.nan_to_num(x + 1)))
+    words = mask.cpu().long() & 0xFFFFFFFF
+    assert torch.equal(words, relu_mask_words(y))
+    at = (1 * 4 + 1) * 8 + 3  # channels-last index of [0, 3, 1, 1]: threshold_backward passes
+    assert (words[at // 32] >> (at % 32)) & 1 == 1
     # a view one element into its storage: not 16-byte aligned
     base = torch.randn(1 + 2 * 8 * 4 * 4, device="cuda")
     xs = base[1:].view(2, 4, 4, 8).permute(0, 3, 1, 2)
     assert xs.is_contiguous(memory_format=torch.channels_last) and xs.data_ptr() % 16
-    y = _C.batch_norm_relu_forward(xs, mean, invstd, w, b, None, None, None, 0.1, 1e-5)
+    y, mask = _C.batch_norm_relu_forward(xs, mean, invstd, w, b, None, None, None, 0.1, 1e-5,
+                                         False, True)
     assert torch.equal(y, torch.relu(xs + 1))
+    assert torch.equal(mask.cpu().long() & 0xFFFFFFFF, relu_mask_words(y))
+
+
+def test_the_mask_of_a_forward_that_strides_over_its_rows():
+    """More packs than the forward's most blocks take at once (65536 x 256 threads): each
+    thread strides on, and each warp's words are written on every lap; one element at a time
+    (one channel), the last word partly used."""
+    torch.manual_seed(4)
+    x = channels_last(1025, 1, 127, 129)
+    assert x.numel() > 65536 * 256 and x.numel() % 32
+    mean, invstd = torch.zeros(1, device="cuda"), torch.ones(1, device="cuda")
+    w, b = torch.ones(1, device="cuda"), torch.zeros(1, device="cuda")
+    y, mask = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None, None, None, 0.1, 1e-5,
+                                         False, True)
+    assert torch.equal(y, torch.relu(x))
+    assert torch.equal(mask.cpu().long() & 0xFFFFFFFF, relu_mask_words(y))
 
 
 @pytest.mark.parametrize("our_stats", [True, False])
-@pytest.mark.parametrize("ours", [True, False])
+@pytest.mark.parametrize("ours, bits", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("act, residual", ACTS)
-def test_the_fused_operators_gradients_are_autograds_in_float64(act, residual, ours, our_stats,
-                                                                 monkeypatch):
+def test_the_fused_operators_gradients_are_autograds_in_float64(act, residual, ours, bits,
+                                                                 our_stats, monkeypatch):
     monkeypatch.setattr(_batch_norm_act, "OUR_BACKWARD", ours)
+    monkeypatch.setattr(_batch_norm_act, "MASK_BITS", bits)
     monkeypatch.setattr(_batch_norm_act, "OUR_STATS", our_stats)
     torch.manual_seed(1)
     x = channels_last(16, 32, 8, 8).requires_grad_()
