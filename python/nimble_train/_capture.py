@@ -49,6 +49,11 @@ SMALL_CONV_KERNELS = "ours"
 # and kernels of ours (see _batch_norm_act.py); False: as the model calls them
 # (bench/bench_batch_norm_act.py times one against the other).
 FUSE_BATCH_NORM_ACT = True
+# Whether every capture's memset nodes become kernel nodes before its graph is instantiated
+# (src/capture/graph_nodes.h: cuDNN's workspace memsets among kernels made each launch cost the
+# host microseconds per node, as long as the step on the GPU); False: as captured
+# (bench/bench_graph_launch.py times one against the other).
+MEMSETS_AS_KERNELS = True
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
@@ -244,7 +249,8 @@ class CapturedStep:
         launched = self.compiled_split.launched if self.compiled_split is not None else 0
         with collector_paused(), torch.cuda.stream(stream):
             try:
-                self.graph.begin_capture(entry, staged=planned)
+                self.graph.begin_capture(entry, staged=planned,
+                                         memsets_as_kernels=MEMSETS_AS_KERNELS)
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
@@ -280,9 +286,10 @@ class CapturedStep:
             self.compiled_launches = self.compiled_split.launched - launched
 
     def stats(self) -> dict:
-        nodes = [self.graph.node_count(e) for e in range(self.graph.num_entries)
-                 if self.graph.captured(e)]  # training and evaluation graphs
+        entries = [e for e in range(self.graph.num_entries) if self.graph.captured(e)]
+        nodes = [self.graph.node_count(e) for e in entries]  # training and evaluation graphs
         return {"graph_nodes": sum(nodes) if nodes and min(nodes) >= 0 else None,
+                "memset_nodes_as_kernels": sum(self.graph.memset_nodes(e) for e in entries),
                 "graphs": len(nodes), "pool_bytes": self.pool_bytes()}
 
     def pool_bytes(self) -> int | None:

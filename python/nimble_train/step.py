@@ -646,7 +646,9 @@ class Step:
             # stems (convolutions of few input channels) the last capture ran on
             # nimble_train's kernels (_small_conv.py)
             "small_conv_layers": graph.small_conv_layers if captured else 0,
+            # graph_nodes, graphs, pool_bytes, and the memset nodes the captures made kernels
             **(graph.stats() if captured else {"graph_nodes": None, "graphs": 0,
+                                                  "memset_nodes_as_kernels": 0,
                                                   "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),
             "host_syncs_in_warmup": [str(r) for r in self._sync.records] if self._sync else [],

@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include <utility>
+
 #include "capture/torch_graph.h"
 #include "common/check.h"
 #include "common/cuda_check.h"
@@ -20,7 +22,9 @@ struct StepGraph::Entry {
   std::unique_ptr<TorchGraph> graph;  // set while capturing and once captured
   bool captured = false;
   bool staged = true;  // the graph fetches a slot of the ring first
+  bool memsets_as_kernels = true;
   int64_t nodes = -1;
+  int64_t memset_nodes = 0;
 };
 
 StepGraph::StepGraph(at::Device device, int64_t num_values, int64_t ring_capacity)
@@ -117,7 +121,7 @@ void StepGraph::stage_eager(int64_t samples, const std::vector<float>& values) {
   ring_.launched();
 }
 
-void StepGraph::begin_capture(int64_t index, bool staged) {
+void StepGraph::begin_capture(int64_t index, bool staged, bool memsets_as_kernels) {
   Entry& e = entry(index);
   NT_CHECK(capturing_ < 0, "StepGraph.begin_capture: entry ", capturing_,
            " is being captured already");
@@ -128,7 +132,9 @@ void StepGraph::begin_capture(int64_t index, bool staged) {
   e.graph.reset();
   e.captured = false;
   e.nodes = -1;
+  e.memset_nodes = 0;
   e.staged = staged;
+  e.memsets_as_kernels = memsets_as_kernels;
   e.graph = std::make_unique<TorchGraph>();
   try {
     e.graph->capture_begin(pool_->id(), cudaStreamCaptureModeThreadLocal);
@@ -153,8 +159,10 @@ CaptureResult StepGraph::end_capture() {
   // Asked before ending: once cudaStreamEndCapture has run, the stream no longer says.
   const bool invalidated = e.graph->invalidated();
   try {
-    const int64_t nodes = e.graph->finish();
+    const int64_t nodes =
+        e.graph->finish(e.memsets_as_kernels, std::exchange(fail_capture_end_, false));
     e.nodes = nodes;
+    e.memset_nodes = e.graph->memset_nodes();
     e.captured = true;
     capturing_ = -1;
     return {true, false, ""};
@@ -239,6 +247,8 @@ void StepGraph::release() {
 bool StepGraph::captured(int64_t index) const { return entry(index).captured; }
 
 int64_t StepGraph::node_count(int64_t index) const { return entry(index).nodes; }
+
+int64_t StepGraph::memset_nodes(int64_t index) const { return entry(index).memset_nodes; }
 
 std::pair<uint64_t, uint64_t> StepGraph::pool_id() const {
   NT_CHECK(pool_ != nullptr, "StepGraph.pool_id: the pool was released");

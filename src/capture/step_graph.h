@@ -72,8 +72,10 @@ class StepGraph {
   // Capture of `entry`'s graph on the current stream (not the default stream), thread-local
   // mode, into the shared pool; the fetch is its first node. The step's work goes between.
   // staged=false: a graph that reads no staged value (an evaluation step) has no fetch, and
-  // its launches leave the ring alone (their `values` must be empty).
-  void begin_capture(int64_t entry, bool staged = true);
+  // its launches leave the ring alone (their `values` must be empty). memsets_as_kernels: the
+  // graph's memset nodes become kernel nodes before it is instantiated (graph_nodes.h: a
+  // graph of kernels alone launches in one cheap submission).
+  void begin_capture(int64_t entry, bool staged = true, bool memsets_as_kernels = true);
   CaptureResult end_capture();      // on failure the capture is abandoned
   CaptureResult abandon_capture();  // the step's own code failed while capturing
 
@@ -86,6 +88,7 @@ class StepGraph {
 
   bool captured(int64_t entry) const;
   int64_t node_count(int64_t entry) const;  // -1 before capture
+  int64_t memset_nodes(int64_t entry) const;  // of those, memsets rewritten as kernels
   std::pair<uint64_t, uint64_t> pool_id() const;
   int64_t num_entries() const { return static_cast<int64_t>(entries_.size()); }
   const at::Tensor& current() const { return ring_.current(); }  // [1 + num_values] float32
@@ -94,6 +97,8 @@ class StepGraph {
   at::Device device() const { return device_; }
 
   void fail_next_launch(LaunchFault fault) { fault_ = fault; }
+  // Makes the next end_capture() fail once, after the memset rewrite and before instantiation.
+  void fail_next_capture_end() { fail_capture_end_ = true; }
 
  private:
   struct Entry;
@@ -111,6 +116,7 @@ class StepGraph {
   bool holds_host_pool_ = false;
   int64_t capturing_ = -1;  // the entry being captured
   LaunchFault fault_ = LaunchFault::kNone;
+  bool fail_capture_end_ = false;
 };
 
 }  // namespace nimble_train::capture

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
+#include "capture/graph_nodes.h"
 #include "common/cuda_check.h"
 
 namespace nimble_train::capture {
@@ -28,10 +29,15 @@ void run_generator_epilogue(c10::DeviceIndex device) {
 
 TorchGraph::TorchGraph() : at::cuda::CUDAGraph(/*keep_graph=*/true) {}
 
-int64_t TorchGraph::finish() {
+int64_t TorchGraph::finish(bool memsets_as_kernels, bool fail_before_instantiate) {
   capture_end();
   size_t nodes = 0;
   NT_CHECK_CUDA(cudaGraphGetNodes(raw_cuda_graph(), nullptr, &nodes));
+  if (memsets_as_kernels) memset_nodes_ = capture::memsets_as_kernels(raw_cuda_graph(),
+                                                                      capture_dev_);
+  if (fail_before_instantiate) {
+    NT_FAIL("injected failure after the memset rewrite, before instantiation (a rollback test)");
+  }
   instantiate();
   return static_cast<int64_t>(nodes);
 }

@@ -23,9 +23,13 @@ class TorchGraph : public at::cuda::CUDAGraph {
  public:
   TorchGraph();  // keeps the cudaGraph_t until instantiation, so its nodes can be counted
 
-  // Ends the capture and instantiates the graph; returns its node count. Throws when CUDA
-  // refuses the capture; call abandon() then.
-  int64_t finish();
+  // Ends the capture and instantiates the graph; returns its node count. memsets_as_kernels:
+  // first rewrites its memset nodes as kernel nodes (graph_nodes.h; memset_nodes() says how
+  // many). Throws when CUDA refuses the capture or an edit (fail_before_instantiate: throws
+  // there, for the rollback tests); call abandon() then.
+  int64_t finish(bool memsets_as_kernels = true, bool fail_before_instantiate = false);
+
+  int64_t memset_nodes() const { return memset_nodes_; }
 
   // Whether CUDA has invalidated the capture under way (a call it forbids while capturing ran).
   bool invalidated() const;
@@ -37,6 +41,8 @@ class TorchGraph : public at::cuda::CUDAGraph {
   bool abandon() noexcept;
 
  private:
+  int64_t memset_nodes_ = 0;  // memset nodes finish() rewrote as kernels
+
   // Returns whether the CUDA generator still believes it is capturing.
   template <typename Self>
   static bool undo_failed_end(Self& self) noexcept;

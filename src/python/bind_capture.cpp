@@ -12,7 +12,12 @@
 #include "python/bindings.h"
 
 #if NT_HAVE_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "capture/graph_nodes.h"
 #include "capture/step_graph.h"
+#include "common/cuda_check.h"
 #endif
 
 namespace py = pybind11;
@@ -160,9 +165,12 @@ void bind_step_graph(py::module_& m) {
            "For an eager step that reads current: stages [samples, values...] and fetches it "
            "now, on the current stream.")
       .def("begin_capture", &StepGraph::begin_capture, py::arg("entry"),
-           py::arg("staged") = true, py::call_guard<py::gil_scoped_release>(),
+           py::arg("staged") = true, py::arg("memsets_as_kernels") = true,
+           py::call_guard<py::gil_scoped_release>(),
            "Starts capturing the entry's graph on the current (side) stream; the fetch is its "
-           "first node (staged=False: none, for a graph that reads no staged value).")
+           "first node (staged=False: none, for a graph that reads no staged value). "
+           "memsets_as_kernels: its memset nodes become kernel nodes before instantiation (a "
+           "graph of kernels alone launches in one cheap submission).")
       .def("end_capture", &StepGraph::end_capture, py::call_guard<py::gil_scoped_release>(),
            "Ends and instantiates the capture; a failed one is abandoned. Returns a "
            "CaptureResult.")
@@ -178,6 +186,8 @@ void bind_step_graph(py::module_& m) {
            "Waits for the device, then frees every graph and the pool.")
       .def("captured", &StepGraph::captured, py::arg("entry"))
       .def("node_count", &StepGraph::node_count, py::arg("entry"))
+      .def("memset_nodes", &StepGraph::memset_nodes, py::arg("entry"),
+           "Of the entry's nodes, the memsets its capture rewrote as kernels.")
       .def_property_readonly("pool_id", &StepGraph::pool_id)
       .def_property_readonly("num_entries", &StepGraph::num_entries)
       .def_property_readonly("current", &StepGraph::current)
@@ -197,7 +207,25 @@ void bind_step_graph(py::module_& m) {
              g.fail_next_launch(launch_fault(point));
            }, py::arg("point"),
            "Makes the next launch fail once at \"after_staging\" or \"after_copy_in\" (rollback "
-           "tests).");
+           "tests).")
+      .def("fail_next_capture_end", &StepGraph::fail_next_capture_end,
+           "Makes the next end_capture fail once, after the memset rewrite and before "
+           "instantiation (rollback tests).");
+  m.def("graph_memsets_as_kernels", [](uintptr_t graph, int device) {
+          return capture::memsets_as_kernels(reinterpret_cast<cudaGraph_t>(graph), device);
+        }, py::arg("graph"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+        "Rewrites the memset nodes of a captured, not yet instantiated torch.cuda.CUDAGraph "
+        "(keep_graph=True; graph: its raw_cuda_graph()) on `device` as kernel nodes; returns "
+        "how many. Instantiate it after.");
+  m.def("cuda_memset", [](const at::Tensor& t, int64_t value) {
+          NT_CHECK(t.is_cuda() && t.is_contiguous(), "cuda_memset: t must be a contiguous CUDA "
+                   "tensor; got ", t.device(), t.is_contiguous() ? "" : ", not contiguous");
+          const c10::cuda::CUDAGuard guard(t.device());
+          NT_CHECK_CUDA(cudaMemsetAsync(t.data_ptr(), static_cast<int>(value), t.nbytes(),
+                                        c10::cuda::getCurrentCUDAStream()));
+        }, py::arg("t"), py::arg("value"),
+        "cudaMemsetAsync of t's bytes to `value` on the current stream: a memset as libraries "
+        "such as cuDNN enqueue them (a capture records a memset node).");
 }
 #endif
 

@@ -104,13 +104,16 @@ def anchor_capture(graph: torch.cuda.CUDAGraph):
         yield
 
 
-def hand_graph(w: Workload, *, fused: bool = False) -> StepFn:
+def hand_graph(w: Workload, *, fused: bool = False, memsets_as_kernels: bool = False) -> StepFn:
     """PyTorch's whole-network capture recipe, written out by hand: three warm-up steps on a
     side stream, then forward, backward and optimizer step captured with gradients set to None
     (so backward writes fresh gradients rather than accumulating into old ones); SDPA gets
     dense attention masks in the capture (:func:`anchor_capture`). The recipe's optimizer is
     torch's default (foreach, capturable where torch asks for it); `fused`: torch's fused one,
-    one kernel per parameter group, which a user tuning the graph would pick."""
+    one kernel per parameter group, which a user tuning the graph would pick.
+    `memsets_as_kernels`: the captured graph's memset nodes rewritten as kernels before it is
+    instantiated, as Step's captures are (src/capture/graph_nodes.h): the recipe with the
+    launch cost Step removes removed too."""
     # fused=None, not False: torch's default then picks foreach, which False would turn off.
     model, optimizer = _fresh(w, fused=fused or None, capturable=True)
     static = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t,
@@ -125,13 +128,17 @@ def hand_graph(w: Workload, *, fused: bool = False) -> StepFn:
             loss.backward()
             optimizer.step()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
+    graph = torch.cuda.CUDAGraph(keep_graph=memsets_as_kernels)
     optimizer.zero_grad(set_to_none=True)
     with anchor_capture(graph):
         with _autocast(w.amp, cache=False):
             static_loss = forward_loss(model, w.loss_fn, static)
         static_loss.backward()
         optimizer.step()
+    if memsets_as_kernels:
+        from .._extension import _C
+        _C.graph_memsets_as_kernels(graph.raw_cuda_graph(), torch.cuda.current_device())
+        graph.instantiate()
     return graph_step(graph, static, static_loss, model)
 
 
@@ -172,6 +179,8 @@ MODES: dict[str, Mode] = {m.key: m for m in [
     Mode("graph", "hand-written whole-step graph", hand_graph, lambda s: 1),
     Mode("graph-fused", "hand-written graph, fused opt.",
          lambda w: hand_graph(w, fused=True), lambda s: 1),
+    Mode("graph-fused-kernels", "hand-written graph, fused opt., memsets as kernels",
+         lambda w: hand_graph(w, fused=True, memsets_as_kernels=True), lambda s: 1),
     Mode("step", "nt.Step, 1 stream", _nt_step(1), lambda s: s.warmup + 1),
     Mode("step-auto", 'nt.Step, streams="auto"', _nt_step("auto"), lambda s: s.warmup + 1),
     # Step's default streams: a compiled model's weight gradients go to a side stream

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 # Each ratio column's reference: the fastest of these modes in the same batch.
 REFERENCE_MODES = {"vs_eager": ("eager",), "vs_reduce_overhead": ("compile-ro", "compile-ro-opt"),
-                   "vs_graph": ("graph", "graph-fused")}
+                   "vs_graph": ("graph", "graph-fused", "graph-fused-kernels")}
 # Ratios over the references' GPU time per step rather than their wall time.
 GPU_REFERENCE_MODES = {"vs_reduce_overhead_gpu": ("compile-ro", "compile-ro-opt")}
 
@@ -112,7 +112,7 @@ def read_json(path: str) -> tuple[list[dict], dict]:
 
 _COLOURS = {"eager": "#9e9e9e", "eager-fused": "#757575", "compile": "#90caf9",
             "compile-ro": "#1e88e5", "compile-ro-opt": "#0d47a1", "graph": "#ffb74d",
-            "graph-fused": "#f57c00", "step": "#43a047", "step-auto": "#1b5e20",
+            "graph-fused": "#f57c00", "graph-fused-kernels": "#e65100", "step": "#43a047", "step-auto": "#1b5e20",
             "step-compile": "#2e7d32"}
 
 
