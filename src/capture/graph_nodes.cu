@@ -133,14 +133,7 @@ int64_t memsets_as_kernels(cudaGraph_t graph, int device) {
     if (type != cudaGraphNodeTypeMemset) continue;
     cudaMemsetParams p{};
     NT_CHECK_CUDA(cudaGraphMemsetNodeGetParams(node, &p));
-    MemsetShape m;
-    m.dst = p.dst;
-    m.pitch = p.pitch;
-    m.value = p.value;
-    m.element_size = p.elementSize;
-    m.width = p.width;
-    m.height = p.height;
-    MemsetLaunch l(m, device);
+    MemsetLaunch l(MemsetShape::of(p), device);
     cudaKernelNodeParams k{};
     k.func = reinterpret_cast<void*>(&memset_kernel);
     k.gridDim = l.grid;

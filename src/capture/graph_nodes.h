@@ -34,6 +34,10 @@ struct MemsetShape {
   uint32_t element_size = 1;
   size_t width = 0;
   size_t height = 1;
+
+  static MemsetShape of(const cudaMemsetParams& p) {
+    return {p.dst, p.pitch, p.value, p.elementSize, p.width, p.height};
+  }
 };
 
 // The 32-bit pattern whose byte k (little-endian) is the byte a memset writes at any address

@@ -12,7 +12,6 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <vector>
 
@@ -74,16 +73,17 @@ class GraphNodesTest : public testing::Test {
   std::vector<unsigned char> host;
 };
 
-MemsetShape shape(unsigned char* at, uint32_t element_size, uint32_t value, size_t width,
-                  size_t height = 1, size_t pitch = 0) {
-  MemsetShape m;
-  m.dst = at;
-  m.element_size = element_size;
-  m.value = value;
-  m.width = width;
-  m.height = height;
-  m.pitch = pitch != 0 ? pitch : width * element_size;
-  return m;
+// A memset node's parameters.
+cudaMemsetParams memset_node(unsigned char* at, uint32_t element_size, uint32_t value,
+                             size_t width, size_t height = 1, size_t pitch = 0) {
+  cudaMemsetParams p{};
+  p.dst = at;
+  p.elementSize = element_size;
+  p.value = value;
+  p.width = width;
+  p.height = height;
+  p.pitch = pitch != 0 ? pitch : width * element_size;
+  return p;
 }
 
 TEST(MemsetPattern, RepeatsTheElementAndRefusesOtherSizes) {
@@ -105,7 +105,8 @@ TEST_F(GraphNodesTest, TheKernelWritesWhatTheMemsetWrites) {
         for (size_t height : {1, 3}) {
           const size_t pitch = width * size + (height > 1 ? 20 * size : 0);
           if (offset + pitch * height > kBytes) continue;
-          const MemsetShape m = shape(buffer + offset, size, value, width, height, pitch);
+          const MemsetShape m = MemsetShape::of(
+              memset_node(buffer + offset, size, value, width, height, pitch));
           launch_memset_kernel(m, nullptr);
           apply(m);
           value = value * 1664525u + 1013904223u;
@@ -115,7 +116,7 @@ TEST_F(GraphNodesTest, TheKernelWritesWhatTheMemsetWrites) {
     ASSERT_CUDA(cudaDeviceSynchronize());
     expect_device_is_host();
   }
-  launch_memset_kernel(shape(buffer, 4, 7, 0), nullptr);  // nothing to write
+  launch_memset_kernel(MemsetShape::of(memset_node(buffer, 4, 7, 0)), nullptr);  // no bytes
   ASSERT_CUDA(cudaDeviceSynchronize());
   expect_device_is_host();
 }
@@ -126,19 +127,12 @@ TEST_F(GraphNodesTest, TheKernelWritesWhatTheMemsetWrites) {
 TEST_F(GraphNodesTest, AGraphsMemsetNodesBecomeKernelsThatKeepTheirOrder) {
   cudaGraph_t graph;
   ASSERT_CUDA(cudaGraphCreate(&graph, 0));
-  const std::vector<MemsetShape> memsets = {
-      shape(buffer, 4, 0x11223344u, kBytes / 4),
-      shape(buffer + 6, 2, 0xA5B6u, 100003),
-      shape(buffer + 33, 1, 0x7Eu, 999, 5, 4096)};
+  const std::vector<cudaMemsetParams> memsets = {
+      memset_node(buffer, 4, 0x11223344u, kBytes / 4),
+      memset_node(buffer + 6, 2, 0xA5B6u, 100003),
+      memset_node(buffer + 33, 1, 0x7Eu, 999, 5, 4096)};
   std::vector<cudaGraphNode_t> nodes;
-  for (const MemsetShape& m : memsets) {
-    cudaMemsetParams p{};
-    p.dst = m.dst;
-    p.pitch = m.pitch;
-    p.value = m.value;
-    p.elementSize = m.element_size;
-    p.width = m.width;
-    p.height = m.height;
+  for (const cudaMemsetParams& p : memsets) {
     cudaGraphNode_t node;
     ASSERT_CUDA(cudaGraphAddMemsetNode(&node, graph, nodes.empty() ? nullptr : &nodes.back(),
                                        nodes.empty() ? 0 : 1, &p));
@@ -172,7 +166,7 @@ TEST_F(GraphNodesTest, AGraphsMemsetNodesBecomeKernelsThatKeepTheirOrder) {
 
   cudaGraphExec_t exec;
   ASSERT_CUDA(cudaGraphInstantiateWithFlags(&exec, graph, 0));
-  for (const MemsetShape& m : memsets) apply(m);
+  for (const cudaMemsetParams& p : memsets) apply(MemsetShape::of(p));
   for (int launch = 0; launch < 3; ++launch) ASSERT_CUDA(cudaGraphLaunch(exec, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   expect_device_is_host();
