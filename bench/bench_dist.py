@@ -106,7 +106,7 @@ def ddp_graph(w: Workload, local_rank: int, grad_clip: float | None = None):
             static_loss = forward_loss(ddp, w.loss_fn, static)
         static_loss.backward()
         update()
-    return graph_step(graph, static, static_loss, ddp)
+    return graph_step(graph, static, static_loss, ddp, optimizer)
 
 
 def nt_step(w: Workload, local_rank: int | None = None, bucket_mb: float = 25.0,

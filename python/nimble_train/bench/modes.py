@@ -139,12 +139,16 @@ def hand_graph(w: Workload, *, fused: bool = False, memsets_as_kernels: bool = F
         from .._extension import _C
         _C.graph_memsets_as_kernels(graph.raw_cuda_graph(), torch.cuda.current_device())
         graph.instantiate()
-    return graph_step(graph, static, static_loss, model)
+    return graph_step(graph, static, static_loss, model, optimizer)
 
 
-def graph_step(graph: torch.cuda.CUDAGraph, static, static_loss: torch.Tensor, model) -> StepFn:
+def graph_step(graph: torch.cuda.CUDAGraph, static, static_loss: torch.Tensor, model,
+               optimizer: torch.optim.Optimizer) -> StepFn:
     """The replay of a hand-captured whole-step graph: each call copies the batch into the
-    static inputs the graph was captured with and launches it."""
+    static inputs the graph was captured with and launches it. The step function keeps the
+    model and the optimizer alive: the graph reads and writes their tensors (the optimizer's
+    state, made in the warm-up outside the graph's pool, among them), and memory freed with
+    them would be handed to other allocations while replays still wrote it."""
     static_leaves = [t for t in pytree.tree_leaves(static) if isinstance(t, torch.Tensor)]
 
     def step(batch):
@@ -153,7 +157,7 @@ def graph_step(graph: torch.cuda.CUDAGraph, static, static_loss: torch.Tensor, m
             dst.copy_(src, non_blocking=True)
         graph.replay()
         return static_loss
-    step.model = model
+    step.model, step.optimizer = model, optimizer
     return step
 
 
