@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import nimble_train as nt
 from nimble_train import _capture
 from nimble_train._extension import _C
+from nimble_train.bench import modes
+from nimble_train.bench.workloads import make_workload
 from step_reference import SmallCNN, assert_same_training, classification_batches, eager_loop, twin
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
@@ -127,3 +129,20 @@ def test_a_capture_failing_after_the_rewrite_keeps_state_and_goes_on_eagerly():
     step(batches[4])
     eager_loop(m2, o2, per_sample, batches[3:])
     assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_the_hand_written_anchor_rewritten_trains_as_the_plain_one():
+    """The bench's graph-fused-kernels anchor: torch's whole-step graph with its memset nodes
+    rewritten, bit for bit the plain graph-fused one; both built before either runs (each step
+    function keeps its model and optimizer alive)."""
+    w = make_workload("resnet18", 8, "cuda")
+    plain = modes.hand_graph(w, fused=True)
+    rewritten = modes.hand_graph(w, fused=True, memsets_as_kernels=True)
+    for i in range(4):
+        for step in (plain, rewritten):
+            step(w.batches[i % len(w.batches)])
+    torch.cuda.synchronize()
+    for a, b in zip(plain.model.state_dict().values(), rewritten.model.state_dict().values()):
+        assert torch.equal(a, b)
+    for a, b in zip(plain.optimizer.state.values(), rewritten.optimizer.state.values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])

@@ -155,7 +155,8 @@ def run_bench(tmp_path, argv):
 
 
 def test_bench_runs_every_graph_mode_on_branchy(tmp_path):
-    modes = ["eager", "eager-fused", "graph", "graph-fused", "step", "step-auto"]
+    modes = ["eager", "eager-fused", "graph", "graph-fused", "graph-fused-kernels", "step",
+             "step-auto"]
     rows = run_bench(tmp_path, ["--model", "branchy", "--batch", "16", "--modes", *modes])
     assert [r["mode"] for r in rows] == modes
     for r in rows:
