@@ -62,24 +62,8 @@ struct MemsetLaunch {
                                                          most)),
                 static_cast<unsigned>(std::clamp<size_t>(height, 1, 65535)));
   }
-};
-
-// Makes `device` current for the scope (kernel nodes run on the device current when added).
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    NT_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) NT_CHECK_CUDA(cudaSetDevice(device));
-  }
-  ~DeviceScope() {
-    int now = previous_;
-    if (cudaGetDevice(&now) == cudaSuccess && now != previous_) (void)cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
+  MemsetLaunch(const MemsetLaunch&) = delete;  // args point into this object
+  MemsetLaunch& operator=(const MemsetLaunch&) = delete;
 };
 
 std::vector<cudaGraphNode_t> dependencies(cudaGraphNode_t node) {
@@ -121,7 +105,7 @@ void launch_memset_kernel(const MemsetShape& m, cudaStream_t stream) {
 }
 
 int64_t memsets_as_kernels(cudaGraph_t graph, int device) {
-  const DeviceScope scope(device);
+  const DeviceGuard guard(device);  // kernel nodes run on the device current when added
   size_t count = 0;
   NT_CHECK_CUDA(cudaGraphGetNodes(graph, nullptr, &count));
   std::vector<cudaGraphNode_t> nodes(count);

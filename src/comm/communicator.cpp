@@ -18,21 +18,6 @@ Clock::time_point deadline_after(double seconds) {
                             std::chrono::duration<double>(seconds));
 }
 
-// Sets the current device for the lifetime of the guard, and puts the previous one back.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    NT_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) NT_CHECK_CUDA(cudaSetDevice(device));
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
 }  // namespace
 
 std::string new_unique_id() {

@@ -50,12 +50,11 @@ void backward(const void* grad_y_, const void* y_, const uint32_t* mask, const v
     const auto through = [&](int64_t i) {  // the gradient through the activation
       const float z = BatchNormActMath::normalised(Traits::load(x[i]), p.mean[c], p.invstd[c],
                                                    p.weight[c], p.bias[c], 0.0f);
-      if (p.activation == Activation::kGelu) {
-        return BatchNormActBackwardMath::through(Traits::load(grad_y[i]), 0.0f, z, p.activation);
-      }
       const float gy = Traits::load(grad_y[i]);
-      if (mask != nullptr) return BatchNormActBackwardMath::kept_at(mask, i) ? gy : 0.0f;
-      return BatchNormActBackwardMath::masked(gy, Traits::load(y[i]));
+      if (p.activation == Activation::kGelu) return BatchNormActBackwardMath::gelu_through(gy, z);
+      const bool kept = mask != nullptr ? BatchNormActBackwardMath::kept_at(mask, i)
+                                        : BatchNormActBackwardMath::kept(Traits::load(y[i]));
+      return kept ? gy : 0.0f;
     };
     float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
     for (int64_t r = 0; r < s.rows; ++r) {

@@ -115,7 +115,7 @@ __device__ uint32_t pack_kept(const uint32_t* mask, const typename Traits::Stora
 // The gradient through the activation of element k of a pack: the ReLU's from its mask bits,
 // the GELU's at the normalised value z.
 __device__ inline float through(float gy, uint32_t kept, int k, float z, Activation a) {
-  if (a == Activation::kGelu) return BatchNormActBackwardMath::through(gy, 0.0f, z, a);
+  if (a == Activation::kGelu) return BatchNormActBackwardMath::gelu_through(gy, z);
   return (kept >> k) & 1u ? gy : 0.0f;
 }
 

@@ -106,9 +106,8 @@ struct BatchNormActGrads {
 };
 
 struct BatchNormActBackwardMath {
-  NT_HOST_DEVICE static float masked(float gy, float y) { return y <= 0.0f ? 0.0f : gy; }
-
-  // The mask's bit of a stored output y (see relu_mask_words).
+  // The ReLU's mask bit of a stored output y (see relu_mask_words): whether the gradient
+  // passes (gz = kept ? gy : 0).
   NT_HOST_DEVICE static uint32_t kept(float y) { return y <= 0.0f ? 0u : 1u; }
 
   // Bit i % 32 of `mask`'s word i / 32.
@@ -116,15 +115,12 @@ struct BatchNormActBackwardMath {
     return (mask[i >> 5] >> (i & 31)) & 1u;
   }
 
-  // The gradient through the activation: the ReLU's mask from the output y, the GELU's
-  // derivative at the normalised value z (torch's gelu_backward: Phi(z) + z * phi(z)).
-  NT_HOST_DEVICE static float through(float gy, float y, float z, Activation a) {
-    if (a == Activation::kGelu) {
-      const float cdf = 0.5f * (1.0f + erff(z * BatchNormActMath::kSqrtHalf));
-      const float pdf = expf(-0.5f * z * z) * BatchNormActMath::kGeluBeta;
-      return gy * (cdf + z * pdf);
-    }
-    return masked(gy, y);
+  // The gradient through the GELU at the normalised value z (torch's gelu_backward:
+  // Phi(z) + z * phi(z)).
+  NT_HOST_DEVICE static float gelu_through(float gy, float z) {
+    const float cdf = 0.5f * (1.0f + erff(z * BatchNormActMath::kSqrtHalf));
+    const float pdf = expf(-0.5f * z * z) * BatchNormActMath::kGeluBeta;
+    return gy * (cdf + z * pdf);
   }
 
   // gx of one element from the channel's sums (torch's batch_norm_backward_elemt).
