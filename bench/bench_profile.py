@@ -13,7 +13,9 @@ torch.profiler's CUDA activity. A sweep over the kernels' intervals then says, p
   stream can overlap (a stem, the layers between a network's stages, a concatenation, the
   update), or a stream waiting on another;
 - between which kernels the GPU was **idle**: a host that fell behind (the gap before a
-  step's first kernel), or the latency of a dependency inside the graph.
+  step's first kernel), or the latency of a dependency inside the graph;
+- with --totals, every kernel's time summed by name, alone or not (how many ran per step):
+  where two modes' kernels differ, whatever runs beside them.
 
 Kernels run a little slower under the profiler, and the gaps between steps grow with its
 per-launch cost: compare modes within one run, not with the timed benchmark.
@@ -47,8 +49,9 @@ def short(name: str, width: int = 90) -> str:
     return name if len(name) <= width else name[:width - 3] + "..."
 
 
-def report(label: str, o, steps: int, top: int) -> str:
-    """The sweep of `steps` steps as text, per step."""
+def report(label: str, o, steps: int, top: int, totals: bool = False) -> str:
+    """The sweep of `steps` steps as text, per step; with `totals`, the kernels' summed times
+    by name too."""
     per = 1.0 / steps
     alone = sum(o.alone.values())
     lines = [f"== {label}: per step (us) span {o.span * per:.1f}, busy {o.busy * per:.1f}, "
@@ -69,6 +72,15 @@ def report(label: str, o, steps: int, top: int) -> str:
         gaps[key] = gaps.get(key, 0.0) + t
     for (a, b), t in sorted(gaps.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"   {t * per:8.1f}  {a} -> {b}")
+    if totals:
+        lines.append(f"   kernel time by name, us per step (count per step), top {top}:")
+        by_total: dict[str, list[float]] = {}
+        for name, t in o.total.items():
+            entry = by_total.setdefault(short(name), [0.0, 0.0])
+            entry[0] += t
+            entry[1] += o.count[name]
+        for name, (t, n) in sorted(by_total.items(), key=lambda kv: -kv[1][0])[:top]:
+            lines.append(f"   {t * per:8.1f}  ({n * per:g})  {name}")
     return "\n".join(lines)
 
 
@@ -81,6 +93,8 @@ def main(argv=None) -> int:
                         choices=sorted(MODES))
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per mode")
     parser.add_argument("--top", type=int, default=12, help="kernels and gaps listed")
+    parser.add_argument("--totals", action="store_true",
+                        help="list every kernel's summed time by name too")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_profile needs a CUDA GPU", file=sys.stderr)
@@ -95,7 +109,7 @@ def main(argv=None) -> int:
         for i in range(mode.first_fast_call(step) + 20):  # warm-up, capture, then fast steps
             step(w.batches[i % len(w.batches)])
         print(report(mode.label, profile_overlap(step, w.batches, args.steps), args.steps,
-                     args.top), flush=True)
+                     args.top, args.totals), flush=True)
         close = getattr(step, "close", None)
         if callable(close):
             close()

@@ -586,6 +586,8 @@ def test_overlap_finds_what_runs_alone_what_runs_together_and_the_idle_gaps():
     assert (o.span, o.busy, o.idle, o.kernel_sum) == (25, 20, 5, 26)
     assert o.alone == {"a": 6, "c": 2, "d": 5, "e": 1}
     assert o.gaps == {("c", "d"): 3, ("e", "a"): 2}
+    assert o.total == {"a": 12, "b": 4, "c": 4, "d": 5, "e": 1}  # the empty one left out
+    assert o.count == {"a": 2, "b": 1, "c": 1, "d": 1, "e": 1}
     assert o.concurrency == pytest.approx(26 / 20)  # 2 at once for 6 of the 20 busy units
     # the alone time and the time shared add up to the busy time, in any input order
     shuffled = overlap([(23, 25, "a"), (15, 20, "d"), (8, 12, "c"), (0, 10, "a"),
@@ -608,6 +610,11 @@ def test_bench_profile_names_kernels_briefly_and_refuses_without_a_gpu(capsys):
                                             (12, 14, "k<1>(int)")]), steps=2, top=5)
     assert "span 7.0, busy 6.0, idle 1.0, kernels 7.5" in text
     assert "     4.5  k<1>" in text and "     1.0  k<1> -> k<1>" in text
+    assert "kernel time by name" not in text
+    text = bench.report("nt.Step", overlap([(0, 10, "void k<1>(int)"), (5, 8, "j"),
+                                            (12, 14, "k<1>(int)")]), steps=2, top=5,
+                        totals=True)
+    assert "     6.0  (1)  k<1>" in text and "     1.5  (0.5)  j" in text
     if not torch.cuda.is_available():
         assert bench.main(["--model", "branchy", "--batch", "2"]) == 2
         assert "CUDA GPU" in capsys.readouterr().err

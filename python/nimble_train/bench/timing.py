@@ -138,6 +138,8 @@ class Overlap:
     kernel_sum: float                     # the kernels' own durations, added up
     concurrency: float                    # kernels running at once, on average while busy
     alone: dict[str, float] = field(default_factory=dict)  # by name: runs with nothing else
+    total: dict[str, float] = field(default_factory=dict)  # by name: its kernels' durations
+    count: dict[str, int] = field(default_factory=dict)    # by name: how many ran
     # Idle time by (the kernel that ended last, the kernel that started next).
     gaps: dict[tuple[str, str], float] = field(default_factory=dict)
 
@@ -176,10 +178,15 @@ def overlap(events: Sequence[tuple[float, float, str]]) -> Overlap:
             active.discard(k)
             last_ended = k
         last_t = t
+    total: dict[str, float] = {}
+    count: dict[str, int] = {}
+    for s, e, n in ev:
+        total[n] = total.get(n, 0.0) + (e - s)
+        count[n] = count.get(n, 0) + 1
     span = max(e for _, e, _ in ev) - min(s for s, _, _ in ev)
     return Overlap(span=span, busy=busy, idle=idle, kernel_sum=sum(e - s for s, e, _ in ev),
                    concurrency=weighted / busy if busy > 0 else float("nan"),
-                   alone=alone, gaps=gaps)
+                   alone=alone, gaps=gaps, total=total, count=count)
 
 
 def profile_overlap(step: StepFn, batches: Sequence, steps: int = 20) -> Overlap:
