@@ -1,6 +1,8 @@
 """airbench94's network: its shapes and parameter count, airbench's BatchNorm settings and conv
 initialisation, float32 against float64, and the whitening initialisation of its stem."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -52,6 +54,28 @@ def test_batchnorm_settings_scale_and_identity_start():
                           .flatten(1))
     torch.testing.assert_close(logits, unscaled / 9)
 
+
+
+def test_the_global_max_trains_as_airbench_max_pool():
+    # At 32x32 inputs the last map is 3x3: the max over it is airbench's MaxPool2d(3), in the
+    # loss and in every gradient (random data has no tied maxima), channels-last as on a GPU.
+    torch.manual_seed(3)
+    model = nt.models.airbench_cifar().to(memory_format=torch.channels_last)
+    reference = copy.deepcopy(model)
+
+    def max_pooled(x):
+        m = reference
+        return m.head(F.max_pool2d(m.groups(m.activ(m.whiten(x))), 3).flatten(1)) * m.scale
+    x = torch.randn(6, 3, 32, 32).to(memory_format=torch.channels_last)
+    target = torch.randint(0, 10, (6,))
+    loss = F.cross_entropy(model(x), target)
+    expected = F.cross_entropy(max_pooled(x), target)
+    loss.backward()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert model.head.weight.grad.abs().sum() > 0
 
 def test_float32_forward_and_backward_match_float64():
     # eps 1e-12 is kept from airbench: it only matters for a channel of near-zero batch

@@ -25,8 +25,13 @@ What differs from airbench, which trains this network with a hand-tuned loop of 
   64× learning rate);
 - no lookahead EMA of the weights, no test-time augmentation (airbench averages flipped and
   translated views), and float32 weights (airbench keeps every weight but BatchNorm's in fp16);
-- the final pooling is an adaptive max over the map, the same as airbench's MaxPool2d(3) at
-  32×32 inputs, and inputs of any size from 9×9 up work.
+- the final pooling is a max over the whole map (``amax``), the same as airbench's
+  MaxPool2d(3) at 32×32 inputs, and inputs of any size from 9×9 up work. Not
+  ``F.adaptive_max_pool2d(x, 1)``, which computes the same: PyTorch's kernels for it take a
+  channels-last map one plane per thread block, 0.20 ms forward and 0.16 ms backward at batch
+  1024 on an H100 (a twentieth of the step), where the reduction and its gradient's few
+  element-wise passes take microseconds. Where a map's maximum is tied, the gradient is split
+  evenly among the tied places (the max-pool gives it all to the first).
 """
 
 from __future__ import annotations
@@ -85,7 +90,7 @@ class AirbenchCIFAR(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.groups(self.activ(self.whiten(x)))
-        out = F.adaptive_max_pool2d(out, 1).flatten(1)
+        out = out.amax(dim=(2, 3))
         return self.head(out) * self.scale
 
 
