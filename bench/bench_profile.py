@@ -89,6 +89,8 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="branchy", choices=CIFAR_MODELS + ("bert",))
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--bert-size", default="base", choices=sorted(BERT_SIZES))
+    parser.add_argument("--amp", choices=("bf16",), default=None,
+                        help="CIFAR models under bfloat16 autocast (as the benchmark's --amp)")
     parser.add_argument("--modes", nargs="+", default=["step", "step-auto"],
                         choices=sorted(MODES))
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per mode")
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
         print("bench_profile needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
-    w = make_workload(args.model, args.batch, "cuda", bert_size=args.bert_size)
+    w = make_workload(args.model, args.batch, "cuda", bert_size=args.bert_size, amp=args.amp)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.description}, "
           f"batch {w.batch}; {args.steps} profiled steps per mode")
     for key in args.modes:

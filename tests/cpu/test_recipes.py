@@ -779,6 +779,13 @@ def test_airbench_workload_is_sgd_nesterov_with_label_smoothing():
     assert workloads.make_workload("branchy", 4, "cpu", count=1).loss_fn.label_smoothing == 0
 
 
+def test_cifar_workloads_take_bf16_autocast_and_refuse_fp16():
+    w = workloads.make_workload("airbench", 4, "cpu", count=1, amp="bf16")
+    assert w.amp == "bf16" and w.description.endswith(", bf16 autocast")
+    with pytest.raises(ValueError, match="amp must be None or 'bf16'.*got 'fp16'"):
+        workloads.make_workload("resnet18", 4, "cpu", count=1, amp="fp16")
+
+
 def test_models_are_exported_with_the_advertised_sizes():
     branchy = nt.models.branchy_cifar()
     assert sum(p.numel() for p in branchy.parameters()) == 1_663_210

@@ -3,6 +3,7 @@ learn a learnable synthetic task, BERT fine-tuning captured on shape buckets aga
 eager loop, checkpoint resume into a captured step, and every benchmark mode running (timings
 are printed by the benchmark, never asserted here)."""
 
+import dataclasses
 import json
 import os
 import re
@@ -163,6 +164,33 @@ def test_bench_runs_every_graph_mode_on_branchy(tmp_path):
         assert r["error"] is None, r
         assert r["ms_per_step"] > 0 and r["first_step_s"] > 0
     assert rows[0]["vs_eager"] == pytest.approx(1.0)
+
+
+def test_bench_amp_runs_every_mode_under_bf16_autocast(tmp_path):
+    # --amp bf16: the anchors and Step run the same bf16 step (the first conv's output dtype
+    # seen in each mode's forward), and the table says so.
+    from nimble_train.bench import modes
+    from nimble_train.bench.workloads import make_workload
+    w = make_workload("airbench", 16, "cuda", count=2, amp="bf16")
+    for key in ("eager", "graph-fused", "step"):
+        seen = []
+        make_model = w.make_model
+
+        def hooked_model():
+            model = make_model()
+            first = next(m for m in model.modules() if isinstance(m, torch.nn.Conv2d))
+            first.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+            return model
+        step = modes.MODES[key].build(dataclasses.replace(w, make_model=hooked_model))
+        for batch in w.batches * 2:
+            step(batch)
+        assert seen and set(seen) == {torch.bfloat16}, (key, seen)
+        del step
+    rows = run_bench(tmp_path, ["--model", "airbench", "--batch", "16", "--amp", "bf16",
+                                "--modes", "eager", "graph-fused", "step-auto"])
+    assert [r["error"] for r in rows] == [None] * 3
+    (path,) = [p for p in os.listdir(tmp_path) if p.endswith(".json")]
+    assert path == "airbench-bf16.json"
 
 
 @needs_transformers

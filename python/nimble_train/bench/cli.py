@@ -78,11 +78,11 @@ def run_mode(w: Workload, mode: Mode, *, steps: int, repeats: int, profile: bool
 
 def run(model: str, batches: Sequence[int], modes: Sequence[str], *, seq: int = 128,
         bert_size: str = "base", steps: int = 50, repeats: int = 5,
-        profile: bool = True, log=print) -> tuple[list[dict], dict]:
+        profile: bool = True, amp: str | None = None, log=print) -> tuple[list[dict], dict]:
     """Rows for every (batch, mode), and the metadata that goes with them."""
     rows, description = [], model
     for batch in batches:
-        w = make_workload(model, batch, "cuda", seq=seq, bert_size=bert_size)
+        w = make_workload(model, batch, "cuda", seq=seq, bert_size=bert_size, amp=amp)
         description = w.description
         for key in modes:
             row = run_mode(w, MODES[key], steps=steps, repeats=repeats, profile=profile)
@@ -100,6 +100,8 @@ def run(model: str, batches: Sequence[int], modes: Sequence[str], *, seq: int = 
             "date": datetime.datetime.now().isoformat(timespec="seconds")}
     if model == "bert":
         meta.update(seq=seq, bert_size=bert_size)
+    elif amp is not None:
+        meta.update(amp=amp)
     return rows, meta
 
 
@@ -113,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batch sizes (default 32)")
     parser.add_argument("--seq", type=int, default=128, help="BERT sequence length (128)")
     parser.add_argument("--bert-size", choices=BERT_SIZES, default="base")
+    parser.add_argument("--amp", choices=("bf16",), default=None,
+                        help="CIFAR models: every mode's step under bfloat16 autocast "
+                             "(default float32; BERT always runs in bf16)")
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         metavar="MODE", help="modes to run (default: all): " + " ".join(MODES))
     parser.add_argument("--steps", type=int, default=50, help="timed steps per repeat (50)")
@@ -146,13 +151,15 @@ def main(argv=None) -> int:
     try:
         rows, meta = run(args.model, args.batch, args.modes, seq=args.seq,
                          bert_size=args.bert_size, steps=args.steps, repeats=args.repeats,
-                         profile=not args.no_profile)
+                         profile=not args.no_profile, amp=args.amp)
     except ImportError as exc:  # the workload's own dependency (transformers for BERT)
         print(f"nimble_train.bench: {exc}", file=sys.stderr)
         return 2
     print()
     print(format_table(rows, meta))
     stem = args.model if args.model != "bert" else f"bert-{args.bert_size}-seq{args.seq}"
+    if args.amp and args.model != "bert":
+        stem += f"-{args.amp}"
     for path in write_all(args.out, stem, rows, meta):
         print(f"wrote {path}")
     return 0

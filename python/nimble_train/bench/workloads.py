@@ -222,13 +222,21 @@ class Workload:
 
 
 def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: str = "base",
-                  count: int = 8, seed: int = 0) -> Workload:
-    """The workload of the recipe `name` with `count` distinct batches of size `batch`."""
+                  count: int = 8, seed: int = 0, amp: str | None = None) -> Workload:
+    """The workload of the recipe `name` with `count` distinct batches of size `batch`.
+
+    `amp="bf16"`: a CIFAR model's steps run under bfloat16 autocast (its weights and the
+    optimizer stay float32; no loss scaling, so every mode runs the same step). BERT always
+    runs in bf16."""
     device = torch.device(device)
+    if amp not in (None, "bf16"):
+        raise ValueError(f"amp must be None or 'bf16' (float16 would need each mode's loss "
+                         f"scaling); got {amp!r}")
     if name in CIFAR_MODELS:
         training = CIFAR_TRAINING[name]
+        description = training.description + (f", {amp} autocast" if amp else "")
         return Workload(
-            name=name, description=training.description, batch=batch,
+            name=name, description=description, batch=batch, amp=amp,
             make_model=lambda: cifar_model(name, device),
             make_optimizer=lambda m, fused=None, capturable=False: training.optimizer(
                 m, training.bench_lr, fused=fused),
