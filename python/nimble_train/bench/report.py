@@ -112,8 +112,8 @@ def read_json(path: str) -> tuple[list[dict], dict]:
 
 _COLOURS = {"eager": "#9e9e9e", "eager-fused": "#757575", "compile": "#90caf9",
             "compile-ro": "#1e88e5", "compile-ro-opt": "#0d47a1", "graph": "#ffb74d",
-            "graph-fused": "#f57c00", "graph-fused-kernels": "#e65100", "step": "#43a047", "step-auto": "#1b5e20",
-            "step-compile": "#2e7d32"}
+            "graph-fused": "#f57c00", "graph-fused-kernels": "#e65100", "step": "#43a047",
+            "step-auto": "#1b5e20", "step-compile": "#2e7d32"}
 
 
 def plot(path: str, rows: Sequence[dict], meta: dict) -> str | None:

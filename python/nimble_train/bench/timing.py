@@ -184,7 +184,7 @@ def overlap(events: Sequence[tuple[float, float, str]]) -> Overlap:
         total[n] = total.get(n, 0.0) + (e - s)
         count[n] = count.get(n, 0) + 1
     span = max(e for _, e, _ in ev) - min(s for s, _, _ in ev)
-    return Overlap(span=span, busy=busy, idle=idle, kernel_sum=sum(e - s for s, e, _ in ev),
+    return Overlap(span=span, busy=busy, idle=idle, kernel_sum=sum(total.values()),
                    concurrency=weighted / busy if busy > 0 else float("nan"),
                    alone=alone, gaps=gaps, total=total, count=count)
 
