@@ -10,8 +10,9 @@ captures with 1 GiB more memory and runs 1.36x slower than with the memory-effic
 
 While Step captures, :class:`DenseAttentionMasks` gives SDPA a contiguous copy of such a mask:
 the same values (a few hundred kilobytes for BERT-base), so the fused kernel SDPA would have
-chosen for a dense mask runs. Models under torch.compile are left alone (inductor chooses their
-kernels, and a mode unseen when they were compiled would recompile them inside the capture).
+chosen for a dense mask runs.
+
+A compiled model gets the same copy in the graph inductor compiles (_inductor_masks.py).
 """
 
 from __future__ import annotations
@@ -50,3 +51,4 @@ class DenseAttentionMasks(TorchFunctionMode):
         if func is _SDPA:
             args, kwargs = dense_mask(args, kwargs)
         return func(*args, **kwargs)
+

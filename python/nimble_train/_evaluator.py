@@ -106,7 +106,8 @@ class Evaluator:
 
     def _run(self, batch: Any) -> Any:
         step = self._step
-        with evaluating(step.model), torch.no_grad(), step._iteration._autocast():
+        with step._compiling(), evaluating(step.model), torch.no_grad(), \
+                step._iteration._autocast():
             out = self.fn(step.model, batch)
         return _checked(out)
 

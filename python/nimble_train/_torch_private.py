@@ -8,6 +8,8 @@ torch's private names.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # Pytrees: flattening batches into leaves and back, with key paths for messages. The public
@@ -161,10 +163,55 @@ def custom_graph_pass_base() -> type:
 def post_grad_pass(graph_pass):
     """A context in which inductor runs `graph_pass(graph)` on each graph it compiles, after
     its own post-grad passes (the graph after autograd: aten operators, forward and backward
-    apart)."""
+    apart), and after a pass of the user's set there."""
+    return _custom_pass("post_grad_custom_post_pass", graph_pass)
+
+
+def pre_grad_pass(graph_pass):
+    """A context in which inductor runs `graph_pass(graph)` on each graph it compiles, after
+    its own pre-grad passes (dynamo's graph of torch functions, before autograd), and after a
+    pass of the user's set there."""
+    return _custom_pass("pre_grad_custom_pass", graph_pass)
+
+
+def _custom_pass(setting: str, graph_pass):
     from torch._inductor import config
 
-    return config.patch(post_grad_custom_post_pass=graph_pass)
+    users = getattr(config, setting)
+    if users is not None:
+        graph_pass = _chained_pass_type()(users, graph_pass)
+    return config.patch(**{setting: graph_pass})
+
+
+@functools.cache
+def _chained_pass_type() -> type:
+    """Two custom passes as one: the user's, then ours. Keyed for inductor's caches when both
+    are (a pass without a uuid makes inductor bypass them, as the user's alone would). Made on
+    first use: inductor's base class loads inductor."""
+
+    class Chained(custom_graph_pass_base()):
+        def __init__(self, first, then):
+            self.first, self.then = first, then
+
+        def __call__(self, graph) -> None:
+            for graph_pass in _passes(self.first):
+                graph_pass(graph)
+            self.then(graph)
+
+        def uuid(self):
+            ids = [_uuid(p) for p in (*_passes(self.first), self.then)]
+            return None if None in ids else "+".join(map(str, ids))
+
+    return Chained
+
+
+def _passes(setting) -> tuple:
+    return tuple(setting) if isinstance(setting, (list, tuple)) else (setting,)
+
+
+def _uuid(graph_pass):
+    uuid = getattr(graph_pass, "uuid", None)
+    return uuid() if callable(uuid) else None
 
 
 def is_backward_graph(graph: torch.fx.Graph) -> bool:

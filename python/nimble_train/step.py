@@ -148,9 +148,14 @@ class Step:
         # A compiled model's weight gradients: on a side stream as inductor compiles its
         # backward (in the first calls).
         self._compiled_split = None
-        if cuda and streams != 1 and _torch_private.has_compiled_modules(model):
-            from ._inductor_wgrad import SplitBackward  # loads inductor's modules
-            self._compiled_split = SplitBackward()
+        # and its attention: SDPA given dense masks as inductor compiles it (_inductor_masks.py)
+        self._compiled_masks = None
+        if cuda and _torch_private.has_compiled_modules(model):
+            from ._inductor_masks import DenseMaskPass  # loads inductor's modules
+            self._compiled_masks = DenseMaskPass()
+            if streams != 1:
+                from ._inductor_wgrad import SplitBackward
+                self._compiled_split = SplitBackward()
         if self._will_capture:
             _options.require_cuda_runtime(self._device)
         self._update = Update(optimizer, amp, self._will_capture, self._device)
@@ -235,16 +240,26 @@ class Step:
 
     def _call(self, batch: Any) -> torch.Tensor:
         try:
-            if self._compiled_split is None:
+            if self._compiled_masks is None:
                 return self._run(batch)
             # Whatever inductor compiles in the step (the first calls compile the model)
             from ._inductor_wgrad import split_compiled_backward
-            with split_compiled_backward(self._compiled_split):
+            split = (split_compiled_backward(self._compiled_split)
+                     if self._compiled_split is not None else contextlib.nullcontext())
+            with self._compiling(), split:
                 return self._run(batch)
         except BaseException as error:
             if self._gradsync is not None and not isinstance(error, DistributedError):
                 self._gradsync.world.tell_peers(error)  # their errors then name this one
             raise
+
+    def _compiling(self):
+        """A block in which what inductor compiles (a compiled model's first calls, in the step
+        or an evaluator) gives SDPA dense attention masks (_inductor_masks.py)."""
+        if self._compiled_masks is None:
+            return contextlib.nullcontext()
+        from ._inductor_masks import compiled_dense_masks
+        return compiled_dense_masks(self._compiled_masks)
 
     def _run(self, batch: Any) -> torch.Tensor:
         if self._phase is Phase.CLOSED:
@@ -641,6 +656,9 @@ class Step:
             "fused_batch_norm_layers": graph.fused_bn_layers if captured else 0,
             # batch counters the last training capture advanced in one kernel at its end
             "batch_norm_counters": graph.bn_counters if captured else 0,
+            # attention calls of a compiled model given dense masks as Step's calls compiled it
+            "dense_attention_masks": (self._compiled_masks.masks
+                                      if self._compiled_masks is not None else 0),
             # max-pools the last capture ran on nimble_train's kernels (_max_pool.py)
             "max_pool_layers": graph.max_pool_layers if captured else 0,
             # stems (convolutions of few input channels) the last capture ran on

@@ -265,3 +265,69 @@ def test_a_post_grad_pass_sees_the_backward_graph_and_keys_the_caches():
     finally:
         torch._dynamo.reset()
     assert seen == [False, True]  # the forward, then the backward
+
+
+def test_a_pre_grad_pass_sees_dynamos_graph_of_torch_functions():
+    """inductor runs the pass on dynamo's graph, before autograd: torch functions, not aten
+    operators; the setting is restored after the block."""
+    import torch._functorch.config
+    from torch._inductor import config
+
+    base = _torch_private.custom_graph_pass_base()
+    seen = []
+
+    class Record(base):
+        def __call__(self, graph):
+            graph = graph.graph if isinstance(graph, torch.fx.GraphModule) else graph
+            seen.append([n.target for n in graph.nodes if n.op == "call_function"])
+
+        def uuid(self):
+            return "nimble_train.test.record-pre-grad"
+
+    torch._dynamo.reset()
+    try:
+        with _torch_private.pre_grad_pass(Record()):
+            with config.patch(fx_graph_cache=False), \
+                    torch._functorch.config.patch(enable_autograd_cache=False):
+                x = torch.randn(4, 3, requires_grad=True)
+                torch.compile(lambda t: (torch.sin(t) * 2).sum())(x).backward()
+        assert config.pre_grad_custom_pass is None
+    finally:
+        torch._dynamo.reset()
+    assert len(seen) == 1 and torch.sin in seen[0]  # once, before the forward and backward split
+
+
+def test_our_passes_run_after_the_users_and_leave_them_set():
+    """A pass the user set in inductor's config still runs, first, within our blocks; the two
+    are keyed for the caches together, and the user's is back after the block."""
+    from torch._inductor import config
+
+    base = _torch_private.custom_graph_pass_base()
+    order = []
+
+    class Named(base):
+        def __init__(self, name):
+            self.name = name
+
+        def __call__(self, graph):
+            order.append(self.name)
+
+        def uuid(self):
+            return self.name
+
+    users = Named("user")
+    with config.patch(pre_grad_custom_pass=users, post_grad_custom_post_pass=users):
+        for block, setting in ((_torch_private.pre_grad_pass, "pre_grad_custom_pass"),
+                               (_torch_private.post_grad_pass, "post_grad_custom_post_pass")):
+            with block(Named("ours")):
+                chained = getattr(config, setting)
+                chained(torch.fx.Graph())
+                assert chained.uuid() == "user+ours"
+            assert getattr(config, setting) is users
+    assert order == ["user", "ours", "user", "ours"]
+
+    class NoUuid:
+        def __call__(self, graph):
+            pass
+    with config.patch(pre_grad_custom_pass=NoUuid()), _torch_private.pre_grad_pass(Named("x")):
+        assert config.pre_grad_custom_pass.uuid() is None  # inductor bypasses its caches
