@@ -63,7 +63,8 @@ def _traced_needs_copy(mask: torch.fx.Node) -> bool:
 
 class DenseMaskPass(_torch_private.custom_graph_pass_base()):
     """:func:`densify_masks` as one of inductor's pre-grad passes; `masks` counts the calls
-    it rewrote (a graph dynamo's own cache served, compiled before, is not seen)."""
+    it rewrote (a graph dynamo compiled before, or one inductor's caches serve, rewritten when
+    first compiled, is not counted)."""
 
     def __init__(self):
         self.masks = 0
