@@ -39,6 +39,9 @@ the padding differs, and attention_mask 0 on padding makes it exact. The rows:
   in the fused element-wise and LayerNorm ones: the matmuls (cuBLAS) and attention (SDPA) are
   the same kernels either way.
 
+The compiled rows compile with the dense attention masks Step gives a compiled model's SDPA
+(nimble_train/_inductor_masks.py), so that every row runs the same attention kernels.
+
 Method: an epoch of --repeats x --steps batches, run twice. The first epoch is cold: it pays
 every first time (compilation, recompilation, a recording per new shape, cuBLAS and cuDNN
 meeting a shape, Step's warm-up and captures); its wall-clock seconds are the "epoch 1" column.
@@ -72,6 +75,7 @@ from typing import Callable
 import torch
 
 import nimble_train as nt
+from nimble_train.bench.modes import dense_masks_while_compiling
 from nimble_train.bench.report import _fmt, write_json
 from nimble_train.bench.workloads import (CLS_ID, FIRST_CONTENT_ID, PAD_ID, SEP_ID, bert_config,
                                           bert_optimizer, require_transformers)
@@ -164,6 +168,13 @@ def describe_data(data: Data, used: int, max_len: int) -> dict:
 # ---------------------------------------------------------------------- rows
 
 
+def compiled(model, mode: str | None = None):
+    """torch.compile(model, mode=mode), compiling with the dense attention masks Step's compiled
+    models get (bench.modes.dense_masks_while_compiling) at every call: a length first seen
+    late recompiles then."""
+    return dense_masks_while_compiling(torch.compile(model, mode=mode), calls=None)
+
+
 def eager_loop(model, forward, optimizer, mark_step: bool = False):
     device = next(model.parameters()).device.type
 
@@ -205,12 +216,12 @@ ROWS = {r.key: r for r in [
     Row("eager-512", "eager, padded to {max_len}", "max-len",
         lambda m, o, n: eager_loop(m, m, o)),
     Row("compile", "torch.compile, dynamic padding", "dynamic",
-        lambda m, o, n: eager_loop(m, torch.compile(m), o), compiled=True),
+        lambda m, o, n: eager_loop(m, compiled(m), o), compiled=True),
     Row("compile-ro", "reduce-overhead, dynamic padding", "dynamic",
-        lambda m, o, n: eager_loop(m, torch.compile(m, mode="reduce-overhead"), o, True),
+        lambda m, o, n: eager_loop(m, compiled(m, "reduce-overhead"), o, True),
         compiled=True),
     Row("compile-ro-64", "reduce-overhead, lengths to x64", "multiple of 64",
-        lambda m, o, n: eager_loop(m, torch.compile(m, mode="reduce-overhead"), o, True),
+        lambda m, o, n: eager_loop(m, compiled(m, "reduce-overhead"), o, True),
         compiled=True),
     Row("step-512", "nt.Step, padded to {max_len}", "max-len",
         lambda m, o, n: nt_step(m, o, n, buckets=False)),

@@ -13,7 +13,8 @@ update being --accumulate micro-batches (one call each):
   cudagraph trees) with the same eager accumulation and fused optimizer. The gradients are
   kept allocated and zeroed in place, and ``torch.compiler.cudagraph_mark_step_begin()`` marks
   each micro-batch: without both, AccumulateGrad takes a graph's output buffer as ``p.grad``
-  and the next replay overwrites it (wrong gradients, or an error);
+  and the next replay overwrites it (wrong gradients, or an error). It compiles with the dense
+  attention masks Step's compiled models get (``bench.modes.dense_masks_while_compiling``);
 - nt.Step: ``nt.Step(model, optimizer, loss_fn, accumulate=K, streams=1)``; the same with
   ``ema=0.999`` (the EMA's cost is the difference); and over ``torch.compile(model)`` (default
   mode: inductor's kernels, captured with the rest of the step in Step's graphs).
@@ -37,6 +38,7 @@ import sys
 import torch
 
 import nimble_train as nt
+from nimble_train.bench.modes import dense_masks_while_compiling
 from nimble_train.bench.timing import time_ms
 from nimble_train.bench.workloads import forward_loss, make_workload
 
@@ -71,7 +73,7 @@ def eager(w, k):
 def reduce_overhead(w, k):
     torch._dynamo.reset()
     model, optimizer = _fresh(w, fused=True)
-    forward = torch.compile(model, mode="reduce-overhead")
+    forward = dense_masks_while_compiling(torch.compile(model, mode="reduce-overhead"))
     for p in model.parameters():  # gradients live outside the graphs' pool, summed in place
         p.grad = torch.zeros_like(p)
 

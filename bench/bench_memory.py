@@ -10,7 +10,8 @@ in every row, so that autotuning's workspaces do not count.
 
 - eager: four warm steps (``zero_grad(set_to_none=True)``, forward and loss, backward, the
   workload's optimizer), then the peak of allocated memory over one more step;
-- compiled: the same loop over ``torch.compile(model)``;
+- compiled: the same loop over ``torch.compile(model)``, compiled with the dense attention
+  masks Step's compiled models get (``bench.modes.dense_masks_while_compiling``);
 - step-1 / step-auto: ``nt.Step(model, ...)`` with streams=1 / "auto", the peak over its
   warm-up, capture and replays (eight calls), and the graphs' private pool (its segments'
   bytes);
@@ -38,6 +39,7 @@ def measure(name: str, batch: int, mode: str) -> dict:
     import torch
 
     import nimble_train as nt
+    from nimble_train.bench.modes import dense_masks_while_compiling
     from nimble_train.bench.workloads import forward_loss, make_workload
 
     torch.backends.cudnn.benchmark = False
@@ -48,7 +50,8 @@ def measure(name: str, batch: int, mode: str) -> dict:
     batches = workload.batches
     row = {"workload": f"{name} b{batch}", "mode": mode}
     if mode in ("eager", "compiled"):
-        forward = torch.compile(model) if mode == "compiled" else model
+        forward = (dense_masks_while_compiling(torch.compile(model)) if mode == "compiled"
+                   else model)
 
         def step(batch):
             optimizer.zero_grad(set_to_none=True)

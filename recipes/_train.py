@@ -32,6 +32,7 @@ import torch
 
 import nimble_train as nt
 from nimble_train._evaluator import evaluating
+from nimble_train.bench.modes import dense_masks_while_compiling
 from nimble_train.bench.workloads import forward_loss
 
 MODES = ("eager", "compile", "step")
@@ -270,7 +271,10 @@ def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.devic
         return nt.Step(forward, optimizer, loss_fn, streams=streams,
                        warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture,
                        buckets=buckets)
-    forward = torch.compile(model) if mode == "compile" else model
+    # compile: with the dense attention masks Step's compiled models get, so that both run the
+    # same attention kernels (nimble_train/_inductor_masks.py); at every call, as lengths vary
+    forward = (dense_masks_while_compiling(torch.compile(model), calls=None)
+               if mode == "compile" else model)
     return PlainStep(forward, optimizer, loss_fn, device=device, amp=amp, grad_clip=grad_clip)
 
 

@@ -63,6 +63,15 @@ def test_bert_recipe_compiled_inside_step_is_captured(capsys):
     assert summary_of(out)["steps"] == "24"
 
 
+@needs_transformers
+def test_bert_recipe_compile_mode_runs(capsys):
+    """The plain loop over torch.compile(model), compiled with the dense attention masks Step's
+    compiled models get."""
+    assert bert.main(BERT + ["--amp", "bf16", "--mode", "compile", "--steps", "12"]) == 0
+    s = summary_of(capsys.readouterr().out)
+    assert s["mode"] == "compile" and s["steps"] == "12"
+
+
 def test_cifar_resume_continues_in_a_captured_step(tmp_path, capsys):
     path = str(tmp_path / "c.pt")
     common = CIFAR + ["--model", "branchy", "--width", "0.5", "--epochs", "2", "--save", path]

@@ -11,7 +11,7 @@ waits); ``compile-ro-opt`` compiles the optimizer step too, as PyTorch's compile
 recipe does (``torch.compile(optimizer.step)``, default mode: its CUDA graphs under
 reduce-overhead overwrite the model graphs' outputs). The hand-written graphs capture with the
 dense attention masks Step gives scaled_dot_product_attention (:func:`anchor_capture`), and the
-compiled rows compile with them (:func:`_dense_masks_while_compiling`), so that every row runs
+compiled rows compile with them (:func:`dense_masks_while_compiling`), so that every row runs
 the same fused attention kernel as Step and the eager loop.
 """
 
@@ -86,27 +86,29 @@ def _compiled(mode: str | None, *, fused: bool | None = None,
     def build(w: Workload) -> StepFn:
         torch._dynamo.reset()  # no reuse of an earlier mode's compiled code
         model, optimizer = _fresh(w, fused=fused)
-        forward = _dense_masks_while_compiling(torch.compile(model, mode=mode))
+        forward = dense_masks_while_compiling(torch.compile(model, mode=mode))
         update = torch.compile(optimizer.step) if compile_update else None
         return _eager_loop(w, forward, model, optimizer, update=update)
     return build
 
 
-def _dense_masks_while_compiling(forward: Callable, calls: int = 3) -> Callable:
-    """`forward` (a compiled model) whose first `calls` calls, where torch.compile traces and
-    reduce-overhead records, compile with the dense attention masks Step's compiled models get.
+def dense_masks_while_compiling(forward: Callable, calls: int | None = 3) -> Callable:
+    """`forward` (a compiled model) whose first `calls` calls (every call: None), where
+    torch.compile traces and reduce-overhead records, compile with the dense attention masks
+    Step's compiled models get; later calls go straight to `forward`. Fixed shapes need the
+    first three; shapes that vary recompile later, and need every call.
 
     Traced, Hugging Face's masking code (transformers 5.17, no mask given) builds an all-True
     broadcast mask that SDPA's fused kernels refuse, so inductor compiles SDPA's math path, in
     float32 for bfloat16 inputs; later versions of transformers give no mask there. A user
     finds the float32 products in a profile; the anchor compiles the dense mask Step's pass
-    makes (nimble_train/_inductor_masks.py), so that rows compare compilers, not attention kernels
-    or transformers' versions. Later calls go straight to `forward`."""
+    makes (nimble_train/_inductor_masks.py), so that rows compare compilers, not attention
+    kernels or transformers' versions."""
     from .._inductor_masks import DenseMaskPass, compiled_dense_masks  # loads inductor's
     graph_pass, seen = DenseMaskPass(), [0]
 
     def call(*args, **kwargs):
-        if seen[0] >= calls:
+        if calls is not None and seen[0] >= calls:
             return forward(*args, **kwargs)
         seen[0] += 1
         with compiled_dense_masks(graph_pass):
