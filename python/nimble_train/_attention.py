@@ -51,4 +51,3 @@ class DenseAttentionMasks(TorchFunctionMode):
         if func is _SDPA:
             args, kwargs = dense_mask(args, kwargs)
         return func(*args, **kwargs)
-

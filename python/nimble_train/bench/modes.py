@@ -105,15 +105,15 @@ def dense_masks_while_compiling(forward: Callable, calls: int | None = 3) -> Cal
     makes (nimble_train/_inductor_masks.py), so that rows compare compilers, not attention
     kernels or transformers' versions."""
     from .._inductor_masks import DenseMaskPass, compiled_dense_masks  # loads inductor's
-    graph_pass, seen = DenseMaskPass(), [0]
+    graph_pass, seen = DenseMaskPass(), 0
 
     def call(*args, **kwargs):
-        if calls is not None and seen[0] >= calls:
+        nonlocal seen
+        if calls is not None and seen >= calls:
             return forward(*args, **kwargs)
-        seen[0] += 1
+        seen += 1
         with compiled_dense_masks(graph_pass):
             return forward(*args, **kwargs)
-    call.graph_pass = graph_pass
     return call
 
 
