@@ -53,6 +53,26 @@ def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial
         raise ValueError(f"shard_optimizer must be True or False; got {shard_optimizer!r}")
 
 
+def check_compiled_graphs(model: torch.nn.Module) -> None:
+    """Refuses, before anything is changed, a compiled module that replays CUDA graphs of its
+    own: its replay cannot be captured in Step's graph (torch raises "Cannot prepare for replay
+    during capturing stage"), and Step's one graph already does what they would."""
+    from . import _torch_private
+
+    for name, module in model.named_modules():
+        if _torch_private.replays_cuda_graphs(module):
+            what = f"model.{name}" if name else "the model"
+            raise ValueError(
+                f"nimble_train.Step captures the whole step as one CUDA graph, so a compiled "
+                f"model inside it must leave CUDA graphs to Step; {what} was compiled to replay "
+                f"CUDA graphs of its own (torch.compile's mode=\"reduce-overhead\" or "
+                f"\"max-autotune\", options={{\"triton.cudagraphs\": True}}, or "
+                f"backend=\"cudagraphs\"), which cannot run inside a capture. Compile it with "
+                f"torch.compile(model) or mode=\"max-autotune-no-cudagraphs\" (Step's graph "
+                f"takes the place of reduce-overhead's), or pass capture=False to run every "
+                f"step eagerly.")
+
+
 def check_accumulate(accumulate) -> None:
     if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
         raise ValueError(

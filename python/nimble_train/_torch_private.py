@@ -38,6 +38,30 @@ def has_compiled_modules(model: torch.nn.Module) -> bool:
     return any(is_compiled_module(m) for m in model.modules())
 
 
+def replays_cuda_graphs(module: torch.nn.Module) -> bool:
+    """Whether `module` is compiled (torch.compile(module), or module.compile() in place) to
+    code that replays CUDA graphs of its own: inductor with its CUDA graphs on
+    (mode="reduce-overhead" or "max-autotune", options={"triton.cudagraphs": True}), or, for
+    torch.compile(module), dynamo's "cudagraphs" backend. False where this torch says neither
+    (an older one keeps the backend elsewhere)."""
+    compiled = (module if is_compiled_module(module)
+                else getattr(module, "_compiled_call_impl", None))
+    get_config = getattr(compiled, "get_compiler_config", None)
+    config = get_config() if callable(get_config) else None
+    if isinstance(config, dict) and config.get("triton.cudagraphs"):
+        return True
+    # A backend given by name: dynamo wraps it (ConvertFrame, then WrapBackendDebug), each
+    # wrapper keeping the one it wraps as _torchdynamo_orig_backend.
+    backend = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    for _ in range(4):
+        backend = getattr(backend, "_torchdynamo_orig_backend", None)
+        if backend is None:
+            return False
+        if getattr(backend, "compiler_name", None) == "cudagraphs":
+            return True
+    return False
+
+
 def default_store():
     """The torch.distributed store of the default process group (rendezvous key-value store)."""
     import torch.distributed as dist

@@ -69,7 +69,8 @@ class Step:
             loss = step(batch)   # one graph launch; a 0-dim device tensor, no host sync
 
     Args:
-        model: the module to train (its parameters on one device).
+        model: the module to train (its parameters on one device); torch.compile'd, without
+            inductor's CUDA graphs (not mode="reduce-overhead"): Step's graph replaces them.
         optimizer: a torch.optim.Optimizer over (some of) the model's parameters. SGD, Adam,
             AdamW and nimble_train.optim.LAMB are fused in the graph (every hyper-parameter
             read on the device); others are captured as they are.
@@ -150,6 +151,8 @@ class Step:
         self._compiled_split = None
         # and its attention: SDPA given dense masks as inductor compiles it (_inductor_masks.py)
         self._compiled_masks = None
+        if self._will_capture:
+            _options.check_compiled_graphs(model)
         if cuda and _torch_private.has_compiled_modules(model):
             from ._inductor_masks import DenseMaskPass  # loads inductor's modules
             self._compiled_masks = DenseMaskPass()

@@ -218,6 +218,24 @@ def test_a_closed_step_refuses_to_run():
         step(batch)
 
 
+def test_a_compiled_module_that_replays_cuda_graphs_of_its_own_is_refused_by_name():
+    from nimble_train._options import check_compiled_graphs
+    holder = torch.nn.Sequential(torch.nn.Linear(4, 4),
+                                 torch.compile(torch.nn.Linear(4, 2), mode="reduce-overhead"))
+    with pytest.raises(ValueError, match=r"model\.1 was compiled to replay CUDA graphs") as info:
+        check_compiled_graphs(holder)
+    assert 'mode="max-autotune-no-cudagraphs"' in str(info.value)
+    assert "capture=False" in str(info.value)
+    with pytest.raises(ValueError, match="the model was compiled to replay CUDA graphs"):
+        check_compiled_graphs(torch.compile(MLP(), mode="max-autotune"))
+    in_place = MLP()
+    in_place.compile(options={"triton.cudagraphs": True})
+    with pytest.raises(ValueError, match=r"model\.0 was compiled to replay CUDA graphs"):
+        check_compiled_graphs(torch.nn.Sequential(in_place))
+    check_compiled_graphs(torch.compile(MLP()))  # inductor without its CUDA graphs: fine
+    check_compiled_graphs(torch.nn.Sequential(torch.compile(MLP(), backend="eager"), MLP()))
+
+
 def _running_expression():
     """What the caller is running while it waits for this call (as a host sync's caller is)."""
     import sys

@@ -43,6 +43,29 @@ def test_compiled_modules_are_recognised():
     assert not _torch_private.has_compiled_modules(torch.nn.Sequential(model))
 
 
+@pytest.mark.parametrize("compile_kwargs, replays", [
+    ({}, False),
+    ({"mode": "default"}, False),
+    ({"mode": "reduce-overhead"}, True),
+    ({"mode": "max-autotune"}, True),
+    ({"mode": "max-autotune-no-cudagraphs"}, False),
+    ({"options": {"triton.cudagraphs": True}}, True),
+    ({"options": {"max_autotune": True}}, False),
+    ({"backend": "cudagraphs"}, True),
+    ({"backend": "eager"}, False),
+    ({"backend": "aot_eager"}, False),
+], ids=lambda v: repr(v) if isinstance(v, dict) else str(v))
+def test_compiled_modules_that_replay_cuda_graphs_of_their_own_are_recognised(compile_kwargs,
+                                                                               replays):
+    compiled = torch.compile(torch.nn.Linear(2, 2), **compile_kwargs)
+    assert _torch_private.replays_cuda_graphs(compiled) is replays
+    assert not _torch_private.replays_cuda_graphs(torch.nn.Linear(2, 2))
+    if "backend" not in compile_kwargs:  # in place: its backend is out of reach, its options not
+        in_place = torch.nn.Linear(2, 2)
+        in_place.compile(**compile_kwargs)
+        assert _torch_private.replays_cuda_graphs(in_place) is replays
+
+
 def test_the_default_store_is_the_process_groups():
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)

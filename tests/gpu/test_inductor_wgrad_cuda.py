@@ -231,3 +231,26 @@ def test_a_capture_failing_on_side_streams_is_captured_on_one(monkeypatch, fresh
     expected = torch.stack(eager_loop(reference, ref_opt, per_sample, batches[1:]))
     torch.testing.assert_close(losses, expected, rtol=1e-3, atol=1e-4)
     assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
+
+
+def test_a_model_compiled_with_cuda_graphs_of_its_own_is_refused_and_runs_uncaptured(
+        fresh_dynamo):
+    """reduce-overhead's replays cannot be captured in Step's graph: refused when Step is built,
+    before anything runs; with capture=False, as the message offers, Step trains as eager."""
+    batches = classification_batches(5, 16, classes=5, device="cuda", image=True)
+    torch.manual_seed(0)
+    model = Residual().cuda()
+    reference = copy.deepcopy(model)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    opt, ref_opt = make_opt(model.parameters()), make_opt(reference.parameters())
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for streams in (1, "auto"):
+        with pytest.raises(ValueError, match="the model was compiled to replay CUDA graphs"):
+            nt.Step(compiled, opt, per_sample, streams=streams)
+    step = nt.Step(compiled, opt, per_sample, capture=False)
+    losses = torch.stack([step(b).clone() for b in batches])
+    expected = torch.stack(eager_loop(reference, ref_opt, per_sample, batches))
+    assert step.stats()["captured"] is False
+    # Inductor fuses the batch-norm arithmetic: other rounding than eager's.
+    torch.testing.assert_close(losses, expected, rtol=1e-3, atol=1e-4)
+    assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
