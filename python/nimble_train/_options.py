@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import _torch_private
 from ._batch import BatchTemplate
 from ._extension import _C
 from ._iteration import AMP_DTYPES
@@ -57,8 +58,6 @@ def check_compiled_graphs(model: torch.nn.Module) -> None:
     """Refuses, before anything is changed, a compiled module that replays CUDA graphs of its
     own: its replay cannot be captured in Step's graph (torch raises "Cannot prepare for replay
     during capturing stage"), and Step's one graph already does what they would."""
-    from . import _torch_private
-
     for name, module in model.named_modules():
         if _torch_private.replays_cuda_graphs(module):
             what = f"model.{name}" if name else "the model"

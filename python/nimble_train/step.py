@@ -151,8 +151,6 @@ class Step:
         self._compiled_split = None
         # and its attention: SDPA given dense masks as inductor compiles it (_inductor_masks.py)
         self._compiled_masks = None
-        if self._will_capture:
-            _options.check_compiled_graphs(model)
         if cuda and _torch_private.has_compiled_modules(model):
             from ._inductor_masks import DenseMaskPass  # loads inductor's modules
             self._compiled_masks = DenseMaskPass()
@@ -160,6 +158,7 @@ class Step:
                 from ._inductor_wgrad import SplitBackward
                 self._compiled_split = SplitBackward()
         if self._will_capture:
+            _options.check_compiled_graphs(model)
             _options.require_cuda_runtime(self._device)
         self._update = Update(optimizer, amp, self._will_capture, self._device)
         world = current_world()
