@@ -33,17 +33,24 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+def compiled_in_place(module: torch.nn.Module) -> bool:
+    """True for a module compiled in place (module.compile()): its calls run the compiled
+    code, while its forward and submodules stay the original ones."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def has_compiled_modules(model: torch.nn.Module) -> bool:
-    """Whether `model` is, or holds, a torch.compile'd module."""
-    return any(is_compiled_module(m) for m in model.modules())
+    """Whether `model` is, or holds, a compiled module: torch.compile(module)'s wrapper or a
+    module compiled in place."""
+    return any(is_compiled_module(m) or compiled_in_place(m) for m in model.modules())
 
 
 def replays_cuda_graphs(module: torch.nn.Module) -> bool:
     """Whether `module` is compiled (torch.compile(module), or module.compile() in place) to
     code that replays CUDA graphs of its own: inductor with its CUDA graphs on
-    (mode="reduce-overhead" or "max-autotune", options={"triton.cudagraphs": True}), or, for
-    torch.compile(module), dynamo's "cudagraphs" backend. False where this torch says neither
-    (an older one keeps the backend elsewhere)."""
+    (mode="reduce-overhead" or "max-autotune", options={"triton.cudagraphs": True}), or
+    dynamo's "cudagraphs" backend. False where this torch says neither (an older one keeps the
+    backend elsewhere)."""
     compiled = (module if is_compiled_module(module)
                 else getattr(module, "_compiled_call_impl", None))
     get_config = getattr(compiled, "get_compiler_config", None)
@@ -51,8 +58,13 @@ def replays_cuda_graphs(module: torch.nn.Module) -> bool:
     if isinstance(config, dict) and config.get("triton.cudagraphs"):
         return True
     # A backend given by name: dynamo wraps it (ConvertFrame, then WrapBackendDebug), each
-    # wrapper keeping the one it wraps as _torchdynamo_orig_backend.
-    backend = getattr(getattr(compiled, "dynamo_ctx", None), "callback", None)
+    # wrapper keeping the one it wraps as _torchdynamo_orig_backend. The wrapper's dynamo
+    # context holds the outermost; compiled in place, only get_compiler_config reaches the
+    # context (it reads the context's config).
+    context = getattr(compiled, "dynamo_ctx", None)
+    if context is None:
+        context = next((v for v in _closed_over(get_config) if hasattr(v, "callback")), None)
+    backend = getattr(context, "callback", None)
     for _ in range(4):
         backend = getattr(backend, "_torchdynamo_orig_backend", None)
         if backend is None:
@@ -60,6 +72,17 @@ def replays_cuda_graphs(module: torch.nn.Module) -> bool:
         if getattr(backend, "compiler_name", None) == "cudagraphs":
             return True
     return False
+
+
+def _closed_over(fn) -> list:
+    """The values `fn` closes over (its closure's cells that hold one)."""
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            pass
+    return values
 
 
 def default_store():

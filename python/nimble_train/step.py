@@ -69,8 +69,9 @@ class Step:
             loss = step(batch)   # one graph launch; a 0-dim device tensor, no host sync
 
     Args:
-        model: the module to train (its parameters on one device); torch.compile'd, without
-            inductor's CUDA graphs (not mode="reduce-overhead"): Step's graph replaces them.
+        model: the module to train (its parameters on one device); compiled or not
+            (torch.compile(model), or model.compile() in place), without inductor's CUDA
+            graphs (not mode="reduce-overhead"): Step's graph replaces them.
         optimizer: a torch.optim.Optimizer over (some of) the model's parameters. SGD, Adam,
             AdamW and nimble_train.optim.LAMB are fused in the graph (every hyper-parameter
             read on the device); others are captured as they are.

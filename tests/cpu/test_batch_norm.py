@@ -78,6 +78,8 @@ def test_compiled_models_keep_their_batch_norms():
     net = Net()
     assert candidates(net) == [net.bn, net.own, net.sync]
     assert candidates(nn.Sequential(torch.compile(net))) == []
+    net.compile()  # in place
+    assert candidates(net) == [] and candidates(nn.Sequential(net)) == []
 
 
 class Counting(nn.Module):

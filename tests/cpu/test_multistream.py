@@ -51,9 +51,13 @@ def test_one_stream_asked_for():
 
 
 def test_compiled_modules_keep_one_stream_with_the_reason():
-    # fx would trace through torch.compile's wrapper and run the original modules uncompiled.
+    # fx would trace through torch.compile's wrapper, or past a module compiled in place (fx
+    # calls its forward), and run the original modules uncompiled.
     model = InceptionNet(cells=1)
-    for compiled in (torch.compile(model), torch.nn.Sequential(torch.compile(model))):
+    in_place = InceptionNet(cells=1)
+    in_place.compile()
+    for compiled in (torch.compile(model), torch.nn.Sequential(torch.compile(model)), in_place,
+                     torch.nn.Sequential(in_place)):
         forward, reason = build_multistream(compiled, "auto", torch.device("cpu"))
         assert forward is None and "torch.compile'd modules" in reason
 

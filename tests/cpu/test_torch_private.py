@@ -41,6 +41,15 @@ def test_compiled_modules_are_recognised():
     holder = torch.nn.Sequential(torch.compile(torch.nn.Linear(2, 2)))
     assert _torch_private.has_compiled_modules(holder)
     assert not _torch_private.has_compiled_modules(torch.nn.Sequential(model))
+    # compiled in place: the module itself, its calls the compiled code's
+    in_place = torch.nn.Linear(2, 2)
+    in_place.compile()
+    assert _torch_private.compiled_in_place(in_place)
+    assert not _torch_private.is_compiled_module(in_place)
+    assert not _torch_private.compiled_in_place(model)
+    assert not _torch_private.compiled_in_place(torch.compile(torch.nn.Linear(2, 2)))
+    assert _torch_private.has_compiled_modules(in_place)
+    assert _torch_private.has_compiled_modules(torch.nn.Sequential(torch.nn.ReLU(), in_place))
 
 
 @pytest.mark.parametrize("compile_kwargs, replays", [
@@ -60,10 +69,9 @@ def test_compiled_modules_that_replay_cuda_graphs_of_their_own_are_recognised(co
     compiled = torch.compile(torch.nn.Linear(2, 2), **compile_kwargs)
     assert _torch_private.replays_cuda_graphs(compiled) is replays
     assert not _torch_private.replays_cuda_graphs(torch.nn.Linear(2, 2))
-    if "backend" not in compile_kwargs:  # in place: its backend is out of reach, its options not
-        in_place = torch.nn.Linear(2, 2)
-        in_place.compile(**compile_kwargs)
-        assert _torch_private.replays_cuda_graphs(in_place) is replays
+    in_place = torch.nn.Linear(2, 2)
+    in_place.compile(**compile_kwargs)
+    assert _torch_private.replays_cuda_graphs(in_place) is replays
 
 
 def test_the_default_store_is_the_process_groups():

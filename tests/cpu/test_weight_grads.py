@@ -53,6 +53,11 @@ def test_the_plan_says_why_it_splits_nothing():
     assert plan_weight_grads(model, 1, cpu) == (None, "streams=1")
     side, why = plan_weight_grads(nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)), "auto", cpu)
     assert side is None and "no convolution or linear layer" in why
+    in_place = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    in_place.compile()
+    for compiled in (torch.compile(model), in_place, nn.Sequential(in_place)):
+        side, why = plan_weight_grads(compiled, "auto", cpu)
+        assert side is None and "whose backward inductor plans" in why
 
 
 def test_the_plan_joins_its_side_streams_when_the_backward_ends_unless_told_a_lag(monkeypatch):

@@ -44,14 +44,17 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def trained(streams, batches, make_opt, warmup=2, channels_last=False):
+def trained(streams, batches, make_opt, warmup=2, channels_last=False, in_place=False):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Residual().cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt = make_opt(model.parameters())
-    step = nt.Step(torch.compile(model), opt, per_sample, streams=streams, warmup=warmup)
+    if in_place:
+        model.compile()
+    compiled = model if in_place else torch.compile(model)
+    step = nt.Step(compiled, opt, per_sample, streams=streams, warmup=warmup)
     losses = torch.stack([step(b).clone() for b in batches])
     torch.cuda.synchronize()
     return step, model, opt, losses
@@ -88,6 +91,26 @@ def test_compiled_step_with_side_streams_equals_one_stream_and_eager(make_opt, c
     # Inductor fuses the batch-norm arithmetic: other rounding than eager's.
     torch.testing.assert_close(l_auto, expected, rtol=1e-3, atol=1e-4)
     assert_same_training(m_auto, o_auto, reference, ref_opt, rtol=1e-3, atol=1e-4)
+
+
+def test_a_model_compiled_in_place_is_planned_as_torch_compiles_wrapper(fresh_dynamo):
+    """model.compile(): inductor's forward on one stream, its backward split, the model's own
+    layers left alone; the same training as over torch.compile(model). Before, fx traced past
+    the compiled call and Step ran the model uncompiled, its forward on its own streams."""
+    batches = classification_batches(6, 16, classes=5, device="cuda", image=True)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
+    in_place, m_in, o_in, l_in = trained("auto", batches, make_opt, in_place=True)
+    wrapped, m_wr, o_wr, l_wr = trained("auto", batches, make_opt)
+    got, expected = in_place.stats(), wrapped.stats()
+    assert got["captured"] and got["replays"] == 4, got
+    for key in ("streams", "traced_ops", "single_stream_reason", "weight_grad_layers",
+                "weight_grad_streams", "native_batch_norm_layers", "small_conv_layers"):
+        assert got[key] == expected[key], (key, got[key], expected[key])
+    assert got["weight_grad_layers"] == 3 and got["traced_ops"] is None
+    assert "torch.compile'd modules" in got["single_stream_reason"]
+    assert not any("forward" in vars(m) for m in m_in.modules())
+    torch.testing.assert_close(l_in, l_wr, rtol=1e-5, atol=1e-6)
+    assert_same_training(m_in, o_in, m_wr, o_wr, rtol=1e-5, atol=1e-6)
 
 
 def test_the_backward_runs_weight_gradients_on_a_side_stream(fresh_dynamo):
