@@ -33,10 +33,24 @@ def is_compiled_module(module: torch.nn.Module) -> bool:
     return isinstance(module, OptimizedModule)
 
 
+def compiled_functions(module: torch.nn.Module) -> list:
+    """The compiled functions a module's calls run in place of its own code: its call compiled
+    in place (module.compile()), and methods replaced by compiled ones on the instance
+    (module.forward = torch.compile(module.forward); Lightning compiles a LightningModule's
+    forward and *_step methods so when given torch.compile(module)). Its forward and
+    submodules stay the original ones, which torch.fx traces."""
+    if is_compiled_module(module):
+        return []  # the wrapper, not a module compiled in place
+    # module.compile() sets _compiled_call_impl on the instance. dynamo's compiled functions
+    # carry their config; torch._dynamo.disable's do not.
+    return [value for value in vars(module).values()
+            if callable(value) and hasattr(value, "_torchdynamo_orig_callable")
+            and callable(getattr(value, "get_compiler_config", None))]
+
+
 def compiled_in_place(module: torch.nn.Module) -> bool:
-    """True for a module compiled in place (module.compile()): its calls run the compiled
-    code, while its forward and submodules stay the original ones."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """True for a module compiled in place: :func:`compiled_functions` finds some."""
+    return bool(compiled_functions(module))
 
 
 def has_compiled_modules(model: torch.nn.Module) -> bool:
@@ -46,13 +60,18 @@ def has_compiled_modules(model: torch.nn.Module) -> bool:
 
 
 def replays_cuda_graphs(module: torch.nn.Module) -> bool:
-    """Whether `module` is compiled (torch.compile(module), or module.compile() in place) to
-    code that replays CUDA graphs of its own: inductor with its CUDA graphs on
-    (mode="reduce-overhead" or "max-autotune", options={"triton.cudagraphs": True}), or
-    dynamo's "cudagraphs" backend. False where this torch says neither (an older one keeps the
+    """Whether `module` is compiled (torch.compile(module), or in place: see
+    :func:`compiled_functions`) to code that replays CUDA graphs of its own: inductor with its
+    CUDA graphs on (mode="reduce-overhead" or "max-autotune", options={"triton.cudagraphs":
+    True}), or dynamo's "cudagraphs" backend. False where this torch says neither (an older one keeps the
     backend elsewhere)."""
-    compiled = (module if is_compiled_module(module)
-                else getattr(module, "_compiled_call_impl", None))
+    if is_compiled_module(module):
+        return _replays_cuda_graphs(module)
+    return any(_replays_cuda_graphs(f) for f in compiled_functions(module))
+
+
+def _replays_cuda_graphs(compiled) -> bool:
+    """replays_cuda_graphs of torch.compile's wrapper or of one compiled function."""
     get_config = getattr(compiled, "get_compiler_config", None)
     config = get_config() if callable(get_config) else None
     if isinstance(config, dict) and config.get("triton.cudagraphs"):

@@ -50,6 +50,15 @@ def test_compiled_modules_are_recognised():
     assert not _torch_private.compiled_in_place(torch.compile(torch.nn.Linear(2, 2)))
     assert _torch_private.has_compiled_modules(in_place)
     assert _torch_private.has_compiled_modules(torch.nn.Sequential(torch.nn.ReLU(), in_place))
+    # a method replaced by a compiled one (Lightning does so with a compiled LightningModule's)
+    forward_compiled = torch.nn.Linear(2, 2)
+    forward_compiled.forward = torch.compile(forward_compiled.forward)
+    assert _torch_private.compiled_in_place(forward_compiled)
+    assert _torch_private.compiled_functions(forward_compiled) == [forward_compiled.forward]
+    # torch._dynamo.disable wraps a function too, compiling nothing
+    disabled = torch.nn.Linear(2, 2)
+    disabled.forward = torch._dynamo.disable(disabled.forward)
+    assert not _torch_private.has_compiled_modules(disabled)
 
 
 @pytest.mark.parametrize("compile_kwargs, replays", [
@@ -72,6 +81,9 @@ def test_compiled_modules_that_replay_cuda_graphs_of_their_own_are_recognised(co
     in_place = torch.nn.Linear(2, 2)
     in_place.compile(**compile_kwargs)
     assert _torch_private.replays_cuda_graphs(in_place) is replays
+    forward_compiled = torch.nn.Linear(2, 2)
+    forward_compiled.forward = torch.compile(forward_compiled.forward, **compile_kwargs)
+    assert _torch_private.replays_cuda_graphs(forward_compiled) is replays
 
 
 def test_the_default_store_is_the_process_groups():

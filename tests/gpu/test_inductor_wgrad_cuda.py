@@ -44,15 +44,17 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def trained(streams, batches, make_opt, warmup=2, channels_last=False, in_place=False):
+def trained(streams, batches, make_opt, warmup=2, channels_last=False, in_place=None):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = Residual().cuda()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt = make_opt(model.parameters())
-    if in_place:
+    if in_place == "compile":
         model.compile()
+    elif in_place == "forward":
+        model.forward = torch.compile(model.forward)
     compiled = model if in_place else torch.compile(model)
     step = nt.Step(compiled, opt, per_sample, streams=streams, warmup=warmup)
     losses = torch.stack([step(b).clone() for b in batches])
@@ -93,22 +95,26 @@ def test_compiled_step_with_side_streams_equals_one_stream_and_eager(make_opt, c
     assert_same_training(m_auto, o_auto, reference, ref_opt, rtol=1e-3, atol=1e-4)
 
 
-def test_a_model_compiled_in_place_is_planned_as_torch_compiles_wrapper(fresh_dynamo):
-    """model.compile(): inductor's forward on one stream, its backward split, the model's own
-    layers left alone; the same training as over torch.compile(model). Before, fx traced past
-    the compiled call and Step ran the model uncompiled, its forward on its own streams."""
+@pytest.mark.parametrize("in_place", ["compile", "forward"])
+def test_a_model_compiled_in_place_is_planned_as_torch_compiles_wrapper(in_place,
+                                                                       fresh_dynamo):
+    """model.compile(), or model.forward = torch.compile(model.forward): inductor's forward on
+    one stream, its backward split, the model's own layers left alone; the same training as
+    over torch.compile(model). Before, fx traced the model's own forward and Step ran it
+    uncompiled, on its own streams."""
     batches = classification_batches(6, 16, classes=5, device="cuda", image=True)
     make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
-    in_place, m_in, o_in, l_in = trained("auto", batches, make_opt, in_place=True)
+    step, m_in, o_in, l_in = trained("auto", batches, make_opt, in_place=in_place)
     wrapped, m_wr, o_wr, l_wr = trained("auto", batches, make_opt)
-    got, expected = in_place.stats(), wrapped.stats()
+    got, expected = step.stats(), wrapped.stats()
     assert got["captured"] and got["replays"] == 4, got
     for key in ("streams", "traced_ops", "single_stream_reason", "weight_grad_layers",
                 "weight_grad_streams", "native_batch_norm_layers", "small_conv_layers"):
         assert got[key] == expected[key], (key, got[key], expected[key])
     assert got["weight_grad_layers"] == 3 and got["traced_ops"] is None
     assert "torch.compile'd modules" in got["single_stream_reason"]
-    assert not any("forward" in vars(m) for m in m_in.modules())
+    # no layer's forward replaced (the model's own is the compiled one, in_place="forward")
+    assert not any("forward" in vars(m) for m in m_in.modules() if m is not m_in)
     torch.testing.assert_close(l_in, l_wr, rtol=1e-5, atol=1e-6)
     assert_same_training(m_in, o_in, m_wr, o_wr, rtol=1e-5, atol=1e-6)
 

@@ -42,6 +42,29 @@ def test_captures_and_equals_plain_lightning():
     assert_same_logs(log_ours, log_plain, **TOL)
 
 
+def test_a_compiled_lightning_module_captures_and_equals_plain_lightning():
+    """trainer.fit(torch.compile(module)), as Lightning's docs show it: Lightning replaces the
+    module's training_step by the compiled one, which the Step's warm-up compiles and its
+    capture records; the model's layers are left as inductor compiled them."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    plain, ours = twins()
+    _, log_plain = fit(plain, accelerator="gpu")
+    strategy = NimbleStrategy(warmup=2)
+    counters.clear()
+    _, log_ours = fit(torch.compile(ours), strategy, accelerator="gpu")
+    assert ours._compiler_ctx is not None  # Lightning's compiled module
+    assert counters["stats"]["unique_graphs"] > 0  # dynamo compiled what the Step ran
+    stats = strategy.stats()
+    assert stats["phase"] == "replay" and stats["captured"], stats
+    assert stats["replays"] == 15 - 2 - 3 and stats["optimizer"] == "fused", stats
+    assert_same_weights(ours, plain, **TOL)
+    assert_same_logs(log_ours, log_plain, **TOL)
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_captures_and_follows_plain_lightning(precision):
     """precision="bf16-mixed" is the Step's amp="bf16", "16-mixed" its amp="fp16" (the loss
