@@ -121,12 +121,33 @@ def test_checkpoint_save_and_resume_equal_transformers_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,argument", [
-    ({"torch_compile": True}, "torch_compile"),
+    ({"torch_compile_mode": "reduce-overhead"}, "torch_compile_mode"),
+    ({"torch_compile": True, "torch_compile_mode": "max-autotune"}, "torch_compile_mode"),
+    ({"torch_compile_backend": "cudagraphs"}, "torch_compile_backend"),
 ])
 def test_what_does_not_map_is_refused_by_name(tmp_path, overrides, argument):
     model, _ = twin_models()
     with pytest.raises(NimbleError, match=f"TrainingArguments.{argument}="):
         nt_transformers.Trainer(model=model, args=arguments(tmp_path, "x", **overrides))
+
+
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_torch_compile_trains_the_model_compiled_with_the_arguments_mode(tmp_path, mode):
+    from nimble_train import _torch_private
+
+    model, _ = twin_models()
+    trainer = nt_transformers.Trainer(model=model, args=arguments(
+        tmp_path, "x", torch_compile=True, torch_compile_mode=mode, use_cpu=True))
+    trainer.create_optimizer()
+    step = trainer._step_for_training()
+    compiled = step.model.model
+    assert _torch_private.is_compiled_module(compiled) and compiled._orig_mod is model
+    if mode is not None:  # the mode's inductor options (max_autotune, no CUDA graphs)
+        config = compiled.get_compiler_config()
+        options = torch._inductor.list_mode_options(mode)
+        assert options and all(config[key] == value for key, value in options.items())
+    assert trainer._compiled_model() is compiled  # compiled once
+    step.close()
 
 
 @pytest.mark.parametrize("nimble,match", [

@@ -81,3 +81,37 @@ def test_mixed_precision_without_accumulation_captures(tmp_path, precision):
     # Half-precision autocast rounds differently around the fused update: losses agree loosely.
     torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(theirs)),
                                rtol=3e-2, atol=3e-2)
+
+
+
+@pytest.mark.parametrize("how", ["torch_compile", "compiled_by_user"])
+def test_a_compiled_model_captures_and_equals_transformers_trainer_compiled_alike(tmp_path, how):
+    """TrainingArguments(torch_compile=True): the Step trains torch.compile(model), its warm-up
+    compiling once per shape bucket, its captures recording inductor's kernels. A model the
+    user compiled is trained as it is (Trainer then needs remove_unused_columns=False: the
+    compiled forward's signature names no columns). Trainer compiled alike is the reference."""
+    tok = tokenizer(tmp_path)
+    train = sentences(tok, 64, seed=4)
+    ours_model, theirs_model = twin_models()
+    if how == "torch_compile":
+        flags = {"torch_compile": True}
+        models = ours_model, theirs_model
+    else:
+        flags = {"remove_unused_columns": False}
+        models = torch.compile(ours_model.cuda()), torch.compile(theirs_model.cuda())
+    flags["tf32"] = False  # torch_compile would turn TF32 on
+    torch._dynamo.reset()
+    ours = run(tmp_path, "ours", nt_transformers.Trainer, models[0], train, **flags)
+    torch._dynamo.reset()
+    theirs = run(tmp_path, "theirs", transformers.Trainer, models[1], train, **flags)
+    torch._dynamo.reset()
+    from nimble_train import _torch_private
+
+    assert _torch_private.has_compiled_modules(ours.nimble_step.model)
+    stats = ours.nimble_step.stats()
+    assert stats["phase"] == "replay" and stats["replays"] > 10, stats
+    assert all(b["captured"] for b in stats["shape_buckets"].values()), stats
+    assert stats["updates"] == theirs.state.global_step
+    torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(theirs)),
+                               rtol=1e-3, atol=1e-4)
+    assert max_gap(ours_model, theirs_model) < 1e-3

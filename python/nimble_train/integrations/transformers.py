@@ -42,8 +42,13 @@ the per-micro-batch ``training_step`` and what Trainer does around an optimizer 
 - ``torchrun``: the Step all-reduces the gradients itself (buckets overlapping the backward),
   on the unwrapped model; Trainer's DDP wrapper is bypassed.
 
-What does not map is refused with the argument's name (DeepSpeed, FSDP, ``torch_compile``,
-several GPUs in one process, ``use_cpu`` with ``fp16``...). Equal to Trainer, up to float
+- ``torch_compile`` -> the Step over ``torch.compile(model)`` with the arguments' backend and
+  mode (its warm-up compiles, its capture records inductor's kernels); modes whose code replays
+  CUDA graphs of its own (``reduce-overhead``, ``max-autotune``) are refused: the Step's graph
+  takes their place.
+
+What does not map is refused with the argument's name (DeepSpeed, FSDP, ``torch_compile_mode``
+with CUDA graphs, several GPUs in one process, ``use_cpu`` with ``fp16``...). Equal to Trainer, up to float
 reassociation, without dropout; with dropout the masks are drawn on the bucket-padded shapes,
 so runs agree in distribution, not bit for bit.
 """
@@ -111,6 +116,7 @@ class Trainer(transformers.Trainer):
         self.nimble_step: Step | None = None
         self._nt_evaluator = None
         self._nt_nan_filter = False  # Trainer's NaN/inf loss filter, applied on the device
+        self._nt_compiled = None  # torch_compile: the model compiled for the Step
         super().__init__(*args, **kwargs)
         _refuse_what_does_not_map(self)
 
@@ -184,11 +190,25 @@ class Trainer(transformers.Trainer):
             options["buckets"] = default_buckets(self.data_collator, self.model)
         amp = "fp16" if args.fp16 else None  # bf16: the accelerator's autocast in forward
         grad_clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
-        self.nimble_step = Step(_LossModule(self, self.model), optimizer, None,
+        self.nimble_step = Step(_LossModule(self, self._compiled_model()), optimizer, None,
                                 accumulate=args.gradient_accumulation_steps, amp=amp,
                                 grad_clip=grad_clip, **options)
         self._nt_evaluator = None
         return self.nimble_step
+
+    def _compiled_model(self) -> torch.nn.Module:
+        """The model the Step trains: with ``torch_compile``, torch.compile(model) with the
+        arguments' backend and mode (compiled once per Trainer; the Step's warm-up compiles
+        it), else the model. The accelerator compiles its own wrapper, which the Step leaves
+        unused; Trainer saves and inspects the model itself."""
+        if not self.args.torch_compile:
+            return self.model
+        compiled = self._nt_compiled
+        if compiled is None or compiled._orig_mod is not self.model:
+            compiled = torch.compile(self.model, backend=self.args.torch_compile_backend,
+                                     mode=self.args.torch_compile_mode)
+            self._nt_compiled = compiled
+        return compiled
 
     # ------------------------------------------------------------------ evaluation
 
@@ -267,6 +287,10 @@ def default_buckets(collator: Any, model: torch.nn.Module) -> Buckets | None:
     return Buckets(sizes=tuple(sorted(set(sizes))), dim=1, pad_values=pad)
 
 
+# torch.compile modes whose code replays CUDA graphs of its own
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 def _refuse_what_does_not_map(trainer: Trainer) -> None:
     args = trainer.args
 
@@ -281,9 +305,15 @@ def _refuse_what_does_not_map(trainer: Trainer) -> None:
     if trainer.is_fsdp_enabled or args.fsdp:
         refuse("fsdp", args.fsdp, "use plain data parallel (torchrun) with nimble=dict("
                "shard_optimizer=True), or transformers.Trainer")
-    if args.torch_compile:
-        refuse("torch_compile", True, "set torch_compile=False (a model compiled by you before "
-               "Trainer(...) is captured as it is)")
+    if args.torch_compile and (args.torch_compile_mode in _CUDA_GRAPH_MODES
+                               or args.torch_compile_backend == "cudagraphs"):
+        seen = ("torch_compile_backend", args.torch_compile_backend) \
+            if args.torch_compile_backend == "cudagraphs" \
+            else ("torch_compile_mode", args.torch_compile_mode)
+        refuse(*seen, "the Step captures the whole step as one CUDA graph, which takes the "
+               "place of the compiled code's own graphs (they cannot be captured inside it); "
+               "leave torch_compile_mode unset, or use \"max-autotune-no-cudagraphs\", with "
+               "the inductor backend")
     if args.n_gpu > 1:
         refuse("n_gpu", args.n_gpu, "launch one process per GPU with torchrun (or set "
                "CUDA_VISIBLE_DEVICES to one GPU); one process driving several GPUs "
