@@ -63,8 +63,8 @@ def replays_cuda_graphs(module: torch.nn.Module) -> bool:
     """Whether `module` is compiled (torch.compile(module), or in place: see
     :func:`compiled_functions`) to code that replays CUDA graphs of its own: inductor with its
     CUDA graphs on (mode="reduce-overhead" or "max-autotune", options={"triton.cudagraphs":
-    True}), or dynamo's "cudagraphs" backend. False where this torch says neither (an older one keeps the
-    backend elsewhere)."""
+    True}), or dynamo's "cudagraphs" backend. False where this torch says neither (an older one
+    keeps the backend elsewhere)."""
     if is_compiled_module(module):
         return _replays_cuda_graphs(module)
     return any(_replays_cuda_graphs(f) for f in compiled_functions(module))

@@ -48,9 +48,9 @@ the per-micro-batch ``training_step`` and what Trainer does around an optimizer 
   takes their place.
 
 What does not map is refused with the argument's name (DeepSpeed, FSDP, ``torch_compile_mode``
-with CUDA graphs, several GPUs in one process, ``use_cpu`` with ``fp16``...). Equal to Trainer, up to float
-reassociation, without dropout; with dropout the masks are drawn on the bucket-padded shapes,
-so runs agree in distribution, not bit for bit.
+with CUDA graphs, several GPUs in one process, ``use_cpu`` with ``fp16``...). Equal to Trainer,
+up to float reassociation, without dropout; with dropout the masks are drawn on the
+bucket-padded shapes, so runs agree in distribution, not bit for bit.
 """
 
 from __future__ import annotations
