@@ -93,6 +93,19 @@ def _replays_cuda_graphs(compiled) -> bool:
     return False
 
 
+def stream_besides(device, avoid) -> torch.cuda.Stream:
+    """A stream of `device` that is none of the streams `avoid`. torch.cuda.Stream() hands out
+    the streams of a fixed pool (32 per device and priority) in turn, so one asked for late
+    can be a stream already in use, a launching stream among them; a side stream that is its
+    launcher's own would run nothing beside it. Drawing again takes the pool's next."""
+    taken = {s.cuda_stream for s in avoid}
+    for _ in range(64):
+        stream = torch.cuda.Stream(device)
+        if stream.cuda_stream not in taken:
+            return stream
+    raise RuntimeError(f"torch's stream pool gave no stream besides the {len(taken)} in use")
+
+
 def _closed_over(fn) -> list:
     """The values `fn` closes over (its closure's cells that hold one)."""
     values = []

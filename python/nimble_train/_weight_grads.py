@@ -75,7 +75,7 @@ class SideStream:
         if side is None:
             side = self._side_of_launcher.get(main.cuda_stream)
             if side is None:  # torch's stream pool: made at its first use, before any capture
-                side = torch.cuda.Stream(self.device)
+                side = _torch_private.stream_besides(self.device, [main])
                 self._side_of_launcher[main.cuda_stream] = side
             if key is not None:
                 self._side_of_key[id(key)] = side

@@ -539,6 +539,12 @@ class Step:
             return graph.compiled_launches if graph is not None else 0
         return graph.weight_grads.layers if graph and graph.weight_grads else 0
 
+    def _compiled_side_streams(self, launches: int) -> int:
+        if launches == 0:
+            return 0
+        from ._inductor_wgrad import SIDE_STREAMS
+        return min(SIDE_STREAMS, launches)
+
     def _weight_grads_off(self) -> str | None:
         split, graph = self._compiled_split, self._graph
         if graph is None:
@@ -649,9 +655,10 @@ class Step:
             # layers whose weight gradients the last capture ran on a side stream (a compiled
             # model: its weight gradients the last capture launched on the side stream)
             "weight_grad_layers": split_layers,
-            # their side streams: one per forward stream that launched them
+            # their side streams: one per forward stream that launched them (a compiled
+            # model's: those its launches took in turn)
             "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads
-            else int(split_layers > 0),
+            else self._compiled_side_streams(split_layers),
             "weight_grads_off": self._weight_grads_off(),
             # batch norms the last planned capture ran with PyTorch's kernels, not cuDNN's
             "native_batch_norm_layers": graph.native_bn_layers if captured else 0,

@@ -154,6 +154,17 @@ def test_compile_caches_can_be_disabled():
         inductor_config.force_disable_caches = saved
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for its streams")
+def test_streams_come_from_a_pool_and_stream_besides_avoids_those_in_use():
+    main = torch.cuda.Stream()
+    # torch's pool hands the same stream out again within one round of it
+    assert any(torch.cuda.Stream().cuda_stream == main.cuda_stream for _ in range(64))
+    side = _torch_private.stream_besides(main.device, [main])
+    for _ in range(64):
+        other = _torch_private.stream_besides(main.device, [main, side])
+        assert other.cuda_stream not in (main.cuda_stream, side.cuda_stream)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU for the sleep kernel")
 def test_cuda_sleep_keeps_the_gpu_busy():
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
