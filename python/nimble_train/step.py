@@ -81,7 +81,8 @@ class Step:
         streams: "auto", or the most CUDA streams the forward's plan may use (1: a single
             stream for the whole step). Beyond 1, the weight gradients of convolutions and
             linear layers also leave the backward's critical path for a side stream (in a
-            torch.compile'd model, as inductor compiles its backward in the first calls).
+            compiled model, the convolutions' for two, as inductor compiles its backward in
+            the first calls).
         warmup: eager iterations before capture (at least 1); they are real training steps
             (with accumulation and an optimizer captured as it is, at least one window).
         amp: None, "bf16" (autocast to bfloat16) or "fp16" (loss scale kept on the device).
@@ -147,7 +148,7 @@ class Step:
         self._device = _options.single_device(model, self._params)
         cuda = self._device.type == "cuda"
         self._will_capture = capture and cuda
-        # A compiled model's weight gradients: on a side stream as inductor compiles its
+        # A compiled model's weight gradients: on side streams as inductor compiles its
         # backward (in the first calls).
         self._compiled_split = None
         # and its attention: SDPA given dense masks as inductor compiles it (_inductor_masks.py)
@@ -653,7 +654,7 @@ class Step:
             "small_ops_kept": ms.plan.kept if ms else 0,  # planned on their producer's stream
             "single_stream_reason": graph.single_stream_reason if graph else None,
             # layers whose weight gradients the last capture ran on a side stream (a compiled
-            # model: its weight gradients the last capture launched on the side stream)
+            # model: its weight gradients the last capture launched on side streams)
             "weight_grad_layers": split_layers,
             # their side streams: one per forward stream that launched them (a compiled
             # model's: those its launches took in turn)
