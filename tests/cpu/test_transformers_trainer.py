@@ -146,7 +146,6 @@ def test_torch_compile_trains_the_model_compiled_with_the_arguments_mode(tmp_pat
         config = compiled.get_compiler_config()
         options = torch._inductor.list_mode_options(mode)
         assert options and all(config[key] == value for key, value in options.items())
-    assert trainer._compiled_model() is compiled  # compiled once
     step.close()
 
 

@@ -8,6 +8,8 @@ as float32; float32 throughout, TF32 off, so the runs agree to about 1e-6 relati
 """
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 lightning = pytest.importorskip("lightning")
 
@@ -46,9 +48,6 @@ def test_a_compiled_lightning_module_captures_and_equals_plain_lightning():
     """trainer.fit(torch.compile(module)), as Lightning's docs show it: Lightning replaces the
     module's training_step by the compiled one, which the Step's warm-up compiles and its
     capture records; the model's layers are left as inductor compiled them."""
-    import torch
-    from torch._dynamo.utils import counters
-
     torch._dynamo.reset()
     plain, ours = twins()
     _, log_plain = fit(plain, accelerator="gpu")

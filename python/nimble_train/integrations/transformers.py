@@ -116,7 +116,6 @@ class Trainer(transformers.Trainer):
         self.nimble_step: Step | None = None
         self._nt_evaluator = None
         self._nt_nan_filter = False  # Trainer's NaN/inf loss filter, applied on the device
-        self._nt_compiled = None  # torch_compile: the model compiled for the Step
         super().__init__(*args, **kwargs)
         _refuse_what_does_not_map(self)
 
@@ -198,17 +197,13 @@ class Trainer(transformers.Trainer):
 
     def _compiled_model(self) -> torch.nn.Module:
         """The model the Step trains: with ``torch_compile``, torch.compile(model) with the
-        arguments' backend and mode (compiled once per Trainer; the Step's warm-up compiles
-        it), else the model. The accelerator compiles its own wrapper, which the Step leaves
-        unused; Trainer saves and inspects the model itself."""
+        arguments' backend and mode (the Step's warm-up compiles it), else the model. The
+        accelerator compiles its own wrapper, which the Step leaves unused; Trainer saves and
+        inspects the model itself."""
         if not self.args.torch_compile:
             return self.model
-        compiled = self._nt_compiled
-        if compiled is None or compiled._orig_mod is not self.model:
-            compiled = torch.compile(self.model, backend=self.args.torch_compile_backend,
-                                     mode=self.args.torch_compile_mode)
-            self._nt_compiled = compiled
-        return compiled
+        return torch.compile(self.model, backend=self.args.torch_compile_backend,
+                             mode=self.args.torch_compile_mode)
 
     # ------------------------------------------------------------------ evaluation
 
@@ -305,15 +300,14 @@ def _refuse_what_does_not_map(trainer: Trainer) -> None:
     if trainer.is_fsdp_enabled or args.fsdp:
         refuse("fsdp", args.fsdp, "use plain data parallel (torchrun) with nimble=dict("
                "shard_optimizer=True), or transformers.Trainer")
-    if args.torch_compile and (args.torch_compile_mode in _CUDA_GRAPH_MODES
-                               or args.torch_compile_backend == "cudagraphs"):
-        seen = ("torch_compile_backend", args.torch_compile_backend) \
-            if args.torch_compile_backend == "cudagraphs" \
-            else ("torch_compile_mode", args.torch_compile_mode)
-        refuse(*seen, "the Step captures the whole step as one CUDA graph, which takes the "
-               "place of the compiled code's own graphs (they cannot be captured inside it); "
-               "leave torch_compile_mode unset, or use \"max-autotune-no-cudagraphs\", with "
-               "the inductor backend")
+    own_graphs = ("the Step captures the whole step as one CUDA graph, which takes the place "
+                  "of the compiled code's own graphs (they cannot be captured inside it); leave "
+                  "torch_compile_mode unset, or use \"max-autotune-no-cudagraphs\", with the "
+                  "inductor backend")
+    if args.torch_compile and args.torch_compile_backend == "cudagraphs":
+        refuse("torch_compile_backend", args.torch_compile_backend, own_graphs)
+    if args.torch_compile and args.torch_compile_mode in _CUDA_GRAPH_MODES:
+        refuse("torch_compile_mode", args.torch_compile_mode, own_graphs)
     if args.n_gpu > 1:
         refuse("n_gpu", args.n_gpu, "launch one process per GPU with torchrun (or set "
                "CUDA_VISIBLE_DEVICES to one GPU); one process driving several GPUs "
