@@ -23,7 +23,8 @@ from ._batch_norm import CapturedBatchNorms
 from ._max_pool import our_max_pool
 from ._small_conv import candidates as small_conv_candidates, small_convs
 from ._extension import _C
-from ._multistream import CHAIN, COMPILED, build_multistream, warn_single_stream
+from ._multistream import (CHAIN, COMPILED, build_multistream, traced_submodule,
+                           untraced_reason, warn_single_stream)
 from ._weight_grads import plan_weight_grads, split_weight_grads
 from .errors import CaptureError, NimbleError, SyncError
 
@@ -75,6 +76,22 @@ if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor'
     from . import _inductor_wgrad
 
 
+@contextlib.contextmanager
+def running_in_place(module: torch.nn.Module, forward) -> Iterator[None]:
+    """Within the block, calls of `module` run `forward` (its planned forward) instead of its
+    own forward; the module's hooks still run around it."""
+    missing = object()
+    own = module.__dict__.get("forward", missing)
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is missing:
+            del module.forward
+        else:
+            module.forward = own
+
+
 class CapturedStep:
     """The C++ step graph of one Step: per shape bucket (one without buckets) an entry with the
     bucket's static inputs, further entries over the same inputs (the micro-batch and update
@@ -97,6 +114,9 @@ class CapturedStep:
         # Accumulation's loss weight (0-dim) and gradient correction ([1]), as launches stage.
         self.scales = (self.current[1], self.current[2:3]) if extra else (None, None)
         self.multistream = None  # the forward on several streams, once planned
+        # The submodule whose forward that plan is, run in its place (traced_submodule); None:
+        # the plan is the model's forward, which the step body is given.
+        self._inside: torch.nn.Module | None = None
         self.single_stream_reason: str | None = None
         self.weight_grads = None  # the backward's weight-gradient side stream, once planned
         self.weight_grads_off: str | None = None  # why there is none
@@ -149,13 +169,16 @@ class CapturedStep:
 
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device, *,
                      gradients=None, example: tuple | None = None,
-                     compiled_split: _inductor_wgrad.SplitBackward | None = None) -> None:
+                     compiled_split: _inductor_wgrad.SplitBackward | None = None,
+                     inside_example: tuple | None = None) -> None:
         """Plans the streams, once, before the first capture: the forward traced and assigned
         to several streams, and the backward's weight gradients on a side stream
         (`gradients`: data parallel, the GradientSync that side stream reports to). `example`:
         the model's (args, kwargs), which size the operators. `compiled_split`: a compiled
         model's, the pass that put its weight gradients on a side stream as
-        inductor compiled it."""
+        inductor compiled it. A model that names a submodule to trace in its place
+        (traced_submodule) gets that submodule's forward planned, sized by `inside_example`
+        (its last (args, kwargs); None plans every operator)."""
         self.compiled_split = compiled_split
         # Attention masks the fused kernels accept (see _attention.py), unless inductor plans.
         self.dense_masks = not _torch_private.has_compiled_modules(model)
@@ -164,16 +187,20 @@ class CapturedStep:
                 model, streams, device, gradients=gradients)
             self._split_model = model if self.weight_grads is not None else None
         if self.multistream is None and self.single_stream_reason is None:
+            inside = traced_submodule(model)
+            traced, sizes = (inside, inside_example) if inside is not None else (model, example)
             self.multistream, self.single_stream_reason = (
-                build_multistream(model, streams, device, example,
+                build_multistream(traced, streams, device, sizes,
                                   fuse_norms=FUSE_BATCH_NORM_ACT)
                 if PLAN_FORWARD or streams == 1 else (None, FORWARD_OFF))
+            self._inside = inside if self.multistream is not None else None
             planned = self.weight_grads is not None or self.splits_compiled
             # A chain's forward loses nothing when the backward is planned, nor a compiled
-            # model's, whose forward inductor plans: no warning.
-            if (self.multistream is None and streams != 1
-                    and not (planned and self.single_stream_reason in (CHAIN, COMPILED,
-                                                                       FORWARD_OFF))):
+            # model's, whose forward inductor plans: no warning. Nor for a model that says it is
+            # not to be traced (a trainer's loss module: its streams are the trainer's default).
+            quiet = (CHAIN, COMPILED, FORWARD_OFF)
+            if (self.multistream is None and streams != 1 and untraced_reason(model) is None
+                    and not (planned and self.single_stream_reason in quiet)):
                 warn_single_stream(self.single_stream_reason, planned)
         several = self.multistream is not None or self.weight_grads is not None
         kernels = BATCH_NORM_KERNELS
@@ -207,7 +234,7 @@ class CapturedStep:
             if not several or isinstance(failure, SyncError):
                 raise
             cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
-            self.multistream = self.weight_grads = self._split_model = None
+            self.multistream = self.weight_grads = self._split_model = self._inside = None
             if BATCH_NORM_KERNELS == "auto":  # on one stream cuDNN's kernels are the faster
                 self._native_bn_model = None
             self.single_stream_reason = f"capture on several streams failed ({cause})"
@@ -230,6 +257,7 @@ class CapturedStep:
     def _capture_once(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                       sync_records: list, planned: bool = True) -> None:
         forward = self.multistream if planned else None
+        inside = self._inside if planned else None
         side = self.weight_grads if planned else None
         small = self._small_conv_model
         # Every small convolution: the split's own forward runs the split ones, small_convs
@@ -247,6 +275,9 @@ class CapturedStep:
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
         launched = self.compiled_split.launched if self.compiled_split is not None else 0
+        calls = forward.calls if forward is not None else 0
+        in_place = running_in_place(inside, forward) if inside is not None else (
+            contextlib.nullcontext())
         with collector_paused(), torch.cuda.stream(stream):
             try:
                 self.graph.begin_capture(entry, staged=planned,
@@ -254,8 +285,9 @@ class CapturedStep:
             except RuntimeError as exc:
                 raise failure(False, root_message(exc), []) from exc
             try:
-                with split, masks, norms, pools as pool_layers, convs:
-                    loss = body(forward)  # (a backward joins its side streams)
+                with split, masks, norms, pools as pool_layers, convs, in_place:
+                    # (a backward joins its side streams)
+                    loss = body(forward if inside is None else None)
                 if planned:
                     self.native_bn_layers = norms.native_layers
                     self.bn_counters = norms.counters
@@ -282,6 +314,12 @@ class CapturedStep:
         if not result.ok:
             raise failure(result.invalidated, result.error.splitlines()[0], sync_records)
         self.outputs[entry] = _detached(loss)
+        if inside is not None and forward.calls == calls:
+            # The step never called the submodule (training_step called its layers itself):
+            # the forward ran as it is, on one stream; later captures need no plan of it.
+            self.multistream = self._inside = None
+            self.single_stream_reason = (f"the step did not call {type(inside).__name__}'s "
+                                         "forward, the one traced")
         if planned and self.compiled_split is not None:
             self.compiled_launches = self.compiled_split.launched - launched
 

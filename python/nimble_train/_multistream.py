@@ -300,14 +300,27 @@ class MultiStreamForward:
 
     def __init__(self, graph: OperatorGraph, plan: ForwardPlan, device: torch.device):
         self.graph, self.plan, self.device = graph, plan, device
-        self._side_streams = [torch.cuda.Stream(device) for _ in range(plan.num_streams - 1)]
+        self.calls = 0
+        self._forked = False  # side streams forked from the main one and not joined since
+        self._side_streams: list[torch.cuda.Stream] = []
+        for _ in range(plan.num_streams - 1):
+            self._side_streams.append(_torch_private.stream_besides(
+                device, [torch.cuda.current_stream(device), *self._side_streams]))
 
     def __call__(self, *args, **kwargs):
+        self.calls += 1
         main = torch.cuda.current_stream(self.device)
+        # torch's stream pool hands its streams out in turn: one drawn before the capture
+        # stream can be that stream, and would run its operators in the main stream's order.
+        for i, side in enumerate(self._side_streams):
+            if side == main:
+                self._side_streams[i] = _torch_private.stream_besides(
+                    self.device, [main, *self._side_streams])
         streams = [main] + self._side_streams
         # Fork: side streams start after everything queued so far (and so join a capture).
         for side in self._side_streams:
             side.wait_stream(main)
+        self._forked = True
         runner = _StreamInterpreter(self, streams)
         out = runner.run(*positional(self.graph.module, args, kwargs))
         self.join(main)
@@ -318,10 +331,15 @@ class MultiStreamForward:
         return out
 
     def join(self, main: torch.cuda.Stream | None = None) -> None:
-        """Makes `main` (the current stream) wait for all work queued on the side streams."""
+        """Makes `main` (the current stream) wait for all work queued on the side streams
+        since the last fork; nothing when there was none (in a capture, a wait on a stream
+        that captured nothing would be a dependency on uncaptured work)."""
+        if not self._forked:
+            return
         main = main or torch.cuda.current_stream(self.device)
         for side in self._side_streams:
             main.wait_stream(side)
+        self._forked = False
 
 
 def positional(module: torch.fx.GraphModule, args: tuple, kwargs: dict) -> list:
@@ -374,6 +392,29 @@ class _StreamInterpreter(torch.fx.Interpreter):
 # Why a compiled model's forward runs on one stream.
 COMPILED = "the model contains torch.compile'd modules, whose kernels inductor plans"
 
+# A module whose forward runs code torch.fx cannot trace and must not run on proxies (a
+# training loop's loss computation, with its logging) says why in this attribute; Step then
+# plans only its backward, without trying the trace or warning.
+UNTRACED = "nimble_untraced"
+
+
+def untraced_reason(model: torch.nn.Module) -> str | None:
+    """Why `model`'s forward is not to be traced, if it says so (UNTRACED)."""
+    return getattr(model, UNTRACED, None)
+
+
+# Such a module may name a submodule whose forward its own calls (a LightningModule, which
+# training_step calls as self(x)): Step traces and plans that forward instead, sized by the
+# arguments of its last eager call, and runs the plan in its place while it captures.
+TRACED_INSIDE = "nimble_traced_submodule"
+
+
+def traced_submodule(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The submodule whose forward the plan traces in `model`'s place, if it names one
+    (TRACED_INSIDE)."""
+    name = getattr(model, TRACED_INSIDE, None)
+    return model.get_submodule(name) if name is not None else None
+
 
 def build_multistream(model: torch.nn.Module, streams, device: torch.device,
                       example: tuple[tuple, dict] | None = None, fuse_norms: bool = False):
@@ -382,8 +423,9 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     `fuse_norms`: see trace_operators.
 
     None means one stream: streams == 1, a model fx cannot trace (the reason names the
-    error), or a plan with a single stream (nothing runs side by side), unless it fuses batch
-    norms with their activations: then the traced forward on one stream, with the reason.
+    error) or that says it is not to be traced (UNTRACED), or a plan with a single stream
+    (nothing runs side by side), unless it fuses batch norms with their activations: then the
+    traced forward on one stream, with the reason.
     """
     if streams == 1:
         return None, "streams=1"
@@ -391,6 +433,8 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
         # fx would trace the original modules and run them uncompiled; inductor's own kernels
         # run on one stream.
         return None, COMPILED
+    if untraced_reason(model) is not None:
+        return None, untraced_reason(model)
     try:
         graph = trace_operators(model, fuse_norms)
     except Exception as exc:  # fx raises many kinds of errors on untraceable code

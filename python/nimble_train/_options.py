@@ -16,6 +16,12 @@ from .errors import NimbleError, ShapeError
 PARTIAL_BATCH = ("pad", "eager", "error")
 
 
+def check_streams(streams) -> None:
+    if not (streams == "auto" or (isinstance(streams, int) and not isinstance(streams, bool)
+                                  and streams >= 1)):
+        raise ValueError(f'streams must be "auto" or an int >= 1; got {streams!r}')
+
+
 def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial_batch, capture,
              bucket_mb, shard_optimizer) -> None:
     if not isinstance(model, torch.nn.Module):
@@ -30,9 +36,7 @@ def validate(model, optimizer, loss_fn, streams, warmup, amp, grad_clip, partial
             "or use SGD, Adam, AdamW or another optimizer whose step() needs no closure")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable or None; got {type(loss_fn).__name__}")
-    if not (streams == "auto" or (isinstance(streams, int) and not isinstance(streams, bool)
-                                  and streams >= 1)):
-        raise ValueError(f'streams must be "auto" or an int >= 1; got {streams!r}')
+    check_streams(streams)
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup < 1:
         raise ValueError(
             f"warmup must be an int >= 1 (eager steps before capture create optimizer state "

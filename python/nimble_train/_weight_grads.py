@@ -57,6 +57,7 @@ class SideStream:
         self.launched = 0  # weight gradients handed to a side stream, in all
         self.layers = 0  # layers split in the last split_weight_grads block
         self._side_of_launcher: dict[int, torch.cuda.Stream] = {}  # by launching stream
+        self._launchers: list[torch.cuda.Stream] = []
         self._side_of_key: dict[int, torch.cuda.Stream] = {}  # by id of a launch's key
         # Per stream that launches (the current stream in a backward: the forward stream of
         # the layer), its launches not yet waited on: (event, tensors kept alive until then).
@@ -75,8 +76,11 @@ class SideStream:
         if side is None:
             side = self._side_of_launcher.get(main.cuda_stream)
             if side is None:  # torch's stream pool: made at its first use, before any capture
-                side = _torch_private.stream_besides(self.device, [main])
+                # besides the launchers and side streams met so far
+                known = [*self._side_of_launcher.values(), *self._launchers]
+                side = _torch_private.stream_besides(self.device, [main, *known])
                 self._side_of_launcher[main.cuda_stream] = side
+                self._launchers.append(main)
             if key is not None:
                 self._side_of_key[id(key)] = side
         return side

@@ -44,6 +44,7 @@ from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration, model_arguments
+from ._multistream import traced_submodule
 from ._padding import mixing_reason
 from ._sync import SyncRecorder
 from ._update import Update
@@ -162,6 +163,16 @@ class Step:
         if self._will_capture:
             _options.check_compiled_graphs(model)
             _options.require_cuda_runtime(self._device)
+        # A model that names a submodule to trace in its place (an integration's loss module):
+        # that submodule's arguments at each eager step, until the plan sizes its operators.
+        self._inside_example: tuple | None = None
+        self._inside_hook = None
+        inside = traced_submodule(model)
+        if (inside is not None and self._will_capture and streams != 1
+                and self._compiled_masks is None):
+            def record(module, args, kwargs):  # a function: a copy of the module copies no Step
+                self._inside_example = (args, kwargs)
+            self._inside_hook = inside.register_forward_pre_hook(record, with_kwargs=True)
         self._update = Update(optimizer, amp, self._will_capture, self._device)
         world = current_world()
         if world and shard_optimizer:
@@ -577,7 +588,9 @@ class Step:
         graph.plan_streams(self.model, self.streams, self._device,
                            gradients=self._gradsync,
                            example=model_arguments(graph.batches[bucket]),
-                           compiled_split=self._compiled_split)
+                           compiled_split=self._compiled_split,
+                           inside_example=self._inside_example)
+        self._stop_recording_inside()
         sizes = self._layout.sizes
         order = sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0))
         for b in order:
@@ -599,6 +612,12 @@ class Step:
             self._deferred.pop(b, None)
         self._refresh_launch_entries()
         self._enter(Phase.REPLAY)
+
+    def _stop_recording_inside(self) -> None:
+        if self._inside_hook is not None:
+            self._inside_hook.remove()
+            self._inside_hook = None
+        self._inside_example = None
 
     def _capture(self, entry: int, bucket: int, kind: tuple[bool, bool]) -> None:
         """Captures one graph; on failure raises SyncError or CaptureError with the gradients
@@ -826,6 +845,7 @@ class Step:
             if self._gradsync is not None and self._gradsync.comm is not None:
                 self.consolidate_optimizer_state()
         finally:
+            self._stop_recording_inside()
             self._update.close()
             if self._gradsync is not None:
                 self._gradsync.close()

@@ -45,6 +45,58 @@ def test_untraceable_model_falls_back_with_the_reason():
     assert reason.startswith("torch.fx could not trace the model (")
 
 
+class SaysUntraced(torch.nn.Module):
+    """A module whose forward must not run on proxies: it counts its calls."""
+
+    nimble_untraced = "its forward is a training loop's loss"
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def test_a_model_that_says_it_is_not_traced_is_not_traced():
+    model = SaysUntraced()
+    forward, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert forward is None and reason == SaysUntraced.nimble_untraced
+    assert model.calls == 0  # fx never ran it
+    assert build_multistream(model, 1, torch.device("cpu")) == (None, "streams=1")
+
+
+@pytest.mark.parametrize("streams", ["auto", 2])
+def test_a_model_not_traced_plans_its_backward_without_a_warning(recwarn, streams):
+    step = _unplanned_step()
+    model = SaysUntraced()
+    step.plan_streams(model, streams, torch.device("cpu"))
+    assert step.multistream is None and step.single_stream_reason == model.nimble_untraced
+    assert step.weight_grads is not None  # the linear layer's weight gradient leaves the path
+    assert not [w for w in recwarn if "stream" in str(w.message)]
+    assert model.calls == 0
+
+
+def test_a_model_not_traced_with_nothing_to_plan_says_why_without_a_warning(recwarn):
+    class Untraced(torch.nn.Module):
+        nimble_untraced = "its forward is a training loop's loss"
+
+        def __init__(self):
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(4))
+
+        def forward(self, x):
+            return x * self.scale
+
+    step = _unplanned_step()
+    step.plan_streams(Untraced(), "auto", torch.device("cpu"))
+    assert step.weight_grads is None and step.weight_grads_off.startswith("no convolution")
+    assert step.single_stream_reason == Untraced.nimble_untraced
+    assert not [w for w in recwarn if "stream" in str(w.message)]
+
+
 def test_one_stream_asked_for():
     forward, reason = build_multistream(InceptionNet(), 1, torch.device("cpu"))
     assert forward is None and reason == "streams=1"

@@ -228,3 +228,77 @@ def test_writes_in_place_keep_eagers_order_on_several_streams():
     expected = torch.stack(eager_loop(reference, ref_opt, per_sample, batches))
     torch.testing.assert_close(losses, expected, **LOSS_TOL)
     assert_same_training(model, opt, reference, ref_opt, **TOL)
+
+
+def test_a_side_stream_that_is_the_launching_stream_is_drawn_again():
+    """torch's stream pool hands its 32 streams out in turn: a side stream drawn before the
+    capture stream can be it. The forward then draws another, and computes what eager does."""
+    from nimble_train._multistream import build_multistream
+
+    torch.manual_seed(0)
+    model = InceptionNet().cuda().eval()
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    forward, reason = build_multistream(model, "auto", torch.device("cuda"))
+    assert reason is None and len(forward._side_streams) == 3
+    sides = forward._side_streams
+    assert len({s.cuda_stream for s in sides}) == 3  # distinct among themselves
+    launching = sides[1]
+    with torch.no_grad(), torch.cuda.stream(launching):
+        out = forward(x)
+    torch.cuda.synchronize()
+    streams = {s.cuda_stream for s in forward._side_streams}
+    assert launching.cuda_stream not in streams and len(streams) == 3, streams
+    with torch.no_grad():
+        torch.testing.assert_close(out, model(x))
+
+
+class LossModule(torch.nn.Module):
+    """What an integration trains: its forward is not to be traced, but the network it calls
+    is (as NimbleStrategy's module names the LightningModule)."""
+
+    nimble_untraced = "a loss module"
+    nimble_traced_submodule = "net"
+
+    def __init__(self):
+        super().__init__()
+        self.net = InceptionNet()
+        self.armed = False
+
+    def forward(self, x):
+        out = self.net(x)
+        if self.armed and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("injected failure after the planned forward")
+        return out
+
+
+def test_a_named_submodules_forward_is_planned_and_runs_in_its_place():
+    torch.manual_seed(0)  # the inception net's weights and batches of the test above
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    stats = three_ways(LossModule(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                       batches, eager_tol=LOSS_TOL, eager_check="floor")
+    assert stats["captured"] and stats["streams"] == 4 and stats["syncs"] > 0, stats
+    assert stats["single_stream_reason"] is None and stats["weight_grad_layers"] > 0, stats
+
+
+def test_a_capture_failing_while_the_submodules_plan_runs_leaves_the_step_as_it_was():
+    torch.manual_seed(7)
+    batches = classification_batches(4, 16, image=True, device="cuda")
+    model = LossModule().cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step = nt.Step(model, opt, per_sample, streams="auto", warmup=1)
+    while step.stats()["warmup_left"] > 0:
+        step(batches[0])  # warm-up, eager: the next call plans and captures
+    before = copy.deepcopy(model.state_dict())
+    opt_before = copy.deepcopy(opt.state_dict())
+    model.armed = True
+    with pytest.warns(UserWarning, match="capture on several streams failed"):
+        with pytest.raises(nt.CaptureError, match="injected failure after the planned forward"):
+            step(batches[1])
+    model.armed = False
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    for a, b in zip(opt.state_dict()["state"].values(), opt_before["state"].values()):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    assert not any("forward" in vars(m) for m in model.modules())  # the plan is gone
+    loss = step(batches[2])  # later calls run eagerly, and train
+    assert torch.isfinite(loss) and step.stats()["phase"] == "eager"
