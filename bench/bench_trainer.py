@@ -16,8 +16,11 @@ steps, no checkpoints during the run). Each row trains a fresh model from the sa
 same data in the same order:
 
 - trainer: transformers.Trainer.
-- drop-in: nimble_train.integrations.transformers.Trainer, nothing else changed (its shape
-  buckets, 32/64/128, come from the collator's tokenizer).
+- one-stream: nimble_train.integrations.transformers.Trainer with nimble=dict(streams=1): the
+  whole step one graph on one stream (its shape buckets, 32/64/128, come from the collator's
+  tokenizer).
+- drop-in: nimble_train.integrations.transformers.Trainer, nothing else changed: the Step's
+  streams="auto", the linear layers' weight gradients on a side stream.
 
 Method: --steps optimizer steps; a callback synchronizes the GPU at the end of step --skip and
 at the last, and the steady state is the samples (and real tokens, never padding) between the
@@ -39,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-ROWS = ("trainer", "drop-in")
+ROWS = ("trainer", "one-stream", "drop-in")
 
 
 def vocabulary(path: Path, size: int) -> Path:
@@ -113,11 +116,14 @@ def run_row(key: str, args, data: list[dict], tokenizer, out_dir: Path) -> dict:
         learning_rate=2e-5, lr_scheduler_type="linear", warmup_steps=round(0.06 * args.steps),
         max_steps=args.steps, bf16=cuda, logging_steps=50, save_strategy="no", report_to=[],
         seed=0, disable_tqdm=True, use_cpu=not cuda)
-    cls = DropIn if key == "drop-in" else transformers.Trainer
     timer = Timer(args.skip) if cuda else None
-    trainer = cls(model=model, args=training, train_dataset=data,
+    common = dict(model=model, args=training, train_dataset=data,
                   data_collator=DataCollatorWithPadding(tokenizer),
                   callbacks=[timer.callback] if timer else None)
+    if key == "trainer":
+        trainer = transformers.Trainer(**common)
+    else:
+        trainer = DropIn(**common, nimble={"streams": 1} if key == "one-stream" else None)
     if timer:
         timer.trainer = trainer
     start = time.perf_counter()
@@ -135,7 +141,8 @@ def run_row(key: str, args, data: list[dict], tokenizer, out_dir: Path) -> dict:
     if step is not None:
         stats = step.stats()
         result["note"] = (f"{stats['replays']} replays, {stats['eager_steps']} eager steps, "
-                          f"buckets {sorted(stats['shape_buckets'] or [])}")
+                          f"buckets {sorted(stats['shape_buckets'] or [])}, "
+                          f"{stats['weight_grad_layers']} weight gradients on a side stream")
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     result["last_loss"] = losses[-1] if losses else None
     return result
@@ -180,13 +187,13 @@ def main(argv=None) -> int:
     base = next((r for r in results if r["key"] == "trainer" and "samples_s" in r), None)
     print(f"\nBERT-{args.size} sequence classification, batch {args.batch}, bf16, dynamic "
           f"padding; steps {args.skip + 1}..{args.steps} timed")
-    head = (f"{'row':<9}  {'ms/step':>8}  {'samples/s':>9}  {'tokens/s':>9}  {'x trainer':>9}  "
+    head = (f"{'row':<10}  {'ms/step':>8}  {'samples/s':>9}  {'tokens/s':>9}  {'x trainer':>9}  "
             f"{'first fast step':>17}  note")
     print(head + "\n" + "-" * len(head))
     for r in results:
         ratio = r["samples_s"] / base["samples_s"] if base else float("nan")
         first = f"{r['first_fast_s']:.1f} s (step {r['first_fast_step']})"
-        print(f"{r['key']:<9}  {r['ms']:8.2f}  {r['samples_s']:9.0f}  {r['tokens_s']:9.0f}  "
+        print(f"{r['key']:<10}  {r['ms']:8.2f}  {r['samples_s']:9.0f}  {r['tokens_s']:9.0f}  "
               f"{ratio:9.2f}  {first:>17}  {r.get('note', '')}")
     return 0
 

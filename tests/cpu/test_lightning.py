@@ -157,6 +157,12 @@ def test_refuses_precisions_it_cannot_reproduce():
     assert "precision='bf16-true'" in message and "bf16-mixed" in message
 
 
+@pytest.mark.parametrize("streams", [0, "two", True, 1.5])
+def test_refuses_a_streams_setting_when_built(streams):
+    with pytest.raises(ValueError, match=f'streams must be "auto" or an int >= 1; got {streams!r}'):
+        NimbleStrategy(streams=streams)
+
+
 def test_refuses_several_devices():
     with pytest.raises(ValueError, match=r"devices=\.\.\.\) asked for 2"):
         trainer(NimbleStrategy(), devices=2)

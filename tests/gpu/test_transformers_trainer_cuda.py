@@ -48,6 +48,10 @@ def test_the_drop_in_captures_and_equals_transformers_trainer(tmp_path):
     stats = ours.nimble_step.stats()
     assert stats["phase"] == "replay" and stats["replays"] > 20, stats
     assert stats["updates"] == theirs.state.global_step == 21
+    # streams="auto": every linear layer's weight gradient on a side stream (the tiny BERT's
+    # 2 layers x 6, the pooler and the classifier), the forward on one stream
+    assert stats["weight_grad_layers"] == 14 and stats["weight_grad_streams"] == 1, stats
+    assert stats["single_stream_reason"] == nt_transformers._LossModule.nimble_untraced
     assert all(b["captured"] for b in stats["shape_buckets"].values()), stats
     torch.testing.assert_close(torch.tensor(logged(ours)), torch.tensor(logged(theirs)),
                                rtol=1e-4, atol=1e-5)

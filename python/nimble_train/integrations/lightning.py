@@ -40,6 +40,12 @@ How Lightning maps onto the Step:
 - ``precision="bf16-mixed"`` -> ``amp="bf16"``; ``"16-mixed"`` -> ``amp="fp16"`` when its
   GradScaler has torch's default settings (the Step's loss scale starts and moves as it does);
   ``"32-true"`` -> no autocast;
+- streams (``NimbleStrategy(streams=...)``, "auto" by default): ``training_step`` is not
+  traced (its ``self.log`` calls would run on proxies); the LightningModule's own forward,
+  which ``training_step`` calls as ``self(x)``, is: the Step plans it on streams and, while it
+  captures, runs the plan in its place. A ``training_step`` that calls its layers directly
+  runs them as they are (``stats()["single_stream_reason"]`` says so). The backward's weight
+  gradients run on a side stream either way;
 - LR schedulers from ``configure_optimizers`` are stepped by Lightning as before; the Step
   reads each param group's lr at every call (no recapture);
 - ``self.log(...)`` (and ``log_dict``) inside ``training_step``: while the step body runs
@@ -104,6 +110,7 @@ except ImportError as error:  # pragma: no cover - only without the extra
         "nimble_train.integrations.lightning needs Lightning 2.x (the `lightning` package); "
         "install it with pip install 'nimble_train[lightning]'") from error
 
+from .. import _options
 from .._buckets import Buckets
 from ..errors import NimbleError
 from ..step import Step
@@ -140,7 +147,14 @@ class _Body:
 
 class _TrainingStepModule(torch.nn.Module):
     """What the Step trains: ``forward(batch)`` is the LightningModule's ``training_step``,
-    whose ``self.log`` calls are recorded (see the module's docstring)."""
+    whose ``self.log`` calls are recorded (see the module's docstring). torch.fx is not to run
+    ``training_step`` on proxies (its ``self.log`` calls would log them): the Step traces the
+    LightningModule's own forward, which ``training_step`` calls as ``self(x)``, plans it on
+    streams and runs the plan there (with the weight gradients of the backward on a side
+    stream)."""
+
+    nimble_untraced = "a LightningModule's training_step is not traced by torch.fx"
+    nimble_traced_submodule = "module"
 
     def __init__(self, module: pl.LightningModule):
         super().__init__()
@@ -192,6 +206,11 @@ class NimbleStrategy(SingleDeviceStrategy):
     docstring for what maps to what and what is refused).
 
     Args:
+        streams: "auto" (the default), a limit, or 1: beyond 1, the LightningModule's
+            forward (what ``training_step`` calls as ``self(x)``) is traced and planned on
+            several streams where it has branches, and the backward's weight gradients of
+            convolutions and linear layers run on a side stream, off its critical path (a
+            compiled module's convolutions' on two). 1: the whole step on one stream.
         warmup: eager training steps before the Step captures (at least 1).
         capture: False runs every step eagerly with the Step's semantics (debugging).
         partial_batch: "pad", "eager" or "error" for a batch shorter than the first (a scalar
@@ -206,11 +225,12 @@ class NimbleStrategy(SingleDeviceStrategy):
     ``precision``; the device from ``accelerator`` and ``devices`` (one device).
     """
 
-    def __init__(self, *, warmup: int = 3, capture: bool = True, partial_batch: str = "pad",
-                 buckets: Buckets | None = None, ema: float | None = None,
-                 checkpoint_io=None):
+    def __init__(self, *, streams: str | int = "auto", warmup: int = 3, capture: bool = True,
+                 partial_batch: str = "pad", buckets: Buckets | None = None,
+                 ema: float | None = None, checkpoint_io=None):
+        _options.check_streams(streams)
         super().__init__(checkpoint_io=checkpoint_io)
-        self.step_options = {"warmup": warmup, "capture": capture,
+        self.step_options = {"streams": streams, "warmup": warmup, "capture": capture,
                              "partial_batch": partial_batch, "buckets": buckets, "ema": ema}
         self._parallel_devices: list[torch.device] | None = None
         self._num_nodes = 1
@@ -289,7 +309,7 @@ class NimbleStrategy(SingleDeviceStrategy):
         self._clip = _grad_clip(trainer)
         self._close_step()
         self._module = _TrainingStepModule(module)
-        self.nimble_step = Step(self._module, self.optimizers[0], None, streams=1,
+        self.nimble_step = Step(self._module, self.optimizers[0], None,
                          amp=_amp(self.precision_plugin, trainer),
                          grad_clip=self._clip,
                          accumulate=_accumulate(trainer.accumulate_grad_batches),

@@ -42,6 +42,10 @@ the per-micro-batch ``training_step`` and what Trainer does around an optimizer 
 - ``torchrun``: the Step all-reduces the gradients itself (buckets overlapping the backward),
   on the unwrapped model; Trainer's DDP wrapper is bypassed.
 
+- streams: the Step's default, "auto". Trainer's ``compute_loss`` is not traced (nor could
+  torch.fx trace most Hugging Face models), so the forward runs on one stream and the
+  backward's linear layers compute their weight gradients on a side stream, off its critical
+  path (BERT-base fine-tuning b16: 1.20x ``nimble=dict(streams=1)``, bench/bench_trainer.py);
 - ``torch_compile`` -> the Step over ``torch.compile(model)`` with the arguments' backend and
   mode (its warm-up compiles, its capture records inductor's kernels); modes whose code replays
   CUDA graphs of its own (``reduce-overhead``, ``max-autotune``) are refused: the Step's graph
@@ -83,7 +87,11 @@ FROM_ARGS = {"accumulate": "gradient_accumulation_steps", "grad_clip": "max_grad
 
 class _LossModule(torch.nn.Module):
     """What the Step trains: ``forward(**batch)`` is Trainer's ``compute_loss`` on the model,
-    with the window's token count taken back out of the batch."""
+    with the window's token count taken back out of the batch. torch.fx cannot trace Trainer's
+    ``compute_loss`` (nor most Hugging Face models): the Step plans the backward only (the
+    linear layers' weight gradients on a side stream)."""
+
+    nimble_untraced = "Trainer's compute_loss is not traced by torch.fx"
 
     def __init__(self, trainer: "Trainer", model: torch.nn.Module):
         super().__init__()
@@ -183,8 +191,6 @@ class Trainer(transformers.Trainer):
             step.close()
         args = self.args
         options = dict(self.nimble_options)
-        # torch.fx cannot trace Trainer's compute_loss (nor most Hugging Face models).
-        options.setdefault("streams", 1)
         if "buckets" not in options:
             options["buckets"] = default_buckets(self.data_collator, self.model)
         amp = "fp16" if args.fp16 else None  # bf16: the accelerator's autocast in forward
