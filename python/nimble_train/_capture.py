@@ -23,6 +23,7 @@ from ._batch_norm import CapturedBatchNorms
 from ._max_pool import our_max_pool
 from ._small_conv import candidates as small_conv_candidates, small_convs
 from ._extension import _C
+from ._iteration import MisdirectedGradient
 from ._multistream import (CHAIN, COMPILED, build_multistream, traced_submodule,
                            untraced_reason, warn_single_stream)
 from ._weight_grads import plan_weight_grads, split_weight_grads
@@ -73,7 +74,7 @@ def collector_paused() -> Iterator[None]:
 
 
 if TYPE_CHECKING:  # imported when a compiled model needs it: it loads inductor's modules
-    from . import _inductor_wgrad
+    from . import _inductor_grads, _inductor_wgrad
 
 
 @contextlib.contextmanager
@@ -124,6 +125,8 @@ class CapturedStep:
         # A compiled model's: the pass that splits its backward (the Step's)
         self.compiled_split: _inductor_wgrad.SplitBackward | None = None
         self.compiled_launches = 0  # its launches on side streams in the last capture
+        # and the one that makes its weight products in their flat views (the Step's)
+        self.compiled_products: _inductor_grads.WeightProducts | None = None
         # The model whose batch norms every capture wraps (their batch counters advanced in one
         # kernel), the model whose batch norms a planned capture runs with the native kernels,
         # if any, how many the last planned capture ran so, and how many batch counters the
@@ -170,16 +173,19 @@ class CapturedStep:
     def plan_streams(self, model: torch.nn.Module, streams, device: torch.device, *,
                      gradients=None, example: tuple | None = None,
                      compiled_split: _inductor_wgrad.SplitBackward | None = None,
+                     compiled_products: _inductor_grads.WeightProducts | None = None,
                      inside_example: tuple | None = None) -> None:
         """Plans the streams, once, before the first capture: the forward traced and assigned
         to several streams, and the backward's weight gradients on a side stream
         (`gradients`: data parallel, the GradientSync that side stream reports to). `example`:
         the model's (args, kwargs), which size the operators. `compiled_split`: a compiled
         model's, the pass that put its weight gradients on a side stream as
-        inductor compiled it. A model that names a submodule to trace in its place
+        inductor compiled it; `compiled_products`, the pass that rewrote its weight products.
+        A model that names a submodule to trace in its place
         (traced_submodule) gets that submodule's forward planned, sized by `inside_example`
         (its last (args, kwargs); None plans every operator)."""
         self.compiled_split = compiled_split
+        self.compiled_products = compiled_products
         # Attention masks the fused kernels accept (see _attention.py), unless inductor plans.
         self.dense_masks = not _torch_private.has_compiled_modules(model)
         if self.weight_grads is None and self.weight_grads_off is None:
@@ -225,10 +231,19 @@ class CapturedStep:
         multi-stream forward, or None for the model itself); on failure raises SyncError or
         CaptureError, the capture abandoned. The plan's streams are an optimisation: when a
         capture on several streams fails for another reason than a host sync, it is tried once
-        more on one stream. `body` must start from scratch each time (zeroing gradients)."""
+        more on one stream. `body` must start from scratch each time (zeroing gradients).
+        A capture whose backward left a gradient in another parameter's flat view (a compiled
+        model's weight product written into the wrong one) is made again with the products
+        written apart."""
         try:
             self._capture_once(entry, body, stream, sync_records)
         except NimbleError as failure:
+            products = self.compiled_products
+            if (isinstance(failure.__cause__, MisdirectedGradient) and products is not None
+                    and products.off is None):
+                products.off = f"a capture misdirected a gradient ({failure.__cause__})"
+                self.capture(entry, body, stream, sync_records)
+                return
             several = (self.multistream is not None or self.weight_grads is not None
                        or self.splits_compiled)
             if not several or isinstance(failure, SyncError):

@@ -17,8 +17,8 @@ from . import _torch_private
 AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # Captured steps hand the gradients autograd makes to it and copy them into the flat buffers
-# once (Iteration._hand_grads_to_autograd). False: each is added into its zeroed view as it
-# comes, as before; bench/bench_grad_handover.py times one against the other.
+# once (Iteration.hands_over). False: each is added into its zeroed view as it comes, as
+# before; bench/bench_grad_handover.py times one against the other.
 HAND_OVER_GRADIENTS = True
 
 
@@ -46,11 +46,14 @@ class Iteration:
 
     def __init__(self, model: torch.nn.Module, loss_fn: Callable | None, amp: str | None,
                  grad_clip: float | None, params: list[torch.Tensor], device: torch.device,
-                 update, gradsync, sync_recorder, ema=None, accumulate: int = 1):
+                 update, gradsync, sync_recorder, ema=None, accumulate: int = 1,
+                 products=None):
         self.model, self.loss_fn, self.amp, self.grad_clip = model, loss_fn, amp, grad_clip
         self.params, self.device, self.update = params, device, update
         self.gradsync, self.sync, self.ema = gradsync, sync_recorder, ema
         self.accumulate = accumulate
+        # A compiled model's weight products (_inductor_grads.WeightProducts), or None
+        self.products = products
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
         self._got_grad = [False] * len(params)  # which parameters a backward reached
@@ -233,15 +236,23 @@ class Iteration:
         if sync is not None and call.update:
             # buckets are all-reduced as their gradients arrive (and, in_buckets, updated)
             sync.begin(fused if in_buckets else None, **step_args)
-        handed = self._hand_grads_to_autograd(call)
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        handed = (hand_grads_to_autograd(self.params, zero_kept=capturing)
+                  if self.hands_over(call) else None)
+        products = self.products
+        if handed is None or products is None:
+            around = contextlib.nullcontext()
+        else:
+            around = (products.writing if capturing else products.learning)(handed, self.params)
         try:
-            (loss if scaler is None else scaler.scale_loss(loss)).backward()
+            with around:
+                (loss if scaler is None else scaler.scale_loss(loss)).backward()
+            take_back_grads(handed, zero_unreached=capturing)
         except BaseException:
             take_back_grads(handed, copy=False)  # the views back; the capture is abandoned
             if sync is not None:
                 sync.cancel()
             raise
-        take_back_grads(handed)
         if not call.update:
             return  # a micro-batch: its gradients accumulate, nothing else happens
         norm = None
@@ -257,23 +268,24 @@ class Iteration:
         if self.ema is not None:
             self.ema.update()
 
-    def _hand_grads_to_autograd(self, call: Call) -> list | None:
-        """In a captured call whose gradients were just zeroed, the parameters autograd alone
-        accumulates into get ``.grad = None``: autograd then keeps the gradient it computed as
-        it is, rather than adding it into the zeroed flat buffer, and :func:`take_back_grads`
+    def hands_over(self, call: Call) -> bool:
+        """Whether `call`'s backward hands the gradients to autograd: captured calls whose
+        gradients were just zeroed, and, to learn a compiled model's weight products
+        (_inductor_grads), its eager ones. Autograd then keeps the gradient it computed as it
+        is, rather than adding it into the zeroed flat buffer, and :func:`take_back_grads`
         copies them all in with one multi-tensor copy after the backward. That takes a kernel
         per parameter off the backward's critical path (each a launch of its own in the graph:
         a ResNet-18's 40 batch-norm parameters, every parameter of a model under
-        torch.compile). The values are the same: 0 + g is g.
+        torch.compile). The values are the same: 0 + g is g. A captured call then zeroes only
+        the views autograd will add into (:func:`hand_grads_to_autograd`), not the buffers.
 
-        Left as they are: data parallel steps (the buckets hear of gradients through the
-        accumulation), and parameters with hooks (the weight-gradient side stream's, a
-        user's), which see or make ``.grad`` as accumulated. Returns (param, flat view) pairs.
+        Not for data parallel steps (the buckets hear of gradients through the accumulation).
         """
         if not (HAND_OVER_GRADIENTS and call.zero and self.gradsync is None
-                and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            return None
-        return hand_grads_to_autograd(self.params)
+                and self.device.type == "cuda"):
+            return False
+        return torch.cuda.is_current_stream_capturing() or (
+            self.products is not None and self.products.off is None)
 
     def _fused_update(self, correction: torch.Tensor | None) -> None:
         """The fused update after the backward, as one pass."""
@@ -295,29 +307,60 @@ def hooked(p: torch.Tensor) -> bool:
     return bool(_torch_private.tensor_hooks(p) or _torch_private.post_accumulate_grad_hooks(p))
 
 
-def hand_grads_to_autograd(params: list[torch.Tensor]) -> list:
+def hand_grads_to_autograd(params: list[torch.Tensor], zero_kept: bool = False) -> list:
     """Sets ``.grad = None`` on each of `params` that has a gradient tensor (its view into a
-    flat buffer) and no hook watching it; returns the (param, view) pairs, for
-    :func:`take_back_grads`."""
-    handed = [(p, p.grad) for p in params if p.grad is not None and not hooked(p)]
+    flat buffer) and no hook watching it (hooks, the weight-gradient side stream's or a
+    user's, see or make ``.grad`` as accumulated); returns the (param, view) pairs, for
+    :func:`take_back_grads`. `zero_kept`: the gradients not handed over are zeroed, for a
+    backward to add into (a captured step zeroes no flat buffer when it hands over)."""
+    handed, kept = [], []
+    for p in params:
+        if p.grad is not None:
+            (kept if hooked(p) else handed).append(p)
+    if zero_kept and kept:
+        torch._foreach_zero_([p.grad for p in kept])
+    handed = [(p, p.grad) for p in handed]
     for p, _ in handed:
         p.grad = None
     return handed
 
 
-def take_back_grads(handed: list | None, copy: bool = True) -> None:
+class MisdirectedGradient(RuntimeError):
+    """A backward left a parameter's gradient in another parameter's flat view."""
+
+
+def take_back_grads(handed: list | None, copy: bool = True,
+                    zero_unreached: bool = False) -> None:
     """The views go back to the parameters :func:`hand_grads_to_autograd` handed over, and
     (`copy`) the gradients autograd left in their place are copied into them, on the current
-    stream, with one multi-tensor copy. A parameter the backward did not reach keeps its view
-    as it was (zeroed, in a step)."""
+    stream, with one multi-tensor copy; a gradient made in its view already (a compiled
+    model's weight product, _inductor_grads) is left there. A parameter the backward did not
+    reach keeps its view as it was, zeroed if `zero_unreached`.
+
+    Raises MisdirectedGradient, the views back and nothing copied, if a gradient lies in a
+    flat buffer without being its parameter's view: copying it would race with the copy into
+    its own view."""
     if handed is None:
         return
-    views, grads = [], []
+    if copy:
+        try:
+            check_directed(handed)
+        except MisdirectedGradient:
+            take_back_grads(handed, copy=False)
+            raise
+    views, grads, zeros = [], [], []
     for p, view in handed:
         grad, p.grad = p.grad, view
-        if copy and grad is not None and grad is not view:
-            views.append(view)
-            grads.append(grad)
+        if not copy or grad is view or is_view(grad, view):
+            continue
+        if grad is None:
+            if zero_unreached:
+                zeros.append(view)
+            continue
+        views.append(view)
+        grads.append(grad)
+    if zeros:
+        torch._foreach_zero_(zeros)
     if not views:
         return
     if views[0].is_cuda:
@@ -325,6 +368,29 @@ def take_back_grads(handed: list | None, copy: bool = True) -> None:
         for grad in grads:
             grad.record_stream(current)  # made on a forward stream: freed after the copy
     torch._foreach_copy_(views, grads)
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def is_view(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    """Whether `grad` is `view`'s memory, laid out as `view`."""
+    return (grad is not None and grad.data_ptr() == view.data_ptr()
+            and same_layout(grad, view))
+
+
+def check_directed(handed: list) -> None:
+    """Raises MisdirectedGradient if a handed parameter's gradient lies in a flat buffer (the
+    storage of a handed view) without being its own view."""
+    storages = {view.untyped_storage().data_ptr() for _, view in handed}
+    for p, view in handed:
+        grad = p.grad
+        if (grad is not None and grad is not view and not is_view(grad, view)
+                and grad.untyped_storage().data_ptr() in storages):
+            raise MisdirectedGradient(
+                f"the gradient of a parameter of shape {tuple(p.shape)} lies in another "
+                "parameter's flat gradient view")
 
 
 def model_arguments(batch: Any) -> tuple[tuple, dict]:

@@ -154,9 +154,13 @@ class Step:
         self._compiled_split = None
         # and its attention: SDPA given dense masks as inductor compiles it (_inductor_masks.py)
         self._compiled_masks = None
+        # and its weight products: in the gradients' dtype, into their flat views when captured
+        self._compiled_products = None
         if cuda and _torch_private.has_compiled_modules(model):
+            from ._inductor_grads import WeightProducts
             from ._inductor_masks import DenseMaskPass  # loads inductor's modules
             self._compiled_masks = DenseMaskPass()
+            self._compiled_products = WeightProducts()
             if streams != 1:
                 from ._inductor_wgrad import SplitBackward
                 self._compiled_split = SplitBackward()
@@ -183,7 +187,7 @@ class Step:
         self._ema = EMA(model, self._params, ema) if ema is not None else None
         self._iteration = Iteration(model, loss_fn, amp, grad_clip, self._params, self._device,
                                     self._update, self._gradsync, self._sync, self._ema,
-                                    accumulate)
+                                    accumulate, self._compiled_products)
         self._window = Window(accumulate)
         self._swapped = False  # the EMA weights are in the model (ema_weights())
         # The graph each call launches, by bucket and place in the window (-1: none yet).
@@ -261,7 +265,8 @@ class Step:
             from ._inductor_wgrad import split_compiled_backward
             split = (split_compiled_backward(self._compiled_split)
                      if self._compiled_split is not None else contextlib.nullcontext())
-            with self._compiling(), split:
+            # the split first: the weight products it launches are not rewritten after
+            with self._compiling(), split, _torch_private.post_grad_pass(self._compiled_products):
                 return self._run(batch)
         except BaseException as error:
             if self._gradsync is not None and not isinstance(error, DistributedError):
@@ -589,6 +594,7 @@ class Step:
                            gradients=self._gradsync,
                            example=model_arguments(graph.batches[bucket]),
                            compiled_split=self._compiled_split,
+                           compiled_products=self._compiled_products,
                            inside_example=self._inside_example)
         self._stop_recording_inside()
         sizes = self._layout.sizes
@@ -645,15 +651,18 @@ class Step:
 
     def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
         zero, update = kind
+        call = Call(zero, update, *self._graph.scales)
         if zero and self._update.fused is not None:
-            self._update.fused.zero_grad()  # inside: replays never accumulate gradients
+            # inside: replays never accumulate gradients (handed over to autograd, they are
+            # made afresh and copied in, and the views zeroed that autograd adds into)
+            if not self._iteration.hands_over(call):
+                self._update.fused.zero_grad()
         elif zero:
             # backward makes them in the graph; the graphs of a window share them
             self.optimizer.zero_grad(set_to_none=self.accumulate == 1)
         loss = self._iteration.loss(self._graph.batches[bucket], self._template.batch_size,
                                     self._graph.valid, forward)
-        weight, correction = self._graph.scales
-        self._iteration.backward_and_update(loss, Call(zero, update, weight, correction))
+        self._iteration.backward_and_update(loss, call)
         return loss
 
     # ------------------------------------------------------------------ the rest of the API
@@ -689,6 +698,10 @@ class Step:
             # attention calls of a compiled model given dense masks as Step's calls compiled it
             "dense_attention_masks": (self._compiled_masks.masks
                                       if self._compiled_masks is not None else 0),
+            # a compiled model's weight products the last capture wrote into their parameters'
+            # flat gradient views (_inductor_grads.py)
+            "weight_products_in_place": (self._compiled_products.written
+                                         if self._compiled_products is not None else 0),
             # max-pools the last capture ran on nimble_train's kernels (_max_pool.py)
             "max_pool_layers": graph.max_pool_layers if captured else 0,
             # stems (convolutions of few input channels) the last capture ran on

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from nimble_train._iteration import hand_grads_to_autograd, hooked, take_back_grads
+from nimble_train._iteration import (MisdirectedGradient, hand_grads_to_autograd, hooked,
+                                     take_back_grads)
 
 
 class Net(torch.nn.Module):
@@ -99,3 +100,39 @@ def test_hooked_sees_either_kind_of_gradient_hook(kind):
     elif kind == "post-accumulate":
         p.register_post_accumulate_grad_hook(lambda t: None)
     assert hooked(p) == (kind != "none")
+
+
+def test_a_captured_calls_handover_zeroes_what_it_does_not_overwrite():
+    """A captured call zeroes no flat buffer: handing over zeroes the views a backward adds
+    into (the hooked one), and taking back zeroes the handed views no gradient reached; every
+    other view is overwritten. Nothing keeps what the buffer held before."""
+    a, b = twins(2)
+    flat_a, flat_b = with_flat_grads(a), with_flat_grads(b)
+    x = torch.randn(8, 6, dtype=torch.float64)
+    loss_of(b, x).backward()  # into zeroed views: the reference
+    flat_a.fill_(float("nan"))  # what an earlier step or user code left
+    handed = hand_grads_to_autograd(list(a.parameters()), zero_kept=True)
+    assert torch.equal(a.hooked.grad, torch.zeros(3, dtype=torch.float64))
+    loss_of(a, x).backward()
+    take_back_grads(handed, zero_unreached=True)
+    assert torch.equal(flat_a, flat_b)
+    assert torch.equal(a.unused.grad, torch.zeros(5, dtype=torch.float64))
+
+
+def test_a_gradient_left_in_another_parameters_view_is_refused_and_nothing_copied():
+    p, q = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    flat = torch.zeros(6)
+    views = [flat[:3], flat[3:]]
+    p.grad, q.grad = views
+    handed = hand_grads_to_autograd([p, q])
+    p.grad = views[1].detach()  # p's gradient in q's view: a copy into both would race
+    q.grad = torch.full((3,), 2.0)
+    with pytest.raises(MisdirectedGradient, match=r"shape \(3,\)"):
+        take_back_grads(handed)
+    assert p.grad is views[0] and q.grad is views[1]
+    assert torch.equal(flat, torch.zeros(6))
+    p.grad = views[0].detach()  # its own view: nothing to copy for it
+    handed = hand_grads_to_autograd([p, q])
+    p.grad, q.grad = views[0].detach().fill_(3.0), torch.full((3,), 2.0)
+    take_back_grads(handed)
+    assert torch.equal(flat, torch.tensor([3.0, 3, 3, 2, 2, 2]))

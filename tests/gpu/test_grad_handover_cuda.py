@@ -44,10 +44,10 @@ def handovers(monkeypatch) -> list[tuple[int, int]]:
     seen = []
     original = _iteration.take_back_grads
 
-    def counting(handed, copy=True):
+    def counting(handed, copy=True, **options):
         if handed is not None:
             seen.append((len(handed), sum(p.grad is not None for p, _ in handed)))
-        original(handed, copy)
+        original(handed, copy, **options)
     monkeypatch.setattr(_iteration, "take_back_grads", counting)
     return seen
 
@@ -137,3 +137,40 @@ def test_a_capture_failing_after_the_handover_keeps_the_views_and_the_state(monk
     step(batches[4])
     eager_loop(m2, o2, per_sample, batches[3:])
     assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+class WithUnused(TiedAndHooked):
+    """TiedAndHooked, and a parameter no backward reaches."""
+
+    def __init__(self):
+        super().__init__()
+        self.unused = torch.nn.Parameter(torch.randn(4))
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_captured_steps_zero_no_buffer_and_overwrite_every_gradient(streams):
+    """A captured step that hands its gradients over zeroes no flat buffer before the
+    backward: the views autograd adds into (hooked) are zeroed, the others overwritten or,
+    unreached, zeroed after. Gradients poisoned between calls do not leak into a step."""
+    torch.manual_seed(6)
+    make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4)  # noqa: E731
+    (m1, o1), (m2, o2) = twin(WithUnused().cuda(), make_opt)
+    halve_offset_grads(m1)
+    halve_offset_grads(m2)
+    batches = classification_batches(7, 16, image=True, device="cuda")
+    step = nt.Step(m1, o1, per_sample, warmup=2, streams=streams)
+    for i, batch in enumerate(batches):
+        if i >= 2:  # what a step must overwrite or zero: warm-up is over, it captures or replays
+            for p in m1.parameters():
+                if p.grad is not None:  # none for the unused parameter, which the update skips
+                    p.grad.fill_(float("nan"))
+        step(batch)
+    torch.cuda.synchronize()
+    assert step.stats()["captured"] and step.stats()["replays"] == 5
+    eager_loop(m2, o2, per_sample, batches)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        if q.grad is None:
+            assert p.grad is None
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **TOL)
