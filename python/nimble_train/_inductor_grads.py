@@ -208,7 +208,7 @@ class WeightProducts(_torch_private.custom_graph_pass_base()):
         index = {id(p): i for i, p in enumerate(params)}
         for p, view in handed:
             grad = p.grad
-            if grad is None or grad is view or not same_layout(grad, view):
+            if grad is None or not same_layout(grad, view):
                 continue
             keys = seen.get(grad.data_ptr(), [])
             if len(keys) == 1 and len(made[keys[0]]) == 1:

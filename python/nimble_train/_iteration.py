@@ -351,7 +351,7 @@ def take_back_grads(handed: list | None, copy: bool = True,
     views, grads, zeros = [], [], []
     for p, view in handed:
         grad, p.grad = p.grad, view
-        if not copy or grad is view or is_view(grad, view):
+        if not copy or is_view(grad, view):
             continue
         if grad is None:
             if zero_unreached:
@@ -386,7 +386,7 @@ def check_directed(handed: list) -> None:
     storages = {view.untyped_storage().data_ptr() for _, view in handed}
     for p, view in handed:
         grad = p.grad
-        if (grad is not None and grad is not view and not is_view(grad, view)
+        if (grad is not None and not is_view(grad, view)
                 and grad.untyped_storage().data_ptr() in storages):
             raise MisdirectedGradient(
                 f"the gradient of a parameter of shape {tuple(p.shape)} lies in another "
