@@ -20,11 +20,20 @@ struct StepGraph::Entry {
   std::shared_ptr<StaticInputs> inputs_ptr;  // shared by the entries of one batch layout
   StaticInputs& inputs;
   std::unique_ptr<TorchGraph> graph;  // set while capturing and once captured
+  std::unique_ptr<SerialGraph> serial;  // replayed in its place, when set (replay_serially)
   bool captured = false;
   bool staged = true;  // the graph fetches a slot of the ring first
   bool memsets_as_kernels = true;
   int64_t nodes = -1;
   int64_t memset_nodes = 0;
+
+  void replay() {
+    if (serial) {
+      serial->launch(c10::cuda::getCurrentCUDAStream());
+    } else {
+      graph->replay();
+    }
+  }
 };
 
 StepGraph::StepGraph(at::Device device, int64_t num_values, int64_t ring_capacity)
@@ -129,6 +138,7 @@ void StepGraph::begin_capture(int64_t index, bool staged, bool memsets_as_kernel
   NT_CHECK(c10::cuda::getCurrentCUDAStream() != c10::cuda::getDefaultCUDAStream(),
            "StepGraph.begin_capture: capture runs on a side stream, and the current stream "
            "is the default stream");
+  e.serial.reset();
   e.graph.reset();
   e.captured = false;
   e.nodes = -1;
@@ -202,7 +212,7 @@ void StepGraph::launch(int64_t index, const std::vector<at::Tensor>& leaves,
              values.size());
     const c10::cuda::CUDAGuard guard(device_);
     e.inputs.copy_in(leaves, samples);
-    e.graph->replay();
+    e.replay();
     return;
   }
   ring_.stage(slot_values(samples, values));
@@ -211,7 +221,7 @@ void StepGraph::launch(int64_t index, const std::vector<at::Tensor>& leaves,
     const c10::cuda::CUDAGuard guard(device_);
     e.inputs.copy_in(leaves, samples);
     inject(LaunchFault::kAfterCopyIn);
-    e.graph->replay();
+    e.replay();
   } catch (...) {
     ring_.unstage();  // the launch did not happen: the next one takes this slot
     throw;
@@ -222,6 +232,7 @@ void StepGraph::launch(int64_t index, const std::vector<at::Tensor>& leaves,
 void StepGraph::drop(int64_t index) {
   Entry& e = entry(index);
   NT_CHECK(capturing_ != index, "StepGraph.drop: entry ", index, " is being captured");
+  e.serial.reset();
   e.graph.reset();
   e.captured = false;
   e.nodes = -1;
@@ -233,6 +244,7 @@ void StepGraph::release() {
   if (capturing_ >= 0) abandon_capture();
   NT_CHECK_CUDA(cudaDeviceSynchronize());  // no launch may still read what is freed below
   for (auto& e : entries_) {
+    e->serial.reset();
     e->graph.reset();
     e->captured = false;
   }
@@ -249,6 +261,22 @@ bool StepGraph::captured(int64_t index) const { return entry(index).captured; }
 int64_t StepGraph::node_count(int64_t index) const { return entry(index).nodes; }
 
 int64_t StepGraph::memset_nodes(int64_t index) const { return entry(index).memset_nodes; }
+
+GraphStructure StepGraph::structure(int64_t index) {
+  Entry& e = entry(index);
+  NT_CHECK(e.captured, "StepGraph.structure: entry ", index, " has no captured graph");
+  return graph_structure(e.graph->raw_cuda_graph());
+}
+
+void StepGraph::replay_serially(int64_t index, bool serially) {
+  Entry& e = entry(index);
+  NT_CHECK(e.captured, "StepGraph.replay_serially: entry ", index, " has no captured graph");
+  if (!serially) {
+    e.serial.reset();
+  } else if (!e.serial) {
+    e.serial = std::make_unique<SerialGraph>(e.graph->raw_cuda_graph(), device_.index());
+  }
+}
 
 std::pair<uint64_t, uint64_t> StepGraph::pool_id() const {
   NT_CHECK(pool_ != nullptr, "StepGraph.pool_id: the pool was released");

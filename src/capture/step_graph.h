@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "capture/graph_structure.h"
 #include "capture/static_inputs.h"
 #include "capture/staging_ring.h"
 
@@ -89,6 +90,12 @@ class StepGraph {
   bool captured(int64_t entry) const;
   int64_t node_count(int64_t entry) const;  // -1 before capture
   int64_t memset_nodes(int64_t entry) const;  // of those, memsets rewritten as kernels
+
+  // For measuring a step's floor (graph_structure.h): the captured graph's structure, and
+  // whether its launches replay it one node at a time (the launch path is otherwise the same:
+  // a serial launch is a training step). A new capture of the entry replays as captured.
+  GraphStructure structure(int64_t entry);
+  void replay_serially(int64_t entry, bool serially);
   std::pair<uint64_t, uint64_t> pool_id() const;
   int64_t num_entries() const { return static_cast<int64_t>(entries_.size()); }
   const at::Tensor& current() const { return ring_.current(); }  // [1 + num_values] float32

@@ -1,6 +1,7 @@
 // Bindings for src/capture: the staging ring, static inputs and the step-graph runtime.
 #include <torch/csrc/utils/pybind.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -16,6 +17,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "capture/graph_nodes.h"
+#include "capture/graph_structure.h"
 #include "capture/step_graph.h"
 #include "common/cuda_check.h"
 #endif
@@ -188,6 +190,17 @@ void bind_step_graph(py::module_& m) {
       .def("node_count", &StepGraph::node_count, py::arg("entry"))
       .def("memset_nodes", &StepGraph::memset_nodes, py::arg("entry"),
            "Of the entry's nodes, the memsets its capture rewrote as kernels.")
+      .def("structure", [](StepGraph& g, int64_t entry) {
+             const capture::GraphStructure s = g.structure(entry);
+             return py::make_tuple(s.kinds, s.dependencies);
+           }, py::arg("entry"),
+           "(kinds, dependencies) of the entry's captured graph, its nodes in one topological "
+           "order: per node its kind (\"kernel\", \"memcpy\", \"memset\", ...) and the "
+           "positions of the nodes it depends on. See src/capture/graph_structure.h.")
+      .def("replay_serially", &StepGraph::replay_serially, py::arg("entry"),
+           py::arg("serially"), py::call_guard<py::gil_scoped_release>(),
+           "Whether the entry's launches replay its graph one node at a time, in structure()'s "
+           "order (each node alone on the GPU: to time them), or as captured.")
       .def_property_readonly("pool_id", &StepGraph::pool_id)
       .def_property_readonly("num_entries", &StepGraph::num_entries)
       .def_property_readonly("current", &StepGraph::current)
@@ -217,6 +230,29 @@ void bind_step_graph(py::module_& m) {
         "Rewrites the memset nodes of a captured, not yet instantiated torch.cuda.CUDAGraph "
         "(keep_graph=True; graph: its raw_cuda_graph()) on `device` as kernel nodes; returns "
         "how many. Instantiate it after.");
+  m.def("graph_structure", [](uintptr_t graph) {
+          const capture::GraphStructure s =
+              capture::graph_structure(reinterpret_cast<cudaGraph_t>(graph));
+          return py::make_tuple(s.kinds, s.dependencies);
+        }, py::arg("graph"),
+        "(kinds, dependencies) of a captured torch.cuda.CUDAGraph (keep_graph=True; graph: its "
+        "raw_cuda_graph()), as StepGraph.structure gives them.");
+  py::class_<capture::SerialGraph>(
+      m, "SerialGraph",
+      "A captured graph replayed one node at a time, in graph_structure()'s order (each node\n"
+      "alone on the GPU: to time them). It reads and writes the graph's memory. See\n"
+      "src/capture/graph_structure.h.")
+      .def(py::init([](uintptr_t graph, int device) {
+             return std::make_unique<capture::SerialGraph>(reinterpret_cast<cudaGraph_t>(graph),
+                                                           device);
+           }), py::arg("graph"), py::arg("device"),
+           "graph: a torch.cuda.CUDAGraph's raw_cuda_graph() (made with keep_graph=True); "
+           "device: its device index.")
+      .def("launch", [](capture::SerialGraph& g) {
+             g.launch(c10::cuda::getCurrentCUDAStream());
+           }, py::call_guard<py::gil_scoped_release>(), "Replays it on the current stream.")
+      .def_property_readonly("added_edges", &capture::SerialGraph::added_edges,
+                             "The edges the clone gained (0: the graph was serial already).");
   m.def("cuda_memset", [](const at::Tensor& t, int64_t value) {
           NT_CHECK(t.is_cuda() && t.is_contiguous(), "cuda_memset: t must be a contiguous CUDA "
                    "tensor; got ", t.device(), t.is_contiguous() ? "" : ", not contiguous");
