@@ -597,6 +597,13 @@ def test_overlap_finds_what_runs_alone_what_runs_together_and_the_idle_gaps():
     assert (empty.span, empty.busy, empty.alone) == (0.0, 0.0, {})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_floor_refuses_without_a_gpu(capsys):
+    bench = _bench_script("bench_floor")
+    assert bench.main(["--model", "resnet18", "--batch", "2"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_bench_profile_names_kernels_briefly_and_refuses_without_a_gpu(capsys):
     bench = _bench_script("bench_profile")
     assert bench.short("void at::native::reduce_kernel<512, 1, Op<float, (int)2>>(Op<float>)") \
