@@ -1,4 +1,5 @@
-# Finds the CUDA library nimble_train links beside the CUDA runtime: NCCL.
+# Finds the CUDA library nimble_train links beside the CUDA runtime (NCCL), and the CUDA math
+# libraries' headers torch's CUDA headers include.
 #
 # Each is looked for first where the user points (NCCL_ROOT), then in the
 # nvidia-* wheels next to torch (the copies torch itself loads), then on the system. A
@@ -54,3 +55,25 @@ macro(nt_find_cuda_libraries)
   nt_cuda_library(nccl HEADER nccl.h LIBS nccl libnccl.so.2 ROOT_VAR NCCL_ROOT
     VERSION_HEADER nccl.h VERSION_FIELDS NCCL_MAJOR NCCL_MINOR NCCL_PATCH)
 endmacro()
+
+# The headers of CUDA's math libraries that torch's ATen/cuda/CUDAContextLight.h includes
+# (cuBLAS, cuBLASLt, cuSPARSE, cuSOLVER), for the one source that reads torch's cuBLAS
+# workspaces (src/capture/blas_workspaces.cpp): the toolkit's, else the nvidia-* wheels' beside
+# torch. Sets NT_CUDA_MATH_INCLUDE_DIRS.
+function(nt_find_cuda_math_headers)
+  set(dirs)
+  foreach(header cublas_v2.h cublasLt.h cusparse.h cusolverDn.h)
+    string(MAKE_C_IDENTIFIER "NT_${header}_DIR" var)
+    find_path(${var} ${header} HINTS ${CUDAToolkit_INCLUDE_DIRS} ${NT_NVIDIA_DIRS}
+              PATH_SUFFIXES include)
+    if(NOT ${var})
+      message(FATAL_ERROR "nimble_train: ${header} not found in the CUDA toolkit "
+              "(${CUDAToolkit_INCLUDE_DIRS}) nor in the nvidia-* wheels beside torch "
+              "(${NT_NVIDIA_DIRS}); torch's CUDA headers include it. Install the toolkit's "
+              "math libraries or reinstall torch with its CUDA dependencies.")
+    endif()
+    list(APPEND dirs "${${var}}")
+  endforeach()
+  list(REMOVE_DUPLICATES dirs)
+  set(NT_CUDA_MATH_INCLUDE_DIRS "${dirs}" PARENT_SCOPE)
+endfunction()

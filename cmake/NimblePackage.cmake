@@ -11,6 +11,7 @@
 
 # The headers a C++ program may include, relative to src/.
 set(NT_PUBLIC_HEADERS
+  capture/blas_workspaces.h
   capture/graph_structure.h
   capture/slot_ring.h
   capture/staging_ring.h

@@ -146,11 +146,13 @@ void StepGraph::begin_capture(int64_t index, bool staged, bool memsets_as_kernel
   e.staged = staged;
   e.memsets_as_kernels = memsets_as_kernels;
   e.graph = std::make_unique<TorchGraph>();
+  workspaces_.lend();  // the graphs of one step share the workspaces, as they never run at once
   try {
     e.graph->capture_begin(pool_->id(), cudaStreamCaptureModeThreadLocal);
   } catch (...) {
     e.graph->abandon();  // undoes whatever capture_begin had set up before it failed
     e.graph.reset();
+    workspaces_.take_lent();
     throw;
   }
   capturing_ = index;
@@ -169,6 +171,7 @@ CaptureResult StepGraph::end_capture() {
   // Asked before ending: once cudaStreamEndCapture has run, the stream no longer says.
   const bool invalidated = e.graph->invalidated();
   try {
+    workspaces_.take(e.graph->capture_id());  // the graph replays into them
     const int64_t nodes =
         e.graph->finish(e.memsets_as_kernels, std::exchange(fail_capture_end_, false));
     e.nodes = nodes;
@@ -191,6 +194,7 @@ CaptureResult StepGraph::abandon_capture() {
   result.invalidated = e.graph->abandon();
   result.error = result.invalidated ? "CUDA invalidated the capture" : "the capture was abandoned";
   e.graph.reset();
+  workspaces_.take_lent();
   capturing_ = -1;
   return result;
 }
@@ -249,6 +253,7 @@ void StepGraph::release() {
     e->captured = false;
   }
   entries_.clear();
+  workspaces_.clear();
   if (holds_host_pool_) {
     at::getHostAllocator(at::kCUDA)->release_pool(pool_->id());
     holds_host_pool_ = false;

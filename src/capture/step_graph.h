@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "capture/blas_workspaces.h"
 #include "capture/graph_structure.h"
 #include "capture/static_inputs.h"
 #include "capture/staging_ring.h"
@@ -90,6 +91,9 @@ class StepGraph {
   bool captured(int64_t entry) const;
   int64_t node_count(int64_t entry) const;  // -1 before capture
   int64_t memset_nodes(int64_t entry) const;  // of those, memsets rewritten as kernels
+  // The cuBLAS workspaces the captures use, which the step graph holds (blas_workspaces.h).
+  int64_t blas_workspaces() const { return static_cast<int64_t>(workspaces_.size()); }
+  std::vector<void*> blas_workspace_addresses() const { return workspaces_.addresses(); }
 
   // For measuring a step's floor (graph_structure.h): the captured graph's structure, and
   // whether its launches replay it one node at a time (the launch path is otherwise the same:
@@ -120,6 +124,7 @@ class StepGraph {
   StagingRing ring_;
   std::unique_ptr<at::cuda::MemPool> pool_;
   std::vector<std::unique_ptr<Entry>> entries_;
+  BlasWorkspaces workspaces_;  // freed after the graphs, before the pool
   bool holds_host_pool_ = false;
   int64_t capturing_ = -1;  // the entry being captured
   LaunchFault fault_ = LaunchFault::kNone;

@@ -48,6 +48,16 @@ bool TorchGraph::invalidated() const {
          status == cudaStreamCaptureStatusInvalidated;
 }
 
+unsigned long long TorchGraph::capture_id() const {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  if (cudaStreamGetCaptureInfo(capture_stream_.stream(), &status, &id) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return status == cudaStreamCaptureStatusActive ? id : 0;
+}
+
 template <typename Self>
 bool TorchGraph::undo_failed_end(Self& self) noexcept {
   if constexpr (requires(Self& g) { g.capturing_to_pool_; }) {

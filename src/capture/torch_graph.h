@@ -34,6 +34,9 @@ class TorchGraph : public at::cuda::CUDAGraph {
   // Whether CUDA has invalidated the capture under way (a call it forbids while capturing ran).
   bool invalidated() const;
 
+  // CUDA's id of the capture under way (0: none is), which every stream taking part reports.
+  unsigned long long capture_id() const;
+
   // After a failure anywhere between capture_begin() and finish(): ends the stream's capture
   // if it is still open, undoes what the capture set up in the allocator and the generator, and
   // drops what was captured. Returns whether CUDA had invalidated the capture (the mechanism

@@ -188,6 +188,16 @@ void bind_step_graph(py::module_& m) {
            "Waits for the device, then frees every graph and the pool.")
       .def("captured", &StepGraph::captured, py::arg("entry"))
       .def("node_count", &StepGraph::node_count, py::arg("entry"))
+      .def_property_readonly("blas_workspaces", &StepGraph::blas_workspaces,
+                             "The cuBLAS workspaces the captures use, held by the step graph "
+                             "(src/capture/blas_workspaces.h).")
+      .def_property_readonly("blas_workspace_addresses", [](const StepGraph& g) {
+             std::vector<uintptr_t> out;
+             for (void* p : g.blas_workspace_addresses()) {
+               out.push_back(reinterpret_cast<uintptr_t>(p));
+             }
+             return out;
+           }, "Where each held cuBLAS workspace lies (device addresses).")
       .def("memset_nodes", &StepGraph::memset_nodes, py::arg("entry"),
            "Of the entry's nodes, the memsets its capture rewrote as kernels.")
       .def("structure", [](StepGraph& g, int64_t entry) {

@@ -249,6 +249,13 @@ def _segment_bytes(pool_id) -> int:
                if tuple(seg.get("segment_pool_id", ())) == tuple(pool_id))
 
 
+def _blocks_at(pool_id, addresses) -> int:
+    wanted = set(addresses)
+    return sum(block["size"] for seg in torch.cuda.memory_snapshot()
+               if tuple(seg.get("segment_pool_id", ())) == tuple(pool_id)
+               for block in seg["blocks"] if block["address"] in wanted)
+
+
 def test_graph_pool_stays_near_the_eager_peak():
     torch.manual_seed(9)
     model = nt.models.resnet18_cifar().cuda()
@@ -276,6 +283,9 @@ def test_graph_pool_stays_near_the_eager_peak():
     peak = torch.cuda.max_memory_allocated() - before
     pool = step.stats()["pool_bytes"]
     assert eager_bytes > 0 and pool is not None
+    # The graph's cuBLAS workspaces lie in its pool (src/capture/blas_workspaces.h), where the
+    # eager step's lie outside the pool it is measured in: left out of both.
+    pool -= _blocks_at(step._graph.graph.pool_id, step._graph.graph.blas_workspace_addresses)
     # The target is 1.3x; on an H100 with torch 2.11 the pool measured 1.46-1.52x (482-510
     # vs 331-336 MB for ResNet-18 at batch 64), so this guards against regressions until the
     # gap is found.
