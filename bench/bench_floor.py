@@ -61,6 +61,39 @@ def measure(key: str, w, args) -> dict:
     return row
 
 
+def report(rows: list[dict], targets: list[float], top: int) -> str:
+    """The table of the measured rows, each Step mode's longest kernels on its critical path,
+    and the step time each target ratio over each anchor asks."""
+    lines = ["", "| mode | ms | busy | kernels | sum alone | serial | critical path (products) "
+             "| path + gaps | ms ÷ path + gaps |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "path" in r:
+            lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['busy']:.3f} | {r['kernels']:.3f} "
+                         f"| {r['sum']:.3f} | {r['serial']:.3f} | {r['path']:.3f} "
+                         f"({r['products']:.3f}) | {r['gaps']:.3f} | {r['ms'] / r['gaps']:.2f} |")
+        else:
+            lines.append(f"| {r['label']} | {r['ms']:.3f} | {r['busy']:.3f} | {r['kernels']:.3f} "
+                         f"| {r['kernels']:.3f} | - | - | - | - |")
+    for r in rows:
+        if "path" in r:
+            lines.append(f"\n{r['label']}: {r['nodes']} nodes, {r['work']} that work, "
+                         f"{r['path_nodes']} on the critical path; its longest kernels there "
+                         f"(ms):")
+            for name, t in r["top"][:top]:
+                lines.append(f"   {t:.3f}  {name.removeprefix('void ')[:80]}")
+    anchors = [r for r in rows if r["mode"] in ANCHORS]
+    steps = [r for r in rows if "path" in r]
+    if anchors and steps:
+        lines.append("\nStep time a target ratio over an anchor's busy time asks, beside Step's "
+                     "floors (sum alone / critical path + gaps):")
+        lines.append("   " + ", ".join(f"{r['mode']} {r['sum']:.3f} / {r['gaps']:.3f}"
+                                       for r in steps))
+        for a in anchors:
+            asks = ", ".join(f"{t:g}x: {a['busy'] / t:.3f}" for t in targets)
+            lines.append(f"   over {a['mode']} (busy {a['busy']:.3f}): {asks}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="resnet18", choices=CIFAR_MODELS + ("bert",))
@@ -92,33 +125,7 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"  {key}: {r['ms']:.3f} ms, busy {r['busy']:.3f}", flush=True)
 
-    print("\n| mode | ms | busy | kernels | sum alone | serial | critical path (products) "
-          "| path + gaps | ms ÷ path + gaps |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        if "path" in r:
-            print(f"| {r['label']} | {r['ms']:.3f} | {r['busy']:.3f} | {r['kernels']:.3f} | "
-                  f"{r['sum']:.3f} | {r['serial']:.3f} | {r['path']:.3f} ({r['products']:.3f}) "
-                  f"| {r['gaps']:.3f} | {r['ms'] / r['gaps']:.2f} |")
-        else:
-            print(f"| {r['label']} | {r['ms']:.3f} | {r['busy']:.3f} | {r['kernels']:.3f} | "
-                  f"{r['kernels']:.3f} | - | - | - | - |")
-    for r in rows:
-        if "path" in r:
-            print(f"\n{r['label']}: {r['nodes']} nodes, {r['work']} that work, "
-                  f"{r['path_nodes']} on the critical path; its longest kernels there (ms):")
-            for name, t in r["top"][:args.top]:
-                print(f"   {t:.3f}  {name.removeprefix('void ')[:80]}")
-    anchors = [r for r in rows if r["mode"] in ANCHORS]
-    steps = [r for r in rows if "path" in r]
-    if anchors and steps:
-        print("\nStep time a target ratio over an anchor's busy time asks, beside Step's "
-              "floors (sum alone / critical path + gaps):")
-        floors = ", ".join(f"{r['mode']} {r['sum']:.3f} / {r['gaps']:.3f}" for r in steps)
-        print(f"   {floors}")
-        for a in anchors:
-            asks = ", ".join(f"{t:g}x: {a['busy'] / t:.3f}" for t in args.targets)
-            print(f"   over {a['mode']} (busy {a['busy']:.3f}): {asks}")
+    print(report(rows, args.targets, args.top))
     return 0
 
 

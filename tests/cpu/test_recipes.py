@@ -597,11 +597,23 @@ def test_overlap_finds_what_runs_alone_what_runs_together_and_the_idle_gaps():
     assert (empty.span, empty.busy, empty.alone) == (0.0, 0.0, {})
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
-def test_bench_floor_refuses_without_a_gpu(capsys):
+def test_bench_floor_reports_each_mode_beside_its_floor_and_refuses_without_a_gpu(capsys):
     bench = _bench_script("bench_floor")
-    assert bench.main(["--model", "resnet18", "--batch", "2"]) == 2
-    assert "CUDA GPU" in capsys.readouterr().err
+    rows = [{"mode": "compile-ro", "label": "reduce-overhead", "ms": 2.5, "busy": 2.0,
+             "kernels": 2.1},
+            {"mode": "step-auto", "label": "Step auto", "ms": 1.8, "busy": 1.7, "kernels": 2.6,
+             "sum": 2.2, "serial": 2.3, "path": 1.4, "products": 0.8, "gaps": 1.5, "nodes": 9,
+             "work": 8, "path_nodes": 5, "top": [("void conv_kernel<1>", 0.25), ("relu", 0.1)]}]
+    text = bench.report(rows, [1.25], top=1)
+    assert "| reduce-overhead | 2.500 | 2.000 | 2.100 | 2.100 | - | - | - | - |" in text
+    assert ("| Step auto | 1.800 | 1.700 | 2.600 | 2.200 | 2.300 | 1.400 (0.800) | 1.500 | 1.20 |"
+            in text)
+    assert "   0.250  conv_kernel<1>" in text and "relu" not in text  # top 1, 'void ' dropped
+    assert "step-auto 2.200 / 1.500" in text
+    assert "over compile-ro (busy 2.000): 1.25x: 1.600" in text
+    if not torch.cuda.is_available():
+        assert bench.main(["--model", "resnet18", "--batch", "2"]) == 2
+        assert "CUDA GPU" in capsys.readouterr().err
 
 
 def test_bench_profile_names_kernels_briefly_and_refuses_without_a_gpu(capsys):
