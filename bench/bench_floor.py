@@ -30,34 +30,26 @@ import sys
 
 import torch
 
-from nimble_train.bench.floor import profiled_busy_ms, step_floor
-from nimble_train.bench.modes import MODES
-from nimble_train.bench.timing import ms_per_step
+from nimble_train.bench.floor import step_floor
+from nimble_train.bench.modes import MODES, warmed
+from nimble_train.bench.timing import ms_per_step, profile_overlap
 from nimble_train.bench.workloads import BERT_SIZES, CIFAR_MODELS, make_workload
 
 ANCHORS = ("compile-ro", "compile-ro-opt", "graph", "graph-fused", "graph-fused-kernels")
 
 
 def measure(key: str, w, args) -> dict:
-    mode = MODES[key]
-    step = mode.build(w)
-    for i in range(mode.first_fast_call(step) + 20):  # warm-up, capture, then fast steps
-        step(w.batches[i % len(w.batches)])
-    row = {"mode": key, "label": mode.label,
-           "ms": ms_per_step(step, w.batches, steps=args.steps, repeats=args.repeats)}
-    row["busy"], row["kernels"] = profiled_busy_ms(step, w.batches, args.profiled)
-    if key.startswith("step"):
-        f = step_floor(step, w.batches, steps=args.profiled, timed_steps=args.steps)
-        row.update(sum=f.kernel_sum, path=f.critical_path, products=f.path_products,
-                   gaps=f.path_with_gaps,
-                   serial=f.serial_ms, nodes=f.nodes, work=f.work_nodes, path_nodes=f.path_nodes,
-                   streams=step.stats().get("streams"), top=sorted(f.by_name.items(),
-                                                                   key=lambda kv: -kv[1]))
-    close = getattr(step, "close", None)
-    if callable(close):
-        close()
-    del step
-    torch.cuda.empty_cache()
+    with warmed(MODES[key], w) as step:
+        row = {"mode": key, "label": MODES[key].label,
+               "ms": ms_per_step(step, w.batches, steps=args.steps, repeats=args.repeats)}
+        o = profile_overlap(step, w.batches, args.profiled)  # microseconds, all steps
+        row.update(busy=o.busy / args.profiled / 1e3, kernels=o.kernel_sum / args.profiled / 1e3)
+        if key.startswith("step"):
+            f = step_floor(step, w.batches, steps=args.profiled, timed_steps=args.steps)
+            row.update(sum=f.kernel_sum, path=f.critical_path, products=f.path_products,
+                       gaps=f.path_with_gaps, serial=f.serial_ms, nodes=f.nodes,
+                       work=f.work_nodes, path_nodes=f.path_nodes,
+                       top=sorted(f.by_name.items(), key=lambda kv: -kv[1]))
     return row
 
 

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from nimble_train.bench.modes import MODES
+from nimble_train.bench.modes import MODES, warmed
 from nimble_train.bench.timing import profile_overlap
 from nimble_train.bench.workloads import BERT_SIZES, CIFAR_MODELS, make_workload
 
@@ -106,17 +106,9 @@ def main(argv=None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.description}, "
           f"batch {w.batch}; {args.steps} profiled steps per mode")
     for key in args.modes:
-        mode = MODES[key]
-        step = mode.build(w)
-        for i in range(mode.first_fast_call(step) + 20):  # warm-up, capture, then fast steps
-            step(w.batches[i % len(w.batches)])
-        print(report(mode.label, profile_overlap(step, w.batches, args.steps), args.steps,
-                     args.top, args.totals), flush=True)
-        close = getattr(step, "close", None)
-        if callable(close):
-            close()
-        del step
-        torch.cuda.empty_cache()
+        with warmed(MODES[key], w) as step:
+            print(report(MODES[key].label, profile_overlap(step, w.batches, args.steps),
+                         args.steps, args.top, args.totals), flush=True)
     return 0
 
 

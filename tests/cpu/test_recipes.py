@@ -597,6 +597,33 @@ def test_overlap_finds_what_runs_alone_what_runs_together_and_the_idle_gaps():
     assert (empty.span, empty.busy, empty.alone) == (0.0, 0.0, {})
 
 
+def test_a_warmed_mode_is_called_past_its_first_fast_call_and_closed_after_the_block():
+    from types import SimpleNamespace
+
+    from nimble_train.bench.modes import Mode, warmed
+
+    class Fn:
+        def __init__(self):
+            self.calls, self.closed = [], False
+
+        def __call__(self, batch):
+            self.calls.append(batch)
+
+        def close(self):
+            self.closed = True
+
+    built = []
+    mode = Mode("fake", "fake", lambda w: built.append(Fn()) or built[-1], lambda s: 3)
+    w = SimpleNamespace(batches=["a", "b"])
+    with warmed(mode, w, fast_calls=2) as step:
+        assert step.calls == ["a", "b", "a", "b", "a"] and not step.closed
+    assert step.closed
+    with pytest.raises(RuntimeError, match="inside"):
+        with warmed(mode, w, fast_calls=0):
+            raise RuntimeError("inside the block")
+    assert built[-1].closed  # closed when the block fails too
+
+
 def test_bench_floor_reports_each_mode_beside_its_floor_and_refuses_without_a_gpu(capsys):
     bench = _bench_script("bench_floor")
     rows = [{"mode": "compile-ro", "label": "reduce-overhead", "ms": 2.5, "busy": 2.0,

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .timing import busy_time, gpu_intervals, ms_per_step
+from .timing import gpu_intervals, ms_per_step
 
 WORK_KINDS = ("kernel", "memcpy", "memset")  # the nodes that do work and show in a profile
 
@@ -160,11 +160,3 @@ def step_floor(step, batches: Sequence, *, steps: int = 10, timed_steps: int = 3
                  critical_path=length, serial_ms=serial_ms,
                  path_products=sum(durations[n] for n in chain if is_product(names[n])),
                  path_nodes=sum(1 for n in chain if durations[n] > 0), by_name=by_name)
-
-
-def profiled_busy_ms(step, batches: Sequence, steps: int = 10) -> tuple[float, float]:
-    """(busy, kernel sum) in GPU milliseconds per step, from a CUDA profile of `steps` calls:
-    the time something runs, and the activities' own times added up."""
-    events = gpu_intervals(step, batches, steps)
-    busy, _ = busy_time([(s, e) for s, e, _ in events])
-    return busy / steps / 1e3, sum(e - s for s, e, _ in events) / steps / 1e3

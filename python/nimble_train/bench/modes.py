@@ -39,6 +39,24 @@ class Mode:
     first_fast_call: Callable[[StepFn], int]   # which call is the first fast-path step
 
 
+@contextlib.contextmanager
+def warmed(mode: Mode, w: Workload, fast_calls: int = 20):
+    """`mode` built on workload `w` and called past its warm-up and capture, then
+    `fast_calls` times more; closed (a Step's pool released) and the cache emptied after the
+    block, so that the next mode built starts from the same memory."""
+    step = mode.build(w)
+    try:
+        for i in range(mode.first_fast_call(step) + fast_calls):
+            step(w.batches[i % len(w.batches)])
+        yield step
+    finally:
+        close = getattr(step, "close", None)
+        if callable(close):
+            close()
+        del step
+        torch.cuda.empty_cache()
+
+
 def _autocast(amp: str | None, *, cache: bool = True):
     if amp is None:
         return contextlib.nullcontext()
