@@ -18,7 +18,9 @@ built and freed one at a time. Per step, in milliseconds:
   (with the serial replay's latency per node between each of its nodes). For the other
   modes (one stream each) the kernels' sum is their floor.
 
-Last, for each anchor a ratio over it would need (--targets), the step time that ratio means
+Per Step mode, its critical path's longest kernels, and the kernels whose time as run (beside
+the others) most exceeds their time alone: where contention keeps a step above its critical
+path. Last, for each anchor a ratio over it would need (--targets), the step time that ratio means
 beside Step's floors: a target below a Step mode's critical path (with its gaps) is out of
 reach of any schedule of that mode's kernels.
 """
@@ -30,7 +32,7 @@ import sys
 
 import torch
 
-from nimble_train.bench.floor import step_floor
+from nimble_train.bench.floor import step_floor, stretch
 from nimble_train.bench.modes import MODES, warmed
 from nimble_train.bench.timing import ms_per_step, profile_overlap
 from nimble_train.bench.workloads import BERT_SIZES, CIFAR_MODELS, make_workload
@@ -49,13 +51,16 @@ def measure(key: str, w, args) -> dict:
             row.update(sum=f.kernel_sum, path=f.critical_path, products=f.path_products,
                        gaps=f.path_with_gaps, serial=f.serial_ms, nodes=f.nodes,
                        work=f.work_nodes, path_nodes=f.path_nodes,
-                       top=sorted(f.by_name.items(), key=lambda kv: -kv[1]))
+                       top=sorted(f.by_name.items(), key=lambda kv: -kv[1]),
+                       stretch=stretch(f.totals, {name: t / args.profiled / 1e3
+                                                  for name, t in o.total.items()}))
     return row
 
 
 def report(rows: list[dict], targets: list[float], top: int) -> str:
-    """The table of the measured rows, each Step mode's longest kernels on its critical path,
-    and the step time each target ratio over each anchor asks."""
+    """The table of the measured rows, each Step mode's longest kernels on its critical path and
+    the kernels that ran slowest beside the others, and the step time each target ratio over
+    each anchor asks."""
     lines = ["", "| mode | ms | busy | kernels | sum alone | serial | critical path (products) "
              "| path + gaps | ms ÷ path + gaps |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -73,6 +78,11 @@ def report(rows: list[dict], targets: list[float], top: int) -> str:
                          f"(ms):")
             for name, t in r["top"][:top]:
                 lines.append(f"   {t:.3f}  {name.removeprefix('void ')[:80]}")
+            if r.get("stretch"):
+                lines.append(f"  the kernels that ran slowest beside the others (ms alone -> as "
+                             f"run):")
+                for name, alone, run in r["stretch"][:top]:
+                    lines.append(f"   {alone:.3f} -> {run:.3f}  {name.removeprefix('void ')[:80]}")
     anchors = [r for r in rows if r["mode"] in ANCHORS]
     steps = [r for r in rows if "path" in r]
     if anchors and steps:

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from nimble_train.bench.floor import (Floor, critical_path, graph_activities, is_product,
-                                      own_times)
+                                      own_times, stretch)
 
 
 def random_dag(rng: random.Random, nodes: int, density: float):
@@ -111,3 +111,13 @@ def test_the_path_with_gaps_adds_the_serial_replays_latency_per_node_along_the_p
     assert f.path_with_gaps == pytest.approx(1.24)
     assert Floor(nodes=1, work_nodes=1, kernel_sum=2.0, critical_path=2.0, serial_ms=1.9,
                  path_products=0.0, path_nodes=1).gap == 0.0  # no negative latency
+
+
+def test_stretch_lists_the_kernels_that_lost_most_beside_the_others_first():
+    alone = {"bn": 0.10, "conv": 0.50, "relu": 0.02, "only_alone": 0.01}
+    as_run = {"bn": 0.20, "conv": 0.55, "relu": 0.02, "only_run": 0.03}
+    rows = stretch(alone, as_run)
+    assert [r[0] for r in rows] == ["bn", "conv", "only_run", "relu", "only_alone"]
+    assert rows[0] == ("bn", 0.10, 0.20)
+    assert ("only_run", 0.0, 0.03) in rows and ("only_alone", 0.01, 0.0) in rows
+    assert stretch({}, {}) == []

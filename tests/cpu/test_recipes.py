@@ -630,12 +630,14 @@ def test_bench_floor_reports_each_mode_beside_its_floor_and_refuses_without_a_gp
              "kernels": 2.1},
             {"mode": "step-auto", "label": "Step auto", "ms": 1.8, "busy": 1.7, "kernels": 2.6,
              "sum": 2.2, "serial": 2.3, "path": 1.4, "products": 0.8, "gaps": 1.5, "nodes": 9,
-             "work": 8, "path_nodes": 5, "top": [("void conv_kernel<1>", 0.25), ("relu", 0.1)]}]
+             "work": 8, "path_nodes": 5, "top": [("void conv_kernel<1>", 0.25), ("relu", 0.1)],
+             "stretch": [("void bn_backward<2>", 0.1, 0.2), ("wgrad", 0.5, 0.55)]}]
     text = bench.report(rows, [1.25], top=1)
     assert "| reduce-overhead | 2.500 | 2.000 | 2.100 | 2.100 | - | - | - | - |" in text
     assert ("| Step auto | 1.800 | 1.700 | 2.600 | 2.200 | 2.300 | 1.400 (0.800) | 1.500 | 1.20 |"
             in text)
     assert "   0.250  conv_kernel<1>" in text and "relu" not in text  # top 1, 'void ' dropped
+    assert "   0.100 -> 0.200  bn_backward<2>" in text and "wgrad" not in text
     assert "step-auto 2.200 / 1.500" in text
     assert "over compile-ro (busy 2.000): 1.25x: 1.600" in text
     if not torch.cuda.is_available():

@@ -123,6 +123,9 @@ def test_a_step_replayed_serially_trains_as_one_replayed_as_captured_and_has_a_f
     assert 0 < floor.path_products <= floor.critical_path
     assert floor.serial_ms > 0 and 0 < floor.path_nodes < floor.work_nodes
     assert floor.path_with_gaps >= floor.critical_path
+    # every work node's time, by its kernel's name: the same total
+    assert sum(floor.totals.values()) == pytest.approx(floor.kernel_sum, rel=1e-9)
+    assert set(floor.by_name) <= set(floor.totals)
     before = [p.detach().clone() for p in m_b.parameters()]
     b(batches[0])  # replays as captured again
     assert b._last_entry == entry and not all(

@@ -112,6 +112,7 @@ class Floor:
     path_products: float        # of the critical path, convolutions and matrix products
     path_nodes: int             # nodes on the critical path
     by_name: dict[str, float] = field(default_factory=dict)  # critical path's time by kernel
+    totals: dict[str, float] = field(default_factory=dict)   # every node's time by kernel
 
     @property
     def gap(self) -> float:
@@ -124,6 +125,17 @@ class Floor:
         """The critical path with that latency between each of its nodes and the next: the
         floor on several streams of a graph whose dependencies cost what they cost."""
         return self.critical_path + self.path_nodes * self.gap
+
+
+def stretch(alone: dict[str, float], as_run: dict[str, float]) -> list[tuple[str, float, float]]:
+    """(name, time alone, time as run) per kernel name, the most stretched first (by what
+    running beside others added to its time): where a multi-stream step loses the floor that
+    its critical path promises. `alone`: :attr:`Floor.totals`; `as_run`: the same step's
+    profile as captured, by name, in the same unit per step. A name in one only counts 0 in the
+    other (a profile that ran other kernels shows so)."""
+    names = set(alone) | set(as_run)
+    rows = [(n, alone.get(n, 0.0), as_run.get(n, 0.0)) for n in names]
+    return sorted(rows, key=lambda r: (r[1] - r[2], r[0]))
 
 
 def step_floor(step, batches: Sequence, *, steps: int = 10, timed_steps: int = 30) -> Floor:
@@ -156,7 +168,11 @@ def step_floor(step, batches: Sequence, *, steps: int = 10, timed_steps: int = 3
     for node in chain:
         if durations[node] > 0:
             by_name[names[node]] = by_name.get(names[node], 0.0) + durations[node]
+    totals: dict[str, float] = {}
+    for node in work:
+        totals[names[node]] = totals.get(names[node], 0.0) + durations[node]
     return Floor(nodes=len(kinds), work_nodes=len(work), kernel_sum=sum(durations),
                  critical_path=length, serial_ms=serial_ms,
                  path_products=sum(durations[n] for n in chain if is_product(names[n])),
-                 path_nodes=sum(1 for n in chain if durations[n] > 0), by_name=by_name)
+                 path_nodes=sum(1 for n in chain if durations[n] > 0), by_name=by_name,
+                 totals=totals)
