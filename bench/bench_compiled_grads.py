@@ -18,14 +18,13 @@ and frees one mode at a time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 
 import nimble_train as nt
 from nimble_train import _inductor_grads
-from nimble_train.bench.timing import gpu_activity, ms_per_step
+from nimble_train.bench.timing import alternating_ms, gpu_activity
 from nimble_train.bench.workloads import make_workload
 
 WAYS = {  # (FLOAT32_PRODUCTS, INTO_FLAT)
@@ -59,15 +58,12 @@ def measure(spec: str, args) -> list[dict]:
     name, _, batch = spec.partition(":")
     w = make_workload(name, int(batch or 32), "cuda")
     built = {way: build_step(w, *flags) for way, flags in WAYS.items()}
-    samples = {way: [] for way in built}
-    for _ in range(args.rounds):
-        for way, step in built.items():
-            samples[way].append(ms_per_step(step, w.batches, steps=args.steps, repeats=1,
-                                            warm=10))
+    medians = alternating_ms({way: (step, w.batches) for way, step in built.items()},
+                             rounds=args.rounds, steps=args.steps)
     rows = []
     for way, step in built.items():
         rows.append({"workload": f"{name} b{batch or 32}", "way": way,
-                     "ms": statistics.median(samples[way]),
+                     "ms": medians[way],
                      "gpu_ms": gpu_activity(step, w.batches, steps=20)[1],
                      "in_place": step.stats()["weight_products_in_place"]})
         step.close()

@@ -35,7 +35,7 @@ import torch
 from nimble_train.bench.floor import step_floor, stretch
 from nimble_train.bench.modes import MODES, warmed
 from nimble_train.bench.timing import ms_per_step, profile_overlap
-from nimble_train.bench.workloads import BERT_SIZES, CIFAR_MODELS, make_workload
+from nimble_train.bench.workloads import add_workload_arguments, workload_from
 
 ANCHORS = ("compile-ro", "compile-ro-opt", "graph", "graph-fused", "graph-fused-kernels")
 
@@ -98,11 +98,7 @@ def report(rows: list[dict], targets: list[float], top: int) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="resnet18", choices=CIFAR_MODELS + ("bert",))
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--bert-size", default="base", choices=sorted(BERT_SIZES))
-    parser.add_argument("--amp", choices=("bf16",), default=None,
-                        help="CIFAR models under bfloat16 autocast (as the benchmark's --amp)")
+    add_workload_arguments(parser, model="resnet18")
     parser.add_argument("--modes", nargs="+", choices=sorted(MODES),
                         default=["compile-ro", "compile-ro-opt", "graph-fused-kernels", "step",
                                  "step-auto", "step-compile"])
@@ -118,7 +114,7 @@ def main(argv=None) -> int:
         print("bench_floor needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
-    w = make_workload(args.model, args.batch, "cuda", bert_size=args.bert_size, amp=args.amp)
+    w = workload_from(args, "cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.description}, "
           f"batch {w.batch}; ms per step")
     rows = []

@@ -17,7 +17,6 @@ untimed ones each); the table gives each one's median over --rounds rounds.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -25,7 +24,7 @@ import torch
 import nimble_train as nt
 from nimble_train import _iteration
 from nimble_train.bench.modes import MODES
-from nimble_train.bench.timing import ms_per_step
+from nimble_train.bench.timing import alternating_ms
 from nimble_train.bench.workloads import make_workload
 
 STEP_MODES = {"step": 1, "step-auto": "auto", "step-compile": "auto"}
@@ -62,13 +61,9 @@ def measure(spec: str, args) -> dict:
     w = make_workload(name, int(batch), "cuda")
     built = {"adds": build_step(w, mode, False), "hand-over": build_step(w, mode, True)}
     built["graph-fused"] = MODES["graph-fused"].build(w)  # after the steps' captures
-    samples = {way: [] for way in built}
-    for _ in range(args.rounds):
-        for way, step in built.items():
-            samples[way].append(ms_per_step(step, w.batches, steps=args.steps, repeats=1,
-                                             warm=10))
     row = {"workload": f"{name} b{batch} {mode}",
-           **{way: statistics.median(times) for way, times in samples.items()}}
+           **alternating_ms({way: (step, w.batches) for way, step in built.items()},
+                            rounds=args.rounds, steps=args.steps)}
     for way in ("adds", "hand-over"):
         built[way].close()
     del built

@@ -15,7 +15,6 @@ table gives medians over --rounds rounds. Networks as in bench/bench_streams.py.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -24,7 +23,7 @@ from torch import nn
 
 from bench_streams import build, googlenet
 from nimble_train import _max_pool
-from nimble_train.bench.timing import ms_per_step
+from nimble_train.bench.timing import alternating_ms
 from nimble_train.bench.workloads import make_workload
 
 WAYS = (("1 stream, torch's", 1, "torch"), ("1 stream, ours", 1, "ours"),
@@ -111,11 +110,7 @@ def main(argv=None) -> int:
         rows = {}
         for way, streams, kernels in WAYS:
             rows[way] = build(name, batch, streams, device, {"MAX_POOL_KERNELS": kernels})
-        samples = {way: [] for way in rows}
-        for _ in range(args.rounds):
-            for way, built in rows.items():
-                samples[way].append(ms_per_step(*built, steps=args.steps, repeats=1, warm=10))
-        totals[f"{name} b{batch}"] = ({w: statistics.median(v) for w, v in samples.items()},
+        totals[f"{name} b{batch}"] = (alternating_ms(rows, rounds=args.rounds, steps=args.steps),
                                       rows["auto, ours"][0].stats()["max_pool_layers"])
         for step, _ in rows.values():
             step.close()

@@ -30,7 +30,7 @@ import torch
 
 from nimble_train.bench.modes import MODES, warmed
 from nimble_train.bench.timing import profile_overlap
-from nimble_train.bench.workloads import BERT_SIZES, CIFAR_MODELS, make_workload
+from nimble_train.bench.workloads import add_workload_arguments, workload_from
 
 
 def short(name: str, width: int = 90) -> str:
@@ -86,11 +86,7 @@ def report(label: str, o, steps: int, top: int, totals: bool = False) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="branchy", choices=CIFAR_MODELS + ("bert",))
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--bert-size", default="base", choices=sorted(BERT_SIZES))
-    parser.add_argument("--amp", choices=("bf16",), default=None,
-                        help="CIFAR models under bfloat16 autocast (as the benchmark's --amp)")
+    add_workload_arguments(parser, model="branchy")
     parser.add_argument("--modes", nargs="+", default=["step", "step-auto"],
                         choices=sorted(MODES))
     parser.add_argument("--steps", type=int, default=20, help="profiled steps per mode")
@@ -102,7 +98,7 @@ def main(argv=None) -> int:
         print("bench_profile needs a CUDA GPU", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = True
-    w = make_workload(args.model, args.batch, "cuda", bert_size=args.bert_size, amp=args.amp)
+    w = workload_from(args, "cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.description}, "
           f"batch {w.batch}; {args.steps} profiled steps per mode")
     for key in args.modes:

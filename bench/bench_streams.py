@@ -27,7 +27,6 @@ Face's BERT-base masked LM, seq 128, bf16, AdamW) where transformers is installe
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
@@ -36,7 +35,7 @@ from torch import nn
 
 import nimble_train as nt
 from nimble_train import _capture
-from nimble_train.bench.timing import ms_per_step
+from nimble_train.bench.timing import alternating_ms
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
 # (name, streams, switches of nimble_train._capture while it captures)
@@ -137,15 +136,11 @@ def alternate(built: dict, args) -> dict[str, float]:
     """Each way's median ms per step over args.rounds rounds that alternate between the ways
     (each a CUDA-event mean over args.steps steps after 10 untimed ones); the steps are closed
     after."""
-    samples = {way: [] for way in built}
-    for _ in range(args.rounds):
-        for way, (step, batches) in built.items():
-            samples[way].append(ms_per_step(step, batches, steps=args.steps, repeats=1,
-                                             warm=10))
+    medians = alternating_ms(built, rounds=args.rounds, steps=args.steps)
     for step, _ in built.values():
         step.close()
     torch.cuda.empty_cache()
-    return {way: statistics.median(values) for way, values in samples.items()}
+    return medians
 
 
 def measure(name: str, batch: int, args, device: torch.device) -> dict:

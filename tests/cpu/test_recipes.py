@@ -834,6 +834,23 @@ def test_cifar_workloads_take_bf16_autocast_and_refuse_fp16():
         workloads.make_workload("resnet18", 4, "cpu", count=1, amp="fp16")
 
 
+def test_the_benchmarks_workload_options_build_the_workload_they_name():
+    import argparse
+    one = argparse.ArgumentParser()
+    workloads.add_workload_arguments(one, model="branchy")
+    args = one.parse_args(["--batch", "4", "--amp", "bf16"])
+    w = workloads.workload_from(args, "cpu")
+    assert (w.name, w.batch, w.amp) == ("branchy", 4, "bf16")
+    args = one.parse_args(["--model", "bert", "--bert-size", "tiny", "--seq", "16",
+                           "--batch", "2"])
+    assert workloads.workload_from(args, "cpu").batches[0]["input_ids"].shape == (2, 16)
+    several = argparse.ArgumentParser()
+    workloads.add_workload_arguments(several, several_batches=True)
+    args = several.parse_args(["--batch", "2", "8"])
+    assert args.model == "resnet18" and args.batch == [2, 8]
+    assert workloads.workload_from(args, "cpu", batch=8).batch == 8
+
+
 def test_models_are_exported_with_the_advertised_sizes():
     branchy = nt.models.branchy_cifar()
     assert sum(p.numel() for p in branchy.parameters()) == 1_663_210

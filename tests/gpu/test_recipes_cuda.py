@@ -164,6 +164,24 @@ def run_bench(tmp_path, argv):
         return json.load(f)["rows"]
 
 
+def test_alternating_rounds_time_each_way_on_its_own_batches():
+    from nimble_train.bench import alternating_ms
+    small = [torch.randn(256, 256, device="cuda") for _ in range(2)]
+    large = [torch.randn(2048, 2048, device="cuda") for _ in range(2)]
+    calls = {"small": 0, "large": 0}
+
+    def way(name):
+        def step(x):
+            calls[name] += 1
+            return x @ x
+        return step
+
+    ms = alternating_ms({"small": (way("small"), small), "large": (way("large"), large)},
+                        rounds=3, steps=4, warm=2)
+    assert set(ms) == {"small", "large"} and 0 < ms["small"] < ms["large"]
+    assert calls == {"small": 3 * (2 + 4), "large": 3 * (2 + 4)}
+
+
 def test_bench_runs_every_graph_mode_on_branchy(tmp_path):
     modes = ["eager", "eager-fused", "graph", "graph-fused", "graph-fused-kernels", "step",
              "step-auto"]

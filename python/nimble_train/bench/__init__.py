@@ -13,11 +13,12 @@ torch.compile (default and reduce-overhead), the whole step captured by hand, an
 from .cli import main, run
 from .modes import MODES
 from .report import add_ratios, format_table, plot, write_all, write_json
-from .timing import (Overlap, busy_fraction, busy_time, gpu_activity, gpu_busy_fraction,
-                     ms_per_step, overlap, profile_overlap, time_to_first_fast_step)
+from .timing import (Overlap, alternating_ms, busy_fraction, busy_time, gpu_activity,
+                     gpu_busy_fraction, ms_per_step, overlap, profile_overlap,
+                     time_to_first_fast_step)
 
 __all__ = [
-    "MODES", "Overlap", "add_ratios", "busy_fraction", "busy_time", "format_table",
+    "MODES", "Overlap", "add_ratios", "alternating_ms", "busy_fraction", "busy_time", "format_table",
     "gpu_activity", "gpu_busy_fraction", "main", "ms_per_step", "overlap", "plot",
     "profile_overlap", "run", "time_to_first_fast_step", "write_all", "write_json",
 ]

@@ -28,7 +28,7 @@ from .. import _torch_private
 from .modes import MODES, Mode
 from .report import add_ratios, format_table, write_all
 from .timing import gpu_activity, ms_per_step, time_to_first_fast_step
-from .workloads import BERT_SIZES, CIFAR_MODELS, Workload, make_workload
+from .workloads import Workload, add_workload_arguments, make_workload
 
 
 def _one_line(exc: BaseException) -> str:
@@ -110,14 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m nimble_train.bench", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="modes: " + ", ".join(f"{k} ({m.label})" for k, m in MODES.items()))
-    parser.add_argument("--model", choices=CIFAR_MODELS + ("bert",), default="resnet18")
-    parser.add_argument("--batch", type=int, nargs="+", default=[32],
-                        help="batch sizes (default 32)")
-    parser.add_argument("--seq", type=int, default=128, help="BERT sequence length (128)")
-    parser.add_argument("--bert-size", choices=BERT_SIZES, default="base")
-    parser.add_argument("--amp", choices=("bf16",), default=None,
-                        help="CIFAR models: every mode's step under bfloat16 autocast "
-                             "(default float32; BERT always runs in bf16)")
+    add_workload_arguments(parser, several_batches=True)
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                         metavar="MODE", help="modes to run (default: all): " + " ".join(MODES))
     parser.add_argument("--steps", type=int, default=50, help="timed steps per repeat (50)")

@@ -67,6 +67,18 @@ def ms_per_step(step: StepFn, batches: Sequence, *, steps: int = 50, repeats: in
     return statistics.median(times)
 
 
+def alternating_ms(ways: dict[str, tuple[StepFn, Sequence]], *, rounds: int, steps: int,
+                   warm: int = 10) -> dict[str, float]:
+    """Each way's median ms per step over `rounds` rounds that alternate between the ways
+    ({way: (step, batches)}; each a CUDA-event mean over `steps` steps after `warm` untimed
+    ones): what drifts over the run (clocks, temperature) drifts for every way alike."""
+    samples: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(rounds):
+        for way, (step, batches) in ways.items():
+            samples[way].append(ms_per_step(step, batches, steps=steps, repeats=1, warm=warm))
+    return {way: statistics.median(values) for way, values in samples.items()}
+
+
 def busy_time(intervals: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(length of the union of the [start, end) intervals, span from the first start to the
     last end): the time in which the GPU runs something, and the time it was watched."""

@@ -7,6 +7,7 @@ recipes in ``recipes/`` train these; ``python -m nimble_train.bench`` times them
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -271,3 +272,27 @@ __all__ = [
     "forward_loss", "make_workload", "random_cifar_batches", "require_transformers",
     "slice_batches", "synthetic_mlm",
 ]
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, *, model: str = "resnet18",
+                           several_batches: bool = False) -> None:
+    """A benchmark's workload options: --model, --batch (one size, or with `several_batches`
+    a list), --seq, --bert-size and --amp; :func:`workload_from` builds what they name."""
+    parser.add_argument("--model", choices=CIFAR_MODELS + ("bert",), default=model)
+    if several_batches:
+        parser.add_argument("--batch", type=int, nargs="+", default=[32],
+                            help="batch sizes (default 32)")
+    else:
+        parser.add_argument("--batch", type=int, default=32, help="batch size (default 32)")
+    parser.add_argument("--seq", type=int, default=128, help="BERT sequence length (128)")
+    parser.add_argument("--bert-size", choices=BERT_SIZES, default="base")
+    parser.add_argument("--amp", choices=("bf16",), default=None,
+                        help="CIFAR models: every mode's step under bfloat16 autocast "
+                             "(default float32; BERT always runs in bf16)")
+
+
+def workload_from(args: argparse.Namespace, device, batch: int | None = None) -> Workload:
+    """The workload the options of :func:`add_workload_arguments` name (`batch`: one of
+    several sizes, else --batch)."""
+    return make_workload(args.model, args.batch if batch is None else batch, device,
+                         seq=args.seq, bert_size=args.bert_size, amp=args.amp)
