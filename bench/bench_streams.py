@@ -4,12 +4,14 @@ and what the backward's plan alone gives.
     python bench/bench_streams.py               # branchy, GoogLeNet, ResNet-18 at batch 32
     python bench/bench_streams.py --workloads googlenet:64 encoder:32 bert:32 --rounds 5
 
-One process, one GPU. Each network is built four times from the same seed (same weights, same
+One process, one GPU. Each network is built five times from the same seed (same weights, same
 batches) and run as nt.Step on one stream, with streams="auto" but the forward's plan switched
 off (``nimble_train._capture.PLAN_FORWARD``: the backward's weight gradients on side streams
 alone, what a model torch.fx cannot trace gets), with streams="auto" but cuDNN's batch-norm
-kernels (``BATCH_NORM_KERNELS = "cudnn"``: see nimble_train/_batch_norm.py) and with
-streams="auto"; all are captured before any timing. Timing alternates between them in rounds
+kernels (``BATCH_NORM_KERNELS = "cudnn"``: see nimble_train/_batch_norm.py), with
+streams="auto" but every weight gradient forked after its data gradient
+(``nimble_train._weight_grads.WEIGHT_GRADS_FIRST = False``; "auto" forks a chain's beside it:
+see weight_grads_first there) and with streams="auto"; all are captured before any timing. Timing alternates between them in rounds
 (each a CUDA-event mean over --steps consecutive steps after 10 untimed ones), so drift of the
 GPU's clocks hits all alike, and the table gives each one's median over --rounds rounds and
 the ratios of the medians.
@@ -34,14 +36,20 @@ import torch.nn.functional as F
 from torch import nn
 
 import nimble_train as nt
-from nimble_train import _capture
+from nimble_train import _capture, _weight_grads
 from nimble_train.bench.timing import alternating_ms
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
-# (name, streams, switches of nimble_train._capture while it captures)
+# (name, streams, switches of nimble_train._capture or _weight_grads while it captures)
 WAYS = (("1 stream", 1, {}), ("backward only", "auto", {"PLAN_FORWARD": False}),
         ("auto, cuDNN batch norm", "auto", {"BATCH_NORM_KERNELS": "cudnn"}),
+        ("auto, weight gradients after data's", "auto", {"WEIGHT_GRADS_FIRST": False}),
         ("auto", "auto", {}))
+
+
+def _switched(key: str):
+    """The module whose switch `key` is."""
+    return _capture if hasattr(_capture, key) else _weight_grads
 
 
 class EncoderLayer(nn.Module):
@@ -118,15 +126,15 @@ def build(name: str, batch: int, streams, device: torch.device, switches: dict |
         model = w.make_model()
         optimizer, loss_fn, batches, amp = w.make_optimizer(model), w.loss_fn, w.batches, w.amp
     step = nt.Step(model, optimizer, loss_fn, streams=streams, amp=amp)
-    saved = {key: getattr(_capture, key) for key in switches or {}}
+    saved = {key: getattr(_switched(key), key) for key in switches or {}}
     for key, value in (switches or {}).items():
-        setattr(_capture, key, value)
+        setattr(_switched(key), key, value)
     try:
         for i in range(step.stats()["warmup_left"] + 2):
             step(batches[i % len(batches)])
     finally:
         for key, value in saved.items():
-            setattr(_capture, key, value)
+            setattr(_switched(key), key, value)
     if not step.stats()["captured"]:
         raise RuntimeError(f"{name}: the step was not captured: {step.stats()['capture_error']}")
     return step, batches
@@ -150,7 +158,8 @@ def measure(name: str, batch: int, args, device: torch.device) -> dict:
     return {"workload": f"{name} b{batch}", **alternate(built, args),
             "streams": stats["streams"], "syncs": stats["syncs"],
             "split": stats["weight_grad_layers"], "side": stats["weight_grad_streams"],
-            "native": stats["native_batch_norm_layers"]}
+            "native": stats["native_batch_norm_layers"],
+            "first": "beside" if stats["weight_grads_first"] else "after"}
 
 
 def measure_workloads(argv, description: str, script: str, measure, rounds: int,
@@ -197,17 +206,19 @@ def main(argv=None) -> int:
     rows = measure_workloads(argv, __doc__.split("\n")[0], "bench_streams", measure, rounds=7)
     if rows is None:
         return 2
-    print("| network | 1 stream | backward only | auto, cuDNN batch norm | auto "
-          "| auto ÷ 1 stream | backward only ÷ 1 stream | auto ÷ backward only "
-          "| auto ÷ cuDNN batch norm | forward streams | syncs | split layers "
-          "| weight-gradient streams | native batch norms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| network | 1 stream | backward only | auto, cuDNN batch norm "
+          "| auto, weight gradients after data's | auto | auto ÷ 1 stream "
+          "| backward only ÷ 1 stream | auto ÷ backward only | auto ÷ cuDNN batch norm "
+          "| auto ÷ weight gradients after | auto's weight gradients | forward streams | syncs "
+          "| split layers | weight-gradient streams | native batch norms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        one, back, cudnn, auto = (r[way] for way, _, _ in WAYS)
-        print(f"| {r['workload']} | {one:.3f} | {back:.3f} | {cudnn:.3f} | {auto:.3f} "
-              f"| **{one / auto:.2f}x** | {one / back:.2f}x | {back / auto:.3f}x "
-              f"| {cudnn / auto:.3f}x | {r['streams']} | {r['syncs']} | {r['split']} "
-              f"| {r['side']} | {r['native']} |")
+        one, back, cudnn, after, auto = (r[way] for way, _, _ in WAYS)
+        print(f"| {r['workload']} | {one:.3f} | {back:.3f} | {cudnn:.3f} | {after:.3f} "
+              f"| {auto:.3f} | **{one / auto:.2f}x** | {one / back:.2f}x | {back / auto:.3f}x "
+              f"| {cudnn / auto:.3f}x | {after / auto:.3f}x | {r['first']} "
+              f"| {r['streams']} | {r['syncs']} | {r['split']} | {r['side']} "
+              f"| {r['native']} |")
     return 0
 
 

@@ -26,7 +26,7 @@ from ._extension import _C
 from ._iteration import MisdirectedGradient
 from ._multistream import (CHAIN, COMPILED, build_multistream, traced_submodule,
                            untraced_reason, warn_single_stream)
-from ._weight_grads import plan_weight_grads, split_weight_grads
+from ._weight_grads import eligible, plan_weight_grads, split_weight_grads, weight_grads_first
 from .errors import CaptureError, NimbleError, SyncError
 
 # streams="auto" plans the forward on several streams (and the backward's weight gradients on
@@ -208,6 +208,10 @@ class CapturedStep:
             if (self.multistream is None and streams != 1 and untraced_reason(model) is None
                     and not (planned and self.single_stream_reason in quiet)):
                 warn_single_stream(self.single_stream_reason, planned)
+        if self.weight_grads is not None:
+            share = (self.multistream.share_on_main(lambda m: eligible(m, gradients))
+                     if self.multistream is not None else None)
+            self.weight_grads.first = weight_grads_first(share)
         several = self.multistream is not None or self.weight_grads is not None
         kernels = BATCH_NORM_KERNELS
         if kernels not in ("auto", "cudnn", "native"):

@@ -31,6 +31,7 @@ import inspect
 import operator
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.fx
@@ -306,6 +307,14 @@ class MultiStreamForward:
         for _ in range(plan.num_streams - 1):
             self._side_streams.append(_torch_private.stream_besides(
                 device, [torch.cuda.current_stream(device), *self._side_streams]))
+
+    def share_on_main(self, counts: Callable[[torch.nn.Module], bool]) -> float | None:
+        """The share of the calls of modules that `counts` the plan runs on the launching
+        stream (None: no such call)."""
+        calls = [self.plan.stream_of[node] == 0 for node in self.graph.nodes
+                 if node.op == "call_module"
+                 and counts(self.graph.module.get_submodule(node.target))]
+        return sum(calls) / len(calls) if calls else None
 
     def __call__(self, *args, **kwargs):
         self.calls += 1

@@ -689,6 +689,10 @@ class Step:
             "weight_grad_streams": graph.weight_grads.streams if graph and graph.weight_grads
             else self._compiled_side_streams(split_layers),
             "weight_grads_off": self._weight_grads_off(),
+            # each forked before its layer's data gradient (a chain), or after it (None: not
+            # split here)
+            "weight_grads_first": graph.weight_grads.first if graph and graph.weight_grads
+            else None,
             # batch norms the last planned capture ran with PyTorch's kernels, not cuDNN's
             "native_batch_norm_layers": graph.native_bn_layers if captured else 0,
             # batch norms the last planned capture ran fused with the ReLU after them

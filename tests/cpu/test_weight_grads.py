@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from nimble_train import _weight_grads
-from nimble_train._weight_grads import SideStream, _conv_padding, eligible, plan_weight_grads
+from nimble_train._weight_grads import (SideStream, _conv_padding, eligible, plan_weight_grads,
+                                        weight_grads_first)
 from step_reference import UsesALayerTwice
 
 
@@ -70,6 +71,22 @@ def test_the_plan_joins_its_side_streams_when_the_backward_ends_unless_told_a_la
     for bad in (0, -1):
         with pytest.raises(ValueError, match="the lag must be >= 1 launch, or None"):
             SideStream(cpu, lag=bad)
+
+
+def test_weight_gradients_fork_before_the_data_gradient_in_a_chain(monkeypatch):
+    # None: no forward plan (a chain, or a model torch.fx cannot trace); else the share of the
+    # split layers on the launching stream.
+    assert weight_grads_first(None) and weight_grads_first(1.0) and weight_grads_first(0.5)
+    assert not weight_grads_first(0.49) and not weight_grads_first(0.0)
+    assert SideStream(torch.device("cpu")).first is False  # until a plan says
+    monkeypatch.setattr(_weight_grads, "WEIGHT_GRADS_FIRST", False)
+    assert not weight_grads_first(None)
+    monkeypatch.setattr(_weight_grads, "WEIGHT_GRADS_FIRST", True)
+    assert weight_grads_first(0.0)
+    monkeypatch.setattr(_weight_grads, "WEIGHT_GRADS_FIRST", "yes")
+    with pytest.raises(ValueError, match="WEIGHT_GRADS_FIRST must be 'auto', True or False; "
+                                         "got 'yes'"):
+        weight_grads_first(None)
 
 
 def test_data_parallel_splits_the_layers_that_alone_use_their_parameters_once():

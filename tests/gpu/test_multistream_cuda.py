@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import nimble_train as nt
-from nimble_train import _capture
+from nimble_train import _capture, _weight_grads
 from step_reference import (InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock,
                             assert_same_training, classification_batches, eager_loop,
                             float32_weight_grads, nudged, training_gap)
@@ -121,6 +121,22 @@ def test_inception_net_runs_its_branches_on_four_streams():
                        batches, eager_tol=LOSS_TOL, eager_check="floor")
     assert stats["captured"] and stats["streams"] == 4 and stats["syncs"] > 0
     assert stats["traced_ops"] > 40 and stats["replays"] == 6
+    # Most convolutions run on the branches' streams: each weight gradient forked after its
+    # data gradient, not beside it.
+    assert stats["weight_grads_first"] is False
+
+
+def test_weight_gradients_forked_first_on_several_forward_streams(monkeypatch):
+    # The order a chain gets, forced where the forward runs branches side by side: each
+    # launching stream's weight gradients start beside its data gradients, and the two
+    # planned runs still agree bit for bit (no race).
+    monkeypatch.setattr(_weight_grads, "WEIGHT_GRADS_FIRST", True)
+    torch.manual_seed(0)
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    stats = three_ways(InceptionNet(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                       batches, eager_tol=LOSS_TOL, eager_check="floor")
+    assert stats["streams"] == 4 and stats["weight_grads_first"] is True
+    assert stats["weight_grad_streams"] > 1
 
 
 def test_transformer_block_with_parallel_projections():

@@ -17,11 +17,13 @@ pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 per_sample = nn.CrossEntropyLoss(reduction="none")
 
 
-def grads_both_ways(model, inputs, *, amp=None, backwards=1, lag=1, calls=None):
+def grads_both_ways(model, inputs, *, amp=None, backwards=1, lag=1, calls=None, first=False):
     """The gradients of sum(model(*inputs)) by autograd and with the split (same weights);
-    `calls`: layer calls per forward, when a layer is called more than once."""
+    `calls`: layer calls per forward, when a layer is called more than once; `first`: each
+    weight gradient forked before its data gradient."""
     ref, split = model.cuda(), copy.deepcopy(model).cuda()
     side = SideStream(torch.device("cuda"), lag=lag)
+    side.first = first
 
     def run(m):
         for _ in range(backwards):  # accumulates, as micro-batches do
@@ -53,19 +55,21 @@ def image(n=4, c=6, hw=10, channels_last=False, grad=False):
     dict(kernel_size=5, padding="valid"),
 ])
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_convolution_gradients_equal_autograds(conv, channels_last):
+@pytest.mark.parametrize("first", [False, True], ids=["after", "first"])
+def test_convolution_gradients_equal_autograds(conv, channels_last, first):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(6, 8, **conv), nn.ReLU(), nn.Conv2d(8, 4, 3))
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     x = image(channels_last=channels_last, grad=True)
-    ref, got, _, _ = grads_both_ways(model, (x,))
+    ref, got, _, _ = grads_both_ways(model, (x,), first=first)
     for a, b in zip(ref, got):
         assert a.stride() == b.stride()
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
-def test_conv1d_and_linear_on_3d_inputs_and_accumulation():
+@pytest.mark.parametrize("first", [False, True], ids=["after", "first"])
+def test_conv1d_and_linear_on_3d_inputs_and_accumulation(first):
     torch.manual_seed(1)
 
     class Net(nn.Module):
@@ -78,7 +82,7 @@ def test_conv1d_and_linear_on_3d_inputs_and_accumulation():
             return self.fc(torch.tanh(self.conv(x)).transpose(1, 2))
 
     x = torch.randn(4, 5, 9, device="cuda")  # the first layer's input needs no gradient
-    ref, got, _, _ = grads_both_ways(Net(), (x,), backwards=3)
+    ref, got, _, _ = grads_both_ways(Net(), (x,), backwards=3, first=first)
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
@@ -199,6 +203,35 @@ def test_a_launch_is_released_once_its_own_stream_has_waited_on_it():
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("first", [False, True], ids=["after", "first"])
+def test_a_weight_gradient_forked_first_runs_beside_its_data_gradient(first):
+    # The data gradient (`beside`) is a long kernel on the launching stream: a weight
+    # gradient forked before it ends first, one forked after it ends after it.
+    side = SideStream(torch.device("cuda"), lag=None)
+    side.first = first
+    ends = {}
+
+    def mark(name):
+        ends[name] = torch.cuda.Event(enable_timing=True)
+        ends[name].record()
+
+    def beside():
+        torch.cuda._sleep(20_000_000)  # some ms
+        mark("data")
+        return "data gradient"
+
+    def launches():
+        ends["fork"] = torch.cuda.Event(enable_timing=True)
+        ends["fork"].record()
+        assert side.launch(lambda: mark("weight"), (), beside=beside) == "data gradient"
+
+    in_a_backward(launches)
+    torch.cuda.synchronize()
+    data, weight = (ends["fork"].elapsed_time(ends[k]) for k in ("data", "weight"))  # ms
+    assert data > 1.0  # the sleep ran: the test can tell the orders apart
+    assert (weight < data) == first, (weight, data)
+
+
 def test_each_launching_stream_has_a_side_stream_and_a_layer_keeps_its_first():
     # Branches the forward runs side by side launch from their own streams: each gets a side
     # stream of its own, so that their backwards stay apart. A layer launched again from
@@ -262,6 +295,8 @@ def test_step_with_the_backward_planned_equals_one_stream_and_eager(make_opt):
     stats = auto.stats()
     assert stats["captured"] and stats["replays"] == 4
     assert stats["weight_grad_layers"] == 4 and single.stats()["weight_grad_layers"] == 0
+    assert stats["weight_grads_first"] is True  # a chain: weight gradients beside data's
+    assert single.stats()["weight_grads_first"] is None
     assert stats["native_batch_norm_layers"] == 2  # several streams: PyTorch's kernels
     assert single.stats()["native_batch_norm_layers"] == 0
     assert single.stats()["weight_grads_off"] == "streams=1"
