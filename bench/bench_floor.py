@@ -35,7 +35,7 @@ import torch
 from nimble_train.bench.floor import step_floor, stretch
 from nimble_train.bench.modes import MODES, warmed
 from nimble_train.bench.timing import ms_per_step, profile_overlap
-from nimble_train.bench.workloads import add_workload_arguments, workload_from
+from nimble_train.bench.workloads import add_workload_arguments, cuda_workload_from
 
 ANCHORS = ("compile-ro", "compile-ro-opt", "graph", "graph-fused", "graph-fused-kernels")
 
@@ -110,11 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=6,
                         help="kernels listed per Step mode's critical path")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_floor needs a CUDA GPU", file=sys.stderr)
+    w = cuda_workload_from(args, "bench_floor")
+    if w is None:
         return 2
-    torch.backends.cudnn.benchmark = True
-    w = workload_from(args, "cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.description}, "
           f"batch {w.batch}; ms per step")
     rows = []

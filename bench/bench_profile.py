@@ -30,7 +30,7 @@ import torch
 
 from nimble_train.bench.modes import MODES, warmed
 from nimble_train.bench.timing import profile_overlap
-from nimble_train.bench.workloads import add_workload_arguments, workload_from
+from nimble_train.bench.workloads import add_workload_arguments, cuda_workload_from
 
 
 def short(name: str, width: int = 90) -> str:
@@ -94,11 +94,9 @@ def main(argv=None) -> int:
     parser.add_argument("--totals", action="store_true",
                         help="list every kernel's summed time by name too")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_profile needs a CUDA GPU", file=sys.stderr)
+    w = cuda_workload_from(args, "bench_profile")
+    if w is None:
         return 2
-    torch.backends.cudnn.benchmark = True
-    w = workload_from(args, "cuda")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; {w.description}, "
           f"batch {w.batch}; {args.steps} profiled steps per mode")
     for key in args.modes:

@@ -306,6 +306,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, w = ctx.saved_tensors
         module, has_bias = ctx.module, ctx.has_bias
+
         def data_grad():
             return grad_y.matmul(w) if ctx.needs_input_grad[0] else None
 

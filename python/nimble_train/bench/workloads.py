@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -296,3 +297,13 @@ def workload_from(args: argparse.Namespace, device, batch: int | None = None) ->
     several sizes, else --batch)."""
     return make_workload(args.model, args.batch if batch is None else batch, device,
                          seq=args.seq, bert_size=args.bert_size, amp=args.amp)
+
+
+def cuda_workload_from(args: argparse.Namespace, script: str) -> Workload | None:
+    """:func:`workload_from` on the GPU, cuDNN's autotuning on (as every mode times it); None,
+    after saying on stderr that `script` needs a GPU, where there is none."""
+    if not torch.cuda.is_available():
+        print(f"{script} needs a CUDA GPU", file=sys.stderr)
+        return None
+    torch.backends.cudnn.benchmark = True
+    return workload_from(args, "cuda")
