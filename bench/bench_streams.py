@@ -11,7 +11,9 @@ alone, what a model torch.fx cannot trace gets), with streams="auto" but cuDNN's
 kernels (``BATCH_NORM_KERNELS = "cudnn"``: see nimble_train/_batch_norm.py), with
 streams="auto" but every weight gradient forked after its data gradient
 (``nimble_train._weight_grads.WEIGHT_GRADS_FIRST = False``; "auto" forks a chain's beside it:
-see weight_grads_first there) and with streams="auto"; all are captured before any timing. Timing alternates between them in rounds
+see weight_grads_first there), with streams="auto" but the fused batch norms' kernels launched
+one after the other (``nimble_train._batch_norm_act.EARLY_LAUNCHES = False``: no programmatic
+dependent launch) and with streams="auto"; all are captured before any timing. Timing alternates between them in rounds
 (each a CUDA-event mean over --steps consecutive steps after 10 untimed ones), so drift of the
 GPU's clocks hits all alike, and the table gives each one's median over --rounds rounds and
 the ratios of the medians.
@@ -36,20 +38,22 @@ import torch.nn.functional as F
 from torch import nn
 
 import nimble_train as nt
-from nimble_train import _capture, _weight_grads
+from nimble_train import _batch_norm_act, _capture, _weight_grads
 from nimble_train.bench.timing import alternating_ms
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
-# (name, streams, switches of nimble_train._capture or _weight_grads while it captures)
+# (name, streams, switches of nimble_train._capture, _weight_grads or _batch_norm_act while it
+# captures)
 WAYS = (("1 stream", 1, {}), ("backward only", "auto", {"PLAN_FORWARD": False}),
         ("auto, cuDNN batch norm", "auto", {"BATCH_NORM_KERNELS": "cudnn"}),
         ("auto, weight gradients after data's", "auto", {"WEIGHT_GRADS_FIRST": False}),
+        ("auto, no early launches", "auto", {"EARLY_LAUNCHES": False}),
         ("auto", "auto", {}))
 
 
 def _switched(key: str):
     """The module whose switch `key` is."""
-    return _capture if hasattr(_capture, key) else _weight_grads
+    return next(m for m in (_capture, _weight_grads, _batch_norm_act) if hasattr(m, key))
 
 
 class EncoderLayer(nn.Module):
@@ -207,16 +211,18 @@ def main(argv=None) -> int:
     if rows is None:
         return 2
     print("| network | 1 stream | backward only | auto, cuDNN batch norm "
-          "| auto, weight gradients after data's | auto | auto ÷ 1 stream "
-          "| backward only ÷ 1 stream | auto ÷ backward only | auto ÷ cuDNN batch norm "
-          "| auto ÷ weight gradients after | auto's weight gradients | forward streams | syncs "
-          "| split layers | weight-gradient streams | native batch norms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| auto, weight gradients after data's | auto, no early launches | auto "
+          "| auto ÷ 1 stream | backward only ÷ 1 stream | auto ÷ backward only "
+          "| auto ÷ cuDNN batch norm | auto ÷ weight gradients after | auto ÷ no early launches "
+          "| auto's weight gradients | forward streams | syncs | split layers "
+          "| weight-gradient streams | native batch norms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        one, back, cudnn, after, auto = (r[way] for way, _, _ in WAYS)
+        one, back, cudnn, after, late, auto = (r[way] for way, _, _ in WAYS)
         print(f"| {r['workload']} | {one:.3f} | {back:.3f} | {cudnn:.3f} | {after:.3f} "
-              f"| {auto:.3f} | **{one / auto:.2f}x** | {one / back:.2f}x | {back / auto:.3f}x "
-              f"| {cudnn / auto:.3f}x | {after / auto:.3f}x | {r['first']} "
+              f"| {late:.3f} | {auto:.3f} | **{one / auto:.2f}x** | {one / back:.2f}x "
+              f"| {back / auto:.3f}x | {cudnn / auto:.3f}x | {after / auto:.3f}x "
+              f"| {late / auto:.3f}x | {r['first']} "
               f"| {r['streams']} | {r['syncs']} | {r['split']} | {r['side']} "
               f"| {r['native']} |")
     return 0

@@ -60,6 +60,11 @@ OUR_STATS = True
 # the output is 32 bits in float32), or the output itself (bench/bench_batch_norm_act.py times
 # one against the other).
 MASK_BITS = True
+# Our kernels' chains (statistics, finish, forward; sums, finish, gradients) each launched early,
+# programmatic dependent launch (True: the next kernel's blocks wait on the GPU as the one
+# before it ends, the launch latency between them hidden), or one after the other
+# (bench/bench_streams.py times one against the other).
+EARLY_LAUNCHES = True
 # Activations the kernel stores; its arithmetic and the statistics are float32 for all three.
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -121,16 +126,19 @@ def _fusable(bn: nn.BatchNorm2d, x: torch.Tensor, residual: torch.Tensor | None)
 class _BatchNormAct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, bias, running_mean, running_var, momentum, eps, gelu):
-        stats = _C.batch_norm_stats if OUR_STATS else torch.batch_norm_stats
-        mean, invstd = stats(x, eps)
+        early = EARLY_LAUNCHES
+        if OUR_STATS:
+            mean, invstd = _C.batch_norm_stats(x, eps, early)
+        else:
+            mean, invstd = torch.batch_norm_stats(x, eps)
         bits = not gelu and OUR_BACKWARD and MASK_BITS
         y, mask = _C.batch_norm_relu_forward(x, mean, invstd, weight, bias, residual,
                                              running_mean, running_var, momentum, eps, gelu,
-                                             bits)
+                                             bits, early)
         # The ReLU's mask is its bits, or else the output; the GELU's derivative is recomputed
         # from x.
         ctx.save_for_backward(x, None if gelu or bits else y, mask, weight, bias, mean, invstd)
-        ctx.eps, ctx.gelu = eps, gelu
+        ctx.eps, ctx.gelu, ctx.early = eps, gelu, early
         return y
 
     @staticmethod
@@ -139,7 +147,8 @@ class _BatchNormAct(torch.autograd.Function):
         needs = ctx.needs_input_grad
         if OUR_BACKWARD:
             grad_x, grad_z, grad_w, grad_b = _C.batch_norm_relu_backward(
-                grad_y, y, x, mean, invstd, weight, bias, needs[0], needs[1], ctx.gelu, mask)
+                grad_y, y, x, mean, invstd, weight, bias, needs[0], needs[1], ctx.gelu, mask,
+                ctx.early)
         else:
             if ctx.gelu:
                 z = torch.batch_norm_elemt(x, weight, bias, mean, invstd, ctx.eps)

@@ -7,11 +7,16 @@
 // then in a fixed tree, and write the weight's and bias's gradients; (3) the element-wise
 // gradients, as the forward. The ReLU's mask: the forward's lanes OR their packs' bits into
 // words (a warp's packs are consecutive); the backward reads them, or the output without.
+// Launched early (common/early_launch.cuh), the first two kernels of the statistics' and of the
+// backward's chains each let the next start once past their own wait: the next one's blocks are
+// resident and waiting when it ends, where the GPU's launch latency would otherwise lie between
+// them. Every kernel waits for the one before it first, whichever that is.
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "common/cuda_check.h"
+#include "common/early_launch.cuh"
 #include "common/pack.cuh"
 #include "ops/batch_norm_act.h"
 #include "ops/packs.cuh"
@@ -41,6 +46,7 @@ __global__ void __launch_bounds__(kThreads)
                    typename Traits::Storage* y, uint32_t* mask, BatchNormActParams p,
                    BatchNormActShape s) {
   using S = typename Traits::Storage;
+  wait_for_previous();
   if (blockIdx.x == 0 && p.running_mean != nullptr) {
     for (int64_t c = threadIdx.x; c < s.channels; c += blockDim.x) {
       BatchNormActMath::update_running(p.mean[c], p.invstd[c], p.momentum, p.eps, s.rows,
@@ -77,7 +83,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename Traits, int kVec>
 void launch(const void* x, const void* residual, void* y, uint32_t* mask,
-            const BatchNormActParams& p, const BatchNormActShape& s, cudaStream_t stream) {
+            const BatchNormActParams& p, const BatchNormActShape& s, cudaStream_t stream,
+            bool early) {
   using S = typename Traits::Storage;
   const int64_t total = s.rows * (s.channels / kVec);
   const int blocks = static_cast<int>(
@@ -86,8 +93,9 @@ void launch(const void* x, const void* residual, void* y, uint32_t* mask,
   const S* rs = static_cast<const S*>(residual);
   S* ys = static_cast<S*>(y);
   const auto run = [&](auto residual_, auto mask_) {
-    forward_kernel<Traits, kVec, decltype(residual_)::value, decltype(mask_)::value>
-        <<<blocks, kThreads, 0, stream>>>(xs, rs, ys, mask, p, s);
+    launch_kernel(early, forward_kernel<Traits, kVec, decltype(residual_)::value,
+                                        decltype(mask_)::value>,
+                  blocks, kThreads, stream, xs, rs, ys, mask, p, s);
   };
   using Yes = std::true_type;
   using No = std::false_type;
@@ -96,7 +104,6 @@ void launch(const void* x, const void* residual, void* y, uint32_t* mask,
   } else {
     mask != nullptr ? run(No{}, Yes{}) : run(No{}, No{});
   }
-  NT_CHECK_LAUNCH();
 }
 
 // The ReLU's mask of a pack of kVec elements from element `at` on (bit k: element k passes):
@@ -191,6 +198,8 @@ template <typename Traits, int kVec>
 __global__ void __launch_bounds__(kThreads)
     stats_kernel(const typename Traits::Storage* x, float* parts, BatchNormActShape s) {
   __shared__ float sum[kThreads * kVec], squares[kThreads * kVec];
+  wait_for_previous();
+  let_next_start();  // the finishing kernel: a few blocks
   const int64_t packs = s.channels / kVec;
   const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = pack < packs;
@@ -227,6 +236,8 @@ __global__ void __launch_bounds__(kThreads)
                   const uint32_t* mask, const typename Traits::Storage* x, BatchNormActParams p,
                   float* partials, BatchNormActShape s) {
   __shared__ float sums[2][kThreads * kVec];
+  wait_for_previous();
+  let_next_start();  // the finishing kernel: a few blocks
   const int64_t packs = s.channels / kVec;
   const int64_t pack = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const bool active = pack < packs;
@@ -300,6 +311,8 @@ __device__ void add_partials(const float* partials, int splits, int64_t channels
 __global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
     finish_kernel(const float* partials, int splits, float* totals, const float* invstd,
                   float* grad_weight, float* grad_bias, int64_t channels) {
+  wait_for_previous();
+  let_next_start();  // the element-wise gradients
   const int64_t c = int64_t(blockIdx.x) * kFinishChannels + threadIdx.x;
   float dy, dy_xmu;
   add_partials(partials, splits, channels, c, dy, dy_xmu);
@@ -315,6 +328,8 @@ template <typename Traits>
 __global__ void __launch_bounds__(kFinishChannels * kFinishLanes)
     stats_finish_kernel(const typename Traits::Storage* x, const float* parts, int splits,
                         BatchNormStats out, BatchNormActShape s) {
+  wait_for_previous();
+  let_next_start();  // the forward
   const int64_t c = int64_t(blockIdx.x) * kFinishChannels + threadIdx.x;
   float sum_d, sum_dd;
   add_partials(parts, splits, s.channels, c, sum_d, sum_dd);
@@ -332,6 +347,7 @@ __global__ void __launch_bounds__(kThreads)
                       BatchNormActParams p, typename Traits::Storage* grad_x,
                       typename Traits::Storage* grad_residual, BatchNormActShape s) {
   using S = typename Traits::Storage;
+  wait_for_previous();
   const int64_t packs = s.channels / kVec;
   const int64_t total = s.rows * packs;
   const float inv_rows = 1.0f / static_cast<float>(s.rows);
@@ -368,29 +384,27 @@ __global__ void __launch_bounds__(kThreads)
 template <typename Traits, int kVec>
 void backward(const void* grad_y, const void* y, const uint32_t* mask, const void* x,
               const BatchNormActParams& p, const BatchNormActGrads& g, float* workspace,
-              const BatchNormActShape& s, const ReduceGrid& grid, cudaStream_t stream) {
+              const BatchNormActShape& s, const ReduceGrid& grid, cudaStream_t stream,
+              bool early) {
   using S = typename Traits::Storage;
   const S* gys = static_cast<const S*>(grad_y);
   const S* ys = static_cast<const S*>(y);
   const S* xs = static_cast<const S*>(x);
   float* partials = workspace;
   float* totals = workspace + int64_t(grid.splits) * 2 * s.channels;
-  reduce_kernel<Traits, kVec><<<dim3(grid.columns, grid.splits), dim3(grid.lanes, grid.depth), 0,
-                                stream>>>(gys, ys, mask, xs, p, partials, s);
-  NT_CHECK_LAUNCH();
+  launch_kernel(early, reduce_kernel<Traits, kVec>, dim3(grid.columns, grid.splits),
+                dim3(grid.lanes, grid.depth), stream, gys, ys, mask, xs, p, partials, s);
   const int finish_blocks =
       static_cast<int>((s.channels + kFinishChannels - 1) / kFinishChannels);
-  finish_kernel<<<finish_blocks, dim3(kFinishChannels, kFinishLanes), 0, stream>>>(
-      partials, grid.splits, totals, p.invstd, g.grad_weight, g.grad_bias, s.channels);
-  NT_CHECK_LAUNCH();
+  launch_kernel(early, finish_kernel, finish_blocks, dim3(kFinishChannels, kFinishLanes), stream,
+                partials, grid.splits, totals, p.invstd, g.grad_weight, g.grad_bias,
+                s.channels);
   if (g.grad_x == nullptr && g.grad_residual == nullptr) return;
   const int64_t total = s.rows * (s.channels / kVec);
   const int blocks = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>((total + kThreads - 1) / kThreads, kMaxBlocks)));
-  grad_input_kernel<Traits, kVec><<<blocks, kThreads, 0, stream>>>(
-      gys, ys, mask, xs, totals, p, static_cast<S*>(g.grad_x),
-      static_cast<S*>(g.grad_residual), s);
-  NT_CHECK_LAUNCH();
+  launch_kernel(early, grad_input_kernel<Traits, kVec>, blocks, kThreads, stream, gys, ys, mask,
+                xs, totals, p, static_cast<S*>(g.grad_x), static_cast<S*>(g.grad_residual), s);
 }
 
 // The most blocks down the rows of reduce_grid for either pack width a launch may take
@@ -414,7 +428,8 @@ int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dty
 void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const uint32_t* mask,
                                    const void* x, const BatchNormActParams& p,
                                    const BatchNormActGrads& g, float* workspace,
-                                   const BatchNormActShape& s, DType dtype, cudaStream_t stream) {
+                                   const BatchNormActShape& s, DType dtype, cudaStream_t stream,
+                                   bool early) {
   if (s.rows == 0 || s.channels == 0) return;
   int device = 0;
   NT_CHECK_CUDA(cudaGetDevice(&device));
@@ -423,7 +438,7 @@ void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const uint
   dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
     constexpr int kVec = decltype(vec)::value;
     backward<decltype(traits), kVec>(grad_y, y, mask, x, p, g, workspace, s,
-                                     reduce_grid(s, kVec, device), stream);
+                                     reduce_grid(s, kVec, device), stream, early);
   });
 }
 
@@ -435,7 +450,8 @@ int64_t batch_norm_stats_workspace(const BatchNormActShape& s, DType dtype, int 
 }
 
 void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* workspace,
-                           const BatchNormActShape& s, DType dtype, cudaStream_t stream) {
+                           const BatchNormActShape& s, DType dtype, cudaStream_t stream,
+                           bool early) {
   if (s.rows == 0 || s.channels == 0) return;
   int device = 0;
   NT_CHECK_CUDA(cudaGetDevice(&device));
@@ -445,23 +461,22 @@ void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* work
     constexpr int kVec = decltype(vec)::value;
     const ReduceGrid grid = reduce_grid(s, kVec, device, kStatsRowsPerThread);
     const S* xs = static_cast<const S*>(x);
-    stats_kernel<Traits, kVec><<<dim3(grid.columns, grid.splits), dim3(grid.lanes, grid.depth),
-                                 0, stream>>>(xs, workspace, s);
-    NT_CHECK_LAUNCH();
+    launch_kernel(early, stats_kernel<Traits, kVec>, dim3(grid.columns, grid.splits),
+                  dim3(grid.lanes, grid.depth), stream, xs, workspace, s);
     const int blocks = static_cast<int>((s.channels + kFinishChannels - 1) / kFinishChannels);
-    stats_finish_kernel<Traits><<<blocks, dim3(kFinishChannels, kFinishLanes), 0, stream>>>(
-        xs, workspace, grid.splits, out, s);
-    NT_CHECK_LAUNCH();
+    launch_kernel(early, stats_finish_kernel<Traits>, blocks,
+                  dim3(kFinishChannels, kFinishLanes), stream, xs, workspace, grid.splits, out,
+                  s);
   });
 }
 
 void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y, uint32_t* mask,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
-                                  DType dtype, cudaStream_t stream) {
+                                  DType dtype, cudaStream_t stream, bool early) {
   if (s.rows == 0 || s.channels == 0) return;
   const bool packs = aligned(x, 16) && aligned(residual, 16) && aligned(y, 16);
   dispatch_packs(dtype, s.channels, packs, [&](auto traits, auto vec) {
-    launch<decltype(traits), decltype(vec)::value>(x, residual, y, mask, p, s, stream);
+    launch<decltype(traits), decltype(vec)::value>(x, residual, y, mask, p, s, stream, early);
   });
 }
 

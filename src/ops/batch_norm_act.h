@@ -175,15 +175,18 @@ void batch_norm_relu_backward_reference(const void* grad_y, const void* y, const
                                         DType dtype);
 
 // ------------------------------------------------------------------ CUDA (NT_HAVE_CUDA builds)
+// `early`: each kernel launched early (common/early_launch.cuh), after the one before it on
+// `stream`, whichever that is; the results are the same either way.
 void batch_norm_relu_forward_cuda(const void* x, const void* residual, void* y, uint32_t* mask,
                                   const BatchNormActParams& p, const BatchNormActShape& s,
-                                  DType dtype, cudaStream_t stream);
+                                  DType dtype, cudaStream_t stream, bool early);
 
 // The statistics' workspace: floats for the blocks' parts.
 int64_t batch_norm_stats_workspace(const BatchNormActShape& s, DType dtype, int device);
 
 void batch_norm_stats_cuda(const void* x, const BatchNormStats& out, float* workspace,
-                           const BatchNormActShape& s, DType dtype, cudaStream_t stream);
+                           const BatchNormActShape& s, DType dtype, cudaStream_t stream,
+                           bool early);
 
 // The backward's workspace: floats for its per-block partial sums and the channels' totals.
 int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dtype, int device);
@@ -191,6 +194,7 @@ int64_t batch_norm_relu_backward_workspace(const BatchNormActShape& s, DType dty
 void batch_norm_relu_backward_cuda(const void* grad_y, const void* y, const uint32_t* mask,
                                    const void* x, const BatchNormActParams& p,
                                    const BatchNormActGrads& g, float* workspace,
-                                   const BatchNormActShape& s, DType dtype, cudaStream_t stream);
+                                   const BatchNormActShape& s, DType dtype, cudaStream_t stream,
+                                   bool early);
 
 }  // namespace nimble_train::ops

@@ -265,7 +265,8 @@ std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
   return {grad_w, grad_b};
 }
 
-std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double eps) {
+std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double eps,
+                                                    bool early) {
   const char* op = "batch_norm_stats";
   const DType dtype = channels_last_input(x, op);
   const BatchNormActShape s = rows_and_channels(x);
@@ -284,7 +285,7 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double 
     at::Tensor workspace = at::empty(
         {batch_norm_stats_workspace(s, dtype, x.device().index())}, mean.options());
     batch_norm_stats_cuda(x.data_ptr(), out, workspace.data_ptr<float>(), s, dtype,
-                          c10::cuda::getCurrentCUDAStream());
+                          c10::cuda::getCurrentCUDAStream(), early);
 #endif
   }
   return {mean, invstd};
@@ -294,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_relu_forward(
     const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
     const at::Tensor& weight, const at::Tensor& bias, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
-    double momentum, double eps, bool gelu, bool mask) {
+    double momentum, double eps, bool gelu, bool mask, bool early) {
   const char* op = "batch_norm_relu_forward";
   const DType dtype = channels_last_input(x, op);
   const BatchNormActShape s = rows_and_channels(x);
@@ -336,7 +337,7 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_relu_forward(
 #if NT_HAVE_CUDA
     const c10::cuda::CUDAGuard guard(x.device());
     batch_norm_relu_forward_cuda(x.data_ptr(), res, y.data_ptr(), bits_ptr, p, s, dtype,
-                                 c10::cuda::getCurrentCUDAStream());
+                                 c10::cuda::getCurrentCUDAStream(), early);
 #endif
   }
   return {y, bits};
@@ -346,7 +347,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backw
     const at::Tensor& grad_y, const std::optional<at::Tensor>& y, const at::Tensor& x,
     const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
     const at::Tensor& bias, bool input_grad, bool residual_grad, bool gelu,
-    const std::optional<at::Tensor>& mask) {
+    const std::optional<at::Tensor>& mask, bool early) {
   const char* op = "batch_norm_relu_backward";
   NT_CHECK(!(gelu && residual_grad), op, ": a residual goes with the ReLU only; got gelu=True "
            "and residual_grad=True");
@@ -394,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backw
         x.options().dtype(at::kFloat));
     batch_norm_relu_backward_cuda(g.data_ptr(), y_ptr, mask_ptr, x.data_ptr(), p, grads,
                                   workspace.data_ptr<float>(), s, dtype,
-                                  c10::cuda::getCurrentCUDAStream());
+                                  c10::cuda::getCurrentCUDAStream(), early);
 #endif
   }
   return {grad_x, grad_residual, grad_weight, grad_bias};

@@ -50,7 +50,10 @@ std::tuple<at::Tensor, at::Tensor> small_conv2d_weight_grad(
 // A training batch norm's batch statistics (see batch_norm_act.h): (mean, invstd), float32 [C],
 // of x [N, C, H, W] channels-last contiguous, float32, float16 or bfloat16, as
 // torch.batch_norm_stats(x, eps) gives them (deterministic; no memset).
-std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double eps);
+// `early` (here and below): on CUDA, each kernel allowed to start while the one before it on the
+// stream ends (programmatic dependent launch: common/early_launch.cuh); the same results.
+std::tuple<at::Tensor, at::Tensor> batch_norm_stats(const at::Tensor& x, double eps,
+                                                    bool early = true);
 
 // A training batch norm's normalisation, an optional residual and the ReLU in one pass (see
 // batch_norm_act.h): x (and residual) [N, C, H, W] channels-last contiguous, float32, float16 or
@@ -64,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> batch_norm_relu_forward(
     const at::Tensor& x, const at::Tensor& mean, const at::Tensor& invstd,
     const at::Tensor& weight, const at::Tensor& bias, const std::optional<at::Tensor>& residual,
     const std::optional<at::Tensor>& running_mean, const std::optional<at::Tensor>& running_var,
-    double momentum, double eps, bool gelu, bool mask);
+    double momentum, double eps, bool gelu, bool mask, bool early = true);
 
 // The backward of batch_norm_relu_forward (see batch_norm_act.h) from the output's gradient
 // grad_y (any layout, y's dtype), the ReLU's mask (the forward's `mask`, or else the output y;
@@ -75,6 +78,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> batch_norm_relu_backw
     const at::Tensor& grad_y, const std::optional<at::Tensor>& y, const at::Tensor& x,
     const at::Tensor& mean, const at::Tensor& invstd, const at::Tensor& weight,
     const at::Tensor& bias, bool input_grad, bool residual_grad, bool gelu,
-    const std::optional<at::Tensor>& mask);
+    const std::optional<at::Tensor>& mask, bool early = true);
 
 }  // namespace nimble_train::ops

@@ -32,14 +32,16 @@ void bind_ops(py::module_& m) {
         "(grad_weight, grad_bias) of small_conv2d_forward, in weight_like's dtype and layout; "
         "grad_bias None unless with_bias.");
   m.def("batch_norm_stats", &ops::batch_norm_stats, py::arg("x"), py::arg("eps"),
-        py::call_guard<py::gil_scoped_release>(),
+        py::arg("early") = true, py::call_guard<py::gil_scoped_release>(),
         "(mean, invstd) of a channels-last [N, C, H, W] x, as torch.batch_norm_stats(x, eps) "
         "gives them: sums of x minus each channel's first value and of their squares, in two "
-        "kernels on CUDA, deterministic.");
+        "kernels on CUDA, deterministic. early (here and in the two below): on CUDA, each "
+        "kernel may start while the one before it on the stream ends (programmatic dependent "
+        "launch), with the same results.");
   m.def("batch_norm_relu_forward", &ops::batch_norm_relu_forward, py::arg("x"), py::arg("mean"),
         py::arg("invstd"), py::arg("weight"), py::arg("bias"), py::arg("residual"),
         py::arg("running_mean"), py::arg("running_var"), py::arg("momentum"), py::arg("eps"),
-        py::arg("gelu") = false, py::arg("mask") = false,
+        py::arg("gelu") = false, py::arg("mask") = false, py::arg("early") = true,
         py::call_guard<py::gil_scoped_release>(),
         "(y, mask): y = relu(weight * (x - mean) * invstd + bias [+ residual]) (gelu: the exact "
         "GELU, no residual) for a channels-last [N, C, H, W] x (float32/16, bfloat16; mean and "
@@ -50,7 +52,7 @@ void bind_ops(py::module_& m) {
   m.def("batch_norm_relu_backward", &ops::batch_norm_relu_backward, py::arg("grad_y"),
         py::arg("y"), py::arg("x"), py::arg("mean"), py::arg("invstd"), py::arg("weight"),
         py::arg("bias"), py::arg("input_grad"), py::arg("residual_grad"),
-        py::arg("gelu") = false, py::arg("mask") = py::none(),
+        py::arg("gelu") = false, py::arg("mask") = py::none(), py::arg("early") = true,
         py::call_guard<py::gil_scoped_release>(),
         "(grad_x, grad_residual, grad_weight, grad_bias) of batch_norm_relu_forward from the "
         "output's gradient, the output (None when the forward's mask is given; the GELU needs "

@@ -95,6 +95,11 @@ def test_the_backward_reference_is_autograds_in_float64(dtype, act, residual):
     assert grad_x.is_contiguous(memory_format=torch.channels_last) and grad_w.dtype == torch.float32
     assert (grad_r is not None) == residual
     assert _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, False, False)[0] is None
+    # early launches are CUDA's (programmatic dependent launch): on the CPU the same values
+    late = _C.batch_norm_relu_backward(gy, y, x, mean, invstd, w, b, True, residual, gelu,
+                                       early=False)
+    for a, b_ in zip(late, (grad_x, grad_r, grad_w, grad_b)):
+        assert (a is None and b_ is None) or torch.equal(a, b_)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

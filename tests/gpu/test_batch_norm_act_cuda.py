@@ -94,6 +94,50 @@ def test_the_backward_kernels_are_autograds_in_float64_and_deterministic(dtype, 
     assert grad_r is None if not residual else grad_r.dtype == dtype
 
 
+def bn_chain(x, gy, w, b, r, gelu, early):
+    """Statistics, forward and backward of the fused batch norm (the ReLU with a residual, or
+    the GELU)."""
+    mean, invstd = _C.batch_norm_stats(x, 1e-5, early)
+    y, mask = _C.batch_norm_relu_forward(x, mean, invstd, w, b, None if gelu else r, None, None,
+                                         0.1, 1e-5, gelu, not gelu, early)
+    grads = _C.batch_norm_relu_backward(gy, y if gelu else None, x, mean, invstd, w, b, True,
+                                        not gelu, gelu, None if gelu else mask, early)
+    return [mean, invstd, y] + [t for t in grads if t is not None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(128, 64, 32, 32), (32, 512, 4, 4), (6, 33, 9, 7)])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_kernels_launched_early_wait_for_what_they_read_in_a_graph(dtype, shape, gelu):
+    """Each kernel of the chains starts early (programmatic dependent launch), the first after a
+    cuBLAS product that makes its input and may itself let it start early: replayed in a CUDA
+    graph on new inputs, the values are those of the kernels launched one after the other on
+    the graph's own x and output gradient, bit for bit."""
+    n, c, h, wd = shape
+    rows, k = n * h * wd, 96
+
+    def made(a, m, g, m2):  # channels-last [N, C, H, W] views of [rows, C] products
+        return [(p @ q).view(n, h, wd, c).permute(0, 3, 1, 2) for p, q in ((a, m), (g, m2))]
+
+    torch.manual_seed(c)
+    static = [torch.randn(*size, device="cuda", dtype=dtype)
+              for size in ((rows, k), (k, c), (rows, k), (k, c))]
+    w, b = torch.randn(c, device="cuda"), torch.randn(c, device="cuda")
+    r = channels_last(*shape, dtype=dtype)
+    bn_chain(*made(*static), w, b, r, gelu, True)  # first calls outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        x, gy = made(*static)
+        out = bn_chain(x, gy, w, b, r, gelu, True)
+    for i in range(4):
+        for t in static:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        expected = bn_chain(x, gy, w, b, r, gelu, False)
+        for got, want in zip(out, expected, strict=True):
+            assert torch.equal(got, want), i
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(6, 6, 9, 7), (6, 33, 9, 7), (8, 640, 12, 12),
                                    (128, 64, 32, 32), (32, 512, 4, 4)])
@@ -320,6 +364,23 @@ def test_a_fused_step_trains_as_the_eager_loop(fuse, monkeypatch, no_tf32):
     assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
     assert {n: int(b) for n, b in model.named_buffers() if "num_batches" in n} == \
         {n: int(b) for n, b in reference.named_buffers() if "num_batches" in n}
+
+
+def test_a_step_trains_bit_for_bit_alike_with_its_kernels_launched_early_or_not(monkeypatch,
+                                                                                no_tf32):
+    trained = []
+    for early in (True, False):
+        monkeypatch.setattr(_batch_norm_act, "EARLY_LAUNCHES", early)
+        torch.manual_seed(0)
+        model = Net().cuda().to(memory_format=torch.channels_last)
+        opt = make_opt(model.parameters())
+        step = nt.Step(model, opt, per_sample, streams="auto", warmup=2)
+        for b in channels_last_batches(5):
+            step(b)
+        assert step.stats()["captured"] and step.stats()["fused_batch_norm_layers"] == FUSED
+        trained.append((model, opt))
+    (a, opt_a), (b, opt_b) = trained
+    assert_same_training(a, opt_a, b, opt_b, rtol=0, atol=0)
 
 
 def test_layers_with_hooks_run_unfused_and_their_hooks_run_in_the_capture(no_tf32):
