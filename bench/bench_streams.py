@@ -4,7 +4,7 @@ and what the backward's plan alone gives.
     python bench/bench_streams.py               # branchy, GoogLeNet, ResNet-18 at batch 32
     python bench/bench_streams.py --workloads googlenet:64 encoder:32 bert:32 --rounds 5
 
-One process, one GPU. Each network is built five times from the same seed (same weights, same
+One process, one GPU. Each network is built six times from the same seed (same weights, same
 batches) and run as nt.Step on one stream, with streams="auto" but the forward's plan switched
 off (``nimble_train._capture.PLAN_FORWARD``: the backward's weight gradients on side streams
 alone, what a model torch.fx cannot trace gets), with streams="auto" but cuDNN's batch-norm
@@ -13,10 +13,10 @@ streams="auto" but every weight gradient forked after its data gradient
 (``nimble_train._weight_grads.WEIGHT_GRADS_FIRST = False``; "auto" forks a chain's beside it:
 see weight_grads_first there), with streams="auto" but the fused batch norms' kernels launched
 one after the other (``nimble_train._batch_norm_act.EARLY_LAUNCHES = False``: no programmatic
-dependent launch) and with streams="auto"; all are captured before any timing. Timing alternates between them in rounds
-(each a CUDA-event mean over --steps consecutive steps after 10 untimed ones), so drift of the
-GPU's clocks hits all alike, and the table gives each one's median over --rounds rounds and
-the ratios of the medians.
+dependent launch) and with streams="auto"; all are captured before any timing. Timing
+alternates between them in rounds (each a CUDA-event mean over --steps consecutive steps after
+10 untimed ones), so drift of the GPU's clocks hits all alike, and the table gives each one's
+median over --rounds rounds and the ratios of the medians.
 
 Networks (SGD with Nesterov momentum and weight decay, channels-last, cudnn.benchmark on):
 ``branchy`` (the inception-style CIFAR net of nimble_train.models, 32 px), ``googlenet``

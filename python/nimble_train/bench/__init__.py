@@ -18,7 +18,7 @@ from .timing import (Overlap, alternating_ms, busy_fraction, busy_time, gpu_acti
                      time_to_first_fast_step)
 
 __all__ = [
-    "MODES", "Overlap", "add_ratios", "alternating_ms", "busy_fraction", "busy_time", "format_table",
-    "gpu_activity", "gpu_busy_fraction", "main", "ms_per_step", "overlap", "plot",
+    "MODES", "Overlap", "add_ratios", "alternating_ms", "busy_fraction", "busy_time",
+    "format_table", "gpu_activity", "gpu_busy_fraction", "main", "ms_per_step", "overlap", "plot",
     "profile_overlap", "run", "time_to_first_fast_step", "write_all", "write_json",
 ]
