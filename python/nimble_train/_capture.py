@@ -27,7 +27,7 @@ from ._iteration import MisdirectedGradient
 from ._multistream import (CHAIN, COMPILED, build_multistream, traced_submodule,
                            untraced_reason, warn_single_stream)
 from ._weight_grads import eligible, plan_weight_grads, split_weight_grads, weight_grads_first
-from .errors import CaptureError, NimbleError, SyncError
+from .errors import CaptureError, NimbleError, SyncError, one_line
 
 # streams="auto" plans the forward on several streams (and the backward's weight gradients on
 # side streams). False: the backward's plan alone; bench/bench_streams.py times what the
@@ -391,5 +391,4 @@ def root_message(exc: BaseException) -> str:
     seen = exc
     while seen.__context__ is not None and seen.__context__ is not seen:
         seen = seen.__context__
-    text = f"{type(seen).__name__}: {seen}".strip()
-    return text.splitlines()[0] if text else type(seen).__name__
+    return one_line(f"{type(seen).__name__}: {seen}") or type(seen).__name__

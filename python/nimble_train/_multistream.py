@@ -42,6 +42,7 @@ from . import _torch_private
 from ._batch_norm_act import BatchNormAct, fuse_batch_norm_act
 from ._extension import _C
 from ._torch_private import pytree
+from .errors import one_line
 
 _OPS = ("call_module", "call_function", "call_method")
 
@@ -447,8 +448,8 @@ def build_multistream(model: torch.nn.Module, streams, device: torch.device,
     try:
         graph = trace_operators(model, fuse_norms)
     except Exception as exc:  # fx raises many kinds of errors on untraceable code
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        return None, f"torch.fx could not trace the model ({type(exc).__name__}: {first})"
+        return None, (f"torch.fx could not trace the model ({type(exc).__name__}: "
+                      f"{one_line(exc)})")
     plan = plan_operators(graph, streams, example)
     if plan.num_streams == 1:
         # A chain: its traced forward only where it fuses batch norms (on the one stream).

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import _torch_private
-from .errors import DistributedError
+from .errors import DistributedError, one_line
 
 DEFAULT_BUCKET_MB = 25.0
 DEFAULT_TIMEOUT_S = 300.0
@@ -159,7 +159,7 @@ class World:
         try:
             return run()
         except (RuntimeError, ValueError) as exc:  # gloo and NCCL raise these
-            cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            cause = one_line(exc) or type(exc).__name__
             raise DistributedError(
                 f"rank {self.rank} of {self.size}: {what} failed ({cause}).{self.peer_failure()} "
                 "Every rank must keep stepping together; the job cannot go on.") from exc
@@ -169,7 +169,7 @@ class World:
         may be gone with the process that served it)."""
         try:
             self.store.set(FAILURE_KEY, f"rank {self.rank}: {type(error).__name__}: "
-                                        f"{str(error).splitlines()[0] if str(error) else ''}")
+                                        f"{one_line(error)}")
         except Exception:
             pass
 

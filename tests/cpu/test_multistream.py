@@ -9,6 +9,7 @@ from nimble_train import _C
 from nimble_train._multistream import (SMALL_OPERATOR_BYTES, build_multistream, operator_bytes,
                                        plan_forward, plan_operators, small_operators,
                                        trace_operators)
+from nimble_train.errors import one_line
 from step_reference import MLP, InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock
 
 
@@ -43,6 +44,37 @@ def test_untraceable_model_falls_back_with_the_reason():
     forward, reason = build_multistream(Untraceable(), "auto", torch.device("cpu"))
     assert forward is None
     assert reason.startswith("torch.fx could not trace the model (")
+
+
+class CallsTheExtension(torch.nn.Module):
+    """Hands a buffer to a function of the extension, which a proxy cannot stand in for."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scratch", torch.zeros(4))
+
+    def forward(self, x):
+        _C.cuda_memset(self.scratch, 0)
+        return x + self.scratch
+
+
+def test_the_fallback_reason_says_what_a_binding_was_given_in_one_line():
+    forward, reason = build_multistream(CallsTheExtension(), "auto", torch.device("cpu"))
+    assert forward is None
+    # pybind11's first line ends "...are supported:"; the types and the proxy follow it.
+    assert reason.startswith("torch.fx could not trace the model (TypeError: cuda_memset(): "
+                             "incompatible function arguments.")
+    assert "supported: 1. (t: torch.Tensor" in reason
+    assert "Invoked with: Proxy(" in reason and "\n" not in reason
+
+
+def test_one_line_keeps_what_follows_a_colon_and_cuts_long_messages():
+    assert one_line("") == "" and one_line("  \n ") == ""
+    assert one_line("first\nsecond") == "first"
+    assert one_line("no match:\n  1. (a: int)\n\nInvoked with: 'x'") == \
+        "no match: 1. (a: int); Invoked with: 'x'"
+    assert one_line("x" * 500, limit=10) == "xxxxxxx..."
+    assert one_line(ValueError("bad:\nvalue")) == "bad: value"
 
 
 class SaysUntraced(torch.nn.Module):
