@@ -391,4 +391,4 @@ def root_message(exc: BaseException) -> str:
     seen = exc
     while seen.__context__ is not None and seen.__context__ is not seen:
         seen = seen.__context__
-    return one_line(f"{type(seen).__name__}: {seen}") or type(seen).__name__
+    return one_line(f"{type(seen).__name__}: {seen}")
