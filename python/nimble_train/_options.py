@@ -138,10 +138,7 @@ def short_batch_error(samples: int, batch_size: int) -> ShapeError:
         'or "eager"')
 
 
-def check_shardable(device: torch.device, capture: bool, fuse_reason: str | None,
-                    optimizer: torch.optim.Optimizer) -> None:
-    from .optim import LAMB
-
+def check_shardable(device: torch.device, capture: bool, fuse_reason: str | None) -> None:
     why = None
     if device.type != "cuda":
         why = f"the model is on {device}; the shards are reduced and gathered by NCCL"
@@ -149,8 +146,6 @@ def check_shardable(device: torch.device, capture: bool, fuse_reason: str | None
         why = "capture=False: the sharded update is the fused one, which capture sets up"
     elif fuse_reason is not None:
         why = f"the optimizer cannot be fused ({fuse_reason})"
-    elif isinstance(optimizer, LAMB):
-        why = "LAMB's trust ratio needs each whole parameter's norms, which a shard lacks"
     if why:
         raise ValueError(f"shard_optimizer=True needs CUDA GPUs, capture and a fused SGD, "
-                         f"Adam or AdamW; here {why}. Pass shard_optimizer=False.")
+                         f"Adam, AdamW or LAMB; here {why}. Pass shard_optimizer=False.")

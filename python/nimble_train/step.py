@@ -94,7 +94,8 @@ class Step:
         bucket_mb: data parallel (torchrun): the largest gradient bucket all-reduced while the
             backward goes on; the last buckets are smaller (1 MiB for the very last).
         shard_optimizer: data parallel on GPUs: ZeRO stage 1 inside the graph (each rank keeps
-            1/N of the optimizer state; see :meth:`consolidate_optimizer_state`).
+            1/N of the optimizer state; see :meth:`consolidate_optimizer_state`). LAMB too: the
+            ranks add their parts of each tensor's norms before its trust ratio.
         accumulate: K micro-batches per optimizer update, one call each: calls 1..K-1 run the
             forward and backward into the accumulated gradients, call K also all-reduces,
             clips, updates and (next call) zeroes; :attr:`stepped` says which calls updated.
@@ -180,7 +181,7 @@ class Step:
         self._update = Update(optimizer, amp, self._will_capture, self._device)
         world = current_world()
         if world and shard_optimizer:
-            _options.check_shardable(self._device, capture, self._update.fuse_reason, optimizer)
+            _options.check_shardable(self._device, capture, self._update.fuse_reason)
         self._gradsync = (GradientSync(world, self._device, bucket_mb, shard=shard_optimizer)
                           if world else None)
         self._sync = SyncRecorder() if cuda else None

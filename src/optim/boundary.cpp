@@ -267,7 +267,8 @@ void lamb_update_(const at::Tensor& params, const at::Tensor& grads, const at::T
                   const at::Tensor& exp_avg_sq, const at::Tensor& chunks,
                   const at::Tensor& first_chunk, const at::Tensor& hyper,
                   const at::Tensor& control, const at::Tensor& chunk_norms,
-                  const at::Tensor& trust) {
+                  const at::Tensor& trust, const std::optional<at::Tensor>& sums,
+                  LambPasses passes) {
   const char* op = "lamb_update_";
   const FlatBuffers b = flat_buffers(params, grads, {&exp_avg, &exp_avg_sq, nullptr}, op);
   const UpdateTables t = update_tables(params, chunks, hyper, control, op);
@@ -278,18 +279,25 @@ void lamb_update_(const at::Tensor& params, const at::Tensor& grads, const at::T
   const int64_t num_tensors = first_chunk.numel() - 1;
   check_table(chunk_norms, device, at::kFloat, 2 * t.num_chunks, op, "chunk_norms");
   check_table(trust, device, at::kFloat, num_tensors, op, "trust");
-  const LambTables l{first_chunk.const_data_ptr<int64_t>(), num_tensors,
-                     chunk_norms.data_ptr<float>(), trust.data_ptr<float>()};
+  LambTables l{first_chunk.const_data_ptr<int64_t>(), num_tensors,
+               chunk_norms.data_ptr<float>(), trust.data_ptr<float>()};
+  if (passes != LambPasses::kAll) {
+    NT_CHECK(sums.has_value(), op, ": the passes of a sharded step need sums, float32 "
+             "[num_tensors, 2]; got none");
+    check_table(*sums, device, at::kFloat, 2 * num_tensors, op, "sums");
+    l.sums = sums->data_ptr<float>();
+  }
   if (params.is_cuda()) {
 #if NT_HAVE_CUDA
     const c10::cuda::CUDAGuard guard(device);
-    lamb_update_cuda(b, t, l, c10::cuda::getCurrentCUDAStream());
+    lamb_update_cuda(b, t, l, passes, c10::cuda::getCurrentCUDAStream());
     return;
 #else
     no_cuda(op);
 #endif
   }
-  dispatch_dtype(b.dtype, [&](auto traits) { lamb_update_reference<decltype(traits)>(b, t, l); });
+  dispatch_dtype(b.dtype,
+                 [&](auto traits) { lamb_update_reference<decltype(traits)>(b, t, l, passes); });
 }
 
 }  // namespace nimble_train::optim

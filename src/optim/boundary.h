@@ -7,6 +7,8 @@
 #include <optional>
 #include <tuple>
 
+#include "optim/fused_update.h"
+
 namespace nimble_train::optim {
 
 // The tensors below are CPU tensors (the CPU reference runs) or CUDA tensors on one device (the
@@ -53,11 +55,14 @@ void sgd_update_(const at::Tensor& params, const at::Tensor& grads,
 void adam_update_(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& max_exp_avg_sq,
                   const at::Tensor& chunks, const at::Tensor& hyper, const at::Tensor& control);
-// chunk_norms: float32 [num_chunks, 2] and trust: float32 [num_tensors] scratch.
+// chunk_norms: float32 [num_chunks, 2] and trust: float32 [num_tensors] scratch. passes:
+// LambPasses (fused_update.h); for kNorms and kApply, sums: float32 [num_tensors, 2], each
+// tensor's sums of p^2 and update^2, written by kNorms and read by kApply.
 void lamb_update_(const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const at::Tensor& chunks,
                   const at::Tensor& first_chunk, const at::Tensor& hyper,
                   const at::Tensor& control, const at::Tensor& chunk_norms,
-                  const at::Tensor& trust);
+                  const at::Tensor& trust, const std::optional<at::Tensor>& sums = std::nullopt,
+                  LambPasses passes = LambPasses::kAll);
 
 }  // namespace nimble_train::optim

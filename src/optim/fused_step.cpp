@@ -3,6 +3,8 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/index_add.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -222,12 +224,47 @@ void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
         break;
       case Algorithm::kLamb:
         NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
+        NT_CHECK(!t.tensor_rows.defined(), "fused LAMB: a sharded slice's trust ratios need "
+                 "every rank's part of its tensors; update it with fused_step");
         lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk,
                      tables.hyper, tables.control, t.chunk_norms, t.trust);
         break;
     }
   }
 }
+
+namespace {
+
+// Sharded LAMB: each target's per-tensor sums (kNorms computes the moments and writes nothing
+// but the sums), every tensor's sums added over the targets and over the ranks, then each
+// target's trust ratios, moments and parameters (kApply). A reduce that raises leaves the
+// state as it was; the step counts prepare_step_ moved are the caller's to put back.
+void lamb_sharded_(const std::vector<UpdateTarget>& targets, const StepTables& tables,
+                   const std::function<void(const at::Tensor&)>& reduce) {
+  NT_CHECK(static_cast<bool>(reduce), "fused LAMB: a sharded step needs reduce_partials (an "
+           "in-place sum over the ranks) for its per-tensor norms");
+  const at::Tensor& global = targets.front().global_sums;
+  for (const UpdateTarget& t : targets) {
+    NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
+    NT_CHECK(t.tensor_rows.defined() && t.tensor_sums.defined() && t.global_sums.defined() &&
+                 t.global_sums.is_same(global),
+             "fused LAMB: every target of a sharded step needs tensor_rows, tensor_sums and "
+             "the one global_sums they share");
+    lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk, tables.hyper,
+                 tables.control, t.chunk_norms, t.trust, t.tensor_sums, LambPasses::kNorms);
+  }
+  global.zero_();
+  for (const UpdateTarget& t : targets) global.index_add_(0, t.tensor_rows, t.tensor_sums);
+  reduce(global);
+  for (const UpdateTarget& t : targets) {
+    at::Tensor sums = t.tensor_sums;  // the same tensor: each tensor's total, in place
+    at::index_select_out(sums, global, 0, t.tensor_rows);
+    lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk, tables.hyper,
+                 tables.control, t.chunk_norms, t.trust, t.tensor_sums, LambPasses::kApply);
+  }
+}
+
+}  // namespace
 
 bool needs_stats(const FusedStepArgs& args) {
   return args.inv_scale.has_value() || args.found_inf.has_value() || args.max_grad_norm > 0;
@@ -277,7 +314,13 @@ at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targ
   const bool skip_nonfinite = args.inv_scale.has_value() || args.found_inf.has_value();
   prepare_step_(tables, stats ? std::optional<at::Tensor>(partials) : std::nullopt, factor,
                 args.found_inf, args.max_grad_norm, skip_nonfinite);
-  update_(algorithm, targets, tables);
+  const bool sharded_lamb = algorithm == Algorithm::kLamb && !targets.empty() &&
+                            targets.front().tensor_rows.defined();
+  if (sharded_lamb) {
+    lamb_sharded_(targets, tables, args.reduce_partials);
+  } else {
+    update_(algorithm, targets, tables);
+  }
   if (!stats) return at::Tensor();
   return tables.control.select(0, kGradNorm);
 }

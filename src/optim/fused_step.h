@@ -79,6 +79,13 @@ struct UpdateTarget {
   at::Tensor chunk_norms;
   at::Tensor trust;
   at::Tensor partials;     // this target's rows of the gradient-statistics partials
+  // Sharded LAMB (a rank's slice holds parts of tensors): each local tensor's row of
+  // global_sums (int64 [num_tensors]), its sums of p^2 and update^2 (float32 [num_tensors, 2]),
+  // and the float32 [rows, 2] sums that every target of a step shares, added over the ranks
+  // before the trust ratios. Undefined for a whole buffer.
+  at::Tensor tensor_rows;
+  at::Tensor tensor_sums;
+  at::Tensor global_sums;
 };
 
 UpdateTarget target_of(const FlatTensors& flat);
@@ -92,7 +99,8 @@ struct FusedStepArgs {
   std::optional<at::Tensor> found_inf;   // float32 [1]: written 1 on a non-finite gradient
   std::optional<at::Tensor> grad_scale;  // float32 [1]: a factor without the overflow skip
   double max_grad_norm = 0;              // > 0: clip the global norm to it
-  // Sharded state: sums the partials over the ranks, in place, before prepare.
+  // Sharded state: sums the partials over the ranks, in place, before prepare (and sharded
+  // LAMB's per-tensor sums before its trust ratios).
   std::function<void(const at::Tensor&)> reduce_partials;
   // The gradient statistics were computed already, into `partials`, by grad_stats_parts_
   // with gradient_factor(args) (a step whose statistics overlap the backward).
@@ -109,6 +117,9 @@ std::optional<at::Tensor> gradient_factor(const FusedStepArgs& args, at::Device 
 // The step: gradient statistics (when unscaling, clipping or a gradient factor asks for
 // them), prepare_step_, then the algorithm's update over every target, on the current stream
 // (capturable) or at once on the CPU. tables.staged must hold this step's staged values.
+// Sharded LAMB (targets with tensor_rows): every target's per-tensor sums of p^2 and update^2,
+// added over the ranks with args.reduce_partials, then the trust ratios, moments and
+// parameters; if the reduce raises, nothing but the step counts (in tables) has changed.
 // Returns the global gradient norm (a 0-dim view of the control block, valid until the next
 // step) when it was computed, else an undefined tensor.
 at::Tensor fused_step(Algorithm algorithm, const std::vector<UpdateTarget>& targets,

@@ -120,8 +120,10 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(FlatBuffers b, UpdateTab
 }
 
 // LAMB pass 1: moments, and per chunk the sums of p^2 and update^2 (fixed-order block sums
-// into [num_chunks][2], so the per-tensor norms are deterministic without atomics).
-template <typename Traits, int kVec>
+// into [num_chunks][2], so the per-tensor norms are deterministic without atomics). Without
+// kStore (a sharded step's kNorms) the moments are computed and not written: nothing changes
+// before the ranks have added their norms, and pass 3 computes them again.
+template <typename Traits, int kVec, bool kStore>
 __global__ void __launch_bounds__(kThreads)
     lamb_moments_kernel(FlatBuffers b, UpdateTables t, LambTables l) {
   using S = typename Traits::Storage;
@@ -152,8 +154,10 @@ __global__ void __launch_bounds__(kThreads)
       p_sq += pf * pf;
       u_sq += u * u;
     }
-    store_pack<W>(exp_avg, i, m);
-    store_pack<W>(exp_avg_sq, i, v);
+    if constexpr (kStore) {
+      store_pack<W>(exp_avg, i, m);
+      store_pack<W>(exp_avg_sq, i, v);
+    }
   });
   const float p_total = block_sum<float, kThreads>(p_sq, shared);
   const float u_total = block_sum<float, kThreads>(u_sq, shared);
@@ -163,20 +167,31 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// LAMB pass 2: one block per tensor sums its chunks' partials (double, fixed order).
-__global__ void __launch_bounds__(kThreads) lamb_trust_kernel(UpdateTables t, LambTables l) {
+// LAMB pass 2: one block per tensor sums its chunks' partials (double, fixed order) into its
+// trust ratio; kNorms: into l.sums instead; kApply: the ratio from l.sums.
+__global__ void __launch_bounds__(kThreads)
+    lamb_trust_kernel(UpdateTables t, LambTables l, LambPasses passes) {
   __shared__ double shared[kThreads];
   if (t.control[kSkipUpdate] != 0.0f) return;
   const int64_t tensor = blockIdx.x;
   const int64_t c0 = l.first_chunk[tensor], c1 = l.first_chunk[tensor + 1];
-  double p_sq = 0.0, u_sq = 0.0;
-  for (int64_t c = c0 + threadIdx.x; c < c1; c += kThreads) {
-    p_sq += l.chunk_norms[2 * c];
-    u_sq += l.chunk_norms[2 * c + 1];
+  double p_total = 0.0, u_total = 0.0;
+  if (passes == LambPasses::kApply) {
+    p_total = l.sums[2 * tensor];
+    u_total = l.sums[2 * tensor + 1];
+  } else {
+    double p_sq = 0.0, u_sq = 0.0;
+    for (int64_t c = c0 + threadIdx.x; c < c1; c += kThreads) {
+      p_sq += l.chunk_norms[2 * c];
+      u_sq += l.chunk_norms[2 * c + 1];
+    }
+    p_total = block_sum<double, kThreads>(p_sq, shared);
+    u_total = block_sum<double, kThreads>(u_sq, shared);
   }
-  const double p_total = block_sum<double, kThreads>(p_sq, shared);
-  const double u_total = block_sum<double, kThreads>(u_sq, shared);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && passes == LambPasses::kNorms) {
+    l.sums[2 * tensor] = static_cast<float>(p_total);
+    l.sums[2 * tensor + 1] = static_cast<float>(u_total);
+  } else if (threadIdx.x == 0) {
     const int64_t group = c1 > c0 ? t.chunks[c0 * kChunkColumns + kChunkGroup] : 0;
     const LambMath math = LambMath::load(t.hyper + group * kHyperColumns);
     l.trust[tensor] = math.trust(static_cast<float>(sqrt(p_total)),
@@ -185,8 +200,10 @@ __global__ void __launch_bounds__(kThreads) lamb_trust_kernel(UpdateTables t, La
 }
 
 // LAMB pass 3: p -= lr * trust * update, the update recomputed from the stored moments (reading
-// m and v again costs less than writing the update out and reading it back).
-template <typename Traits, int kVec>
+// m and v again costs less than writing the update out and reading it back). kMoments (a
+// sharded step's kApply): the moments computed from the gradient first, as pass 1 computed
+// them, and written.
+template <typename Traits, int kVec, bool kMoments>
 __global__ void __launch_bounds__(kThreads)
     lamb_apply_kernel(FlatBuffers b, UpdateTables t, LambTables l) {
   using S = typename Traits::Storage;
@@ -194,14 +211,28 @@ __global__ void __launch_bounds__(kThreads)
   const Chunk c = this_chunk(t);
   const LambMath math = LambMath::load(c.hyper);
   const float trust = l.trust[c.tensor];
+  const float factor = t.control[kGradFactor];
   S* param = static_cast<S*>(b.param);
-  const S* exp_avg = static_cast<const S*>(b.state[0]);
-  const S* exp_avg_sq = static_cast<const S*>(b.state[1]);
+  const S* grad = static_cast<const S*>(b.grad);
+  S* exp_avg = static_cast<S*>(b.state[0]);
+  S* exp_avg_sq = static_cast<S*>(b.state[1]);
   for_each_pack<kVec>(c, [&](int64_t i, auto width) {
     constexpr int W = decltype(width)::value;
     Pack<S, W> p = load_pack<W>(param, i);
-    const Pack<S, W> m = load_pack<W>(exp_avg, i);
-    const Pack<S, W> v = load_pack<W>(exp_avg_sq, i);
+    Pack<S, W> m = load_pack<W>(exp_avg, i);
+    Pack<S, W> v = load_pack<W>(exp_avg_sq, i);
+    if constexpr (kMoments) {
+      const Pack<S, W> g = load_pack<W>(grad, i);
+#pragma unroll
+      for (int e = 0; e < W; ++e) {
+        float mf = Traits::load(m.v[e]), vf = Traits::load(v.v[e]);
+        math.moments(Traits::load(g.v[e]) * factor, mf, vf);
+        m.v[e] = Traits::store(mf);
+        v.v[e] = Traits::store(vf);
+      }
+      store_pack<W>(exp_avg, i, m);
+      store_pack<W>(exp_avg_sq, i, v);
+    }
 #pragma unroll
     for (int e = 0; e < W; ++e) {
       const float pf = Traits::load(p.v[e]);
@@ -269,24 +300,39 @@ void adam_update_cuda(const FlatBuffers& b, const UpdateTables& t, bool amsgrad,
 }
 
 void lamb_update_cuda(const FlatBuffers& b, const UpdateTables& t, const LambTables& l,
-                      cudaStream_t stream) {
+                      LambPasses passes, cudaStream_t stream) {
   check_chunks(t, "lamb_update");
   NT_CHECK(l.num_tensors >= 0 && l.num_tensors < (int64_t(1) << 31),
            "lamb_update: tensor count must be in [0, 2^31); got ", l.num_tensors);
   if (t.num_chunks == 0) return;
   const unsigned grid = static_cast<unsigned>(t.num_chunks);
-  dispatch(b, [&](auto traits, auto vec) {
-    lamb_moments_kernel<decltype(traits), decltype(vec)::value>
-        <<<grid, kThreads, 0, stream>>>(b, t, l);
-  });
-  NT_CHECK_LAUNCH();
-  if (l.num_tensors > 0) {
-    lamb_trust_kernel<<<static_cast<unsigned>(l.num_tensors), kThreads, 0, stream>>>(t, l);
+  if (passes == LambPasses::kAll) {
+    dispatch(b, [&](auto traits, auto vec) {
+      lamb_moments_kernel<decltype(traits), decltype(vec)::value, true>
+          <<<grid, kThreads, 0, stream>>>(b, t, l);
+    });
+    NT_CHECK_LAUNCH();
+  } else if (passes == LambPasses::kNorms) {
+    dispatch(b, [&](auto traits, auto vec) {
+      lamb_moments_kernel<decltype(traits), decltype(vec)::value, false>
+          <<<grid, kThreads, 0, stream>>>(b, t, l);
+    });
     NT_CHECK_LAUNCH();
   }
+  if (l.num_tensors > 0) {
+    lamb_trust_kernel<<<static_cast<unsigned>(l.num_tensors), kThreads, 0, stream>>>(t, l,
+                                                                                     passes);
+    NT_CHECK_LAUNCH();
+  }
+  if (passes == LambPasses::kNorms) return;
   dispatch(b, [&](auto traits, auto vec) {
-    lamb_apply_kernel<decltype(traits), decltype(vec)::value>
-        <<<grid, kThreads, 0, stream>>>(b, t, l);
+    if (passes == LambPasses::kApply) {
+      lamb_apply_kernel<decltype(traits), decltype(vec)::value, true>
+          <<<grid, kThreads, 0, stream>>>(b, t, l);
+    } else {
+      lamb_apply_kernel<decltype(traits), decltype(vec)::value, false>
+          <<<grid, kThreads, 0, stream>>>(b, t, l);
+    }
   });
   NT_CHECK_LAUNCH();
 }

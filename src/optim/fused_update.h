@@ -65,13 +65,22 @@ struct UpdateTables {
 };
 
 // LAMB's per-tensor pass. chunk_norms: [num_chunks][2] float32 scratch (sum of p^2, sum of
-// update^2 per chunk); first_chunk: [num_tensors + 1]; trust: [num_tensors] float32 scratch.
+// update^2 per chunk); first_chunk: [num_tensors + 1]; trust: [num_tensors] float32 scratch;
+// sums: [num_tensors][2] float32, each tensor's two sums between kNorms and kApply (below).
 struct LambTables {
   const int64_t* first_chunk = nullptr;
   int64_t num_tensors = 0;
   float* chunk_norms = nullptr;
   float* trust = nullptr;
+  float* sums = nullptr;
 };
+
+// Which of LAMB's passes one call runs. kAll: the three. kNorms: each tensor's sums of p^2 and
+// update^2 into LambTables::sums, where a sharded step adds every rank's part of a tensor before
+// the ratios; it writes nothing else (the moments it computes are computed again by kApply), so
+// that a step whose sum over the ranks fails leaves the state as it was. kApply: the trust
+// ratios from LambTables::sums, then the moments and the parameters.
+enum class LambPasses { kAll, kNorms, kApply };
 
 // ------------------------------------------------------------------ per-element math
 // float32 arithmetic in torch.optim's order of operations (its single-tensor implementation),
@@ -225,9 +234,11 @@ void adam_update_reference(const FlatBuffers& b, const UpdateTables& t) {
 }
 
 // LAMB in its three passes, as the kernels run it: moments and per-chunk norms, per-tensor trust
-// ratios, then the parameter update (the direction recomputed from the stored moments).
+// ratios, then the parameter update (the direction recomputed from the stored moments); or the
+// part of them `passes` names.
 template <typename Traits>
-void lamb_update_reference(const FlatBuffers& b, const UpdateTables& t, const LambTables& l) {
+void lamb_update_reference(const FlatBuffers& b, const UpdateTables& t, const LambTables& l,
+                           LambPasses passes = LambPasses::kAll) {
   using S = typename Traits::Storage;
   if (t.control[kSkipUpdate] != 0.0f) return;
   const float factor = t.control[kGradFactor];
@@ -235,39 +246,61 @@ void lamb_update_reference(const FlatBuffers& b, const UpdateTables& t, const La
   const auto* g = static_cast<const S*>(b.grad);
   auto* m = static_cast<S*>(b.state[0]);
   auto* v = static_cast<S*>(b.state[1]);
-  detail::for_each_chunk(t, [&](int64_t c, int64_t begin, int64_t count, const float* h) {
-    const LambMath math = LambMath::load(h);
-    double p_sq = 0.0, u_sq = 0.0;
-    for (int64_t i = begin; i < begin + count; ++i) {
-      const float pf = Traits::load(p[i]);
-      float mf = Traits::load(m[i]), vf = Traits::load(v[i]);
-      math.moments(Traits::load(g[i]) * factor, mf, vf);
-      m[i] = Traits::store(mf);
-      v[i] = Traits::store(vf);
-      const float u = math.direction(pf, Traits::load(m[i]), Traits::load(v[i]));
-      p_sq += double(pf) * pf;
-      u_sq += double(u) * u;
-    }
-    l.chunk_norms[2 * c] = static_cast<float>(p_sq);
-    l.chunk_norms[2 * c + 1] = static_cast<float>(u_sq);
-  });
+  if (passes != LambPasses::kApply) {
+    detail::for_each_chunk(t, [&](int64_t c, int64_t begin, int64_t count, const float* h) {
+      const LambMath math = LambMath::load(h);
+      double p_sq = 0.0, u_sq = 0.0;
+      for (int64_t i = begin; i < begin + count; ++i) {
+        const float pf = Traits::load(p[i]);
+        float mf = Traits::load(m[i]), vf = Traits::load(v[i]);
+        math.moments(Traits::load(g[i]) * factor, mf, vf);
+        const S ms = Traits::store(mf), vs = Traits::store(vf);
+        if (passes == LambPasses::kAll) {  // kNorms: written by kApply, once the ranks agree
+          m[i] = ms;
+          v[i] = vs;
+        }
+        const float u = math.direction(pf, Traits::load(ms), Traits::load(vs));
+        p_sq += double(pf) * pf;
+        u_sq += double(u) * u;
+      }
+      l.chunk_norms[2 * c] = static_cast<float>(p_sq);
+      l.chunk_norms[2 * c + 1] = static_cast<float>(u_sq);
+    });
+  }
   for (int64_t tensor = 0; tensor < l.num_tensors; ++tensor) {
     double p_sq = 0.0, u_sq = 0.0;
     const int64_t c0 = l.first_chunk[tensor], c1 = l.first_chunk[tensor + 1];
-    for (int64_t c = c0; c < c1; ++c) {
-      p_sq += l.chunk_norms[2 * c];
-      u_sq += l.chunk_norms[2 * c + 1];
+    if (passes == LambPasses::kApply) {
+      p_sq = l.sums[2 * tensor];
+      u_sq = l.sums[2 * tensor + 1];
+    } else {
+      for (int64_t c = c0; c < c1; ++c) {
+        p_sq += l.chunk_norms[2 * c];
+        u_sq += l.chunk_norms[2 * c + 1];
+      }
+    }
+    if (passes == LambPasses::kNorms) {
+      l.sums[2 * tensor] = static_cast<float>(p_sq);
+      l.sums[2 * tensor + 1] = static_cast<float>(u_sq);
+      continue;
     }
     const float* h = t.hyper + (c1 > c0 ? t.chunks[c0 * kChunkColumns + kChunkGroup] : 0) *
                                    kHyperColumns;
     l.trust[tensor] = LambMath::load(h).trust(static_cast<float>(std::sqrt(p_sq)),
                                               static_cast<float>(std::sqrt(u_sq)));
   }
+  if (passes == LambPasses::kNorms) return;
   detail::for_each_chunk(t, [&](int64_t c, int64_t begin, int64_t count, const float* h) {
     const LambMath math = LambMath::load(h);
     const float trust = l.trust[t.chunks[c * kChunkColumns + kChunkTensor]];
     for (int64_t i = begin; i < begin + count; ++i) {
       const float pf = Traits::load(p[i]);
+      if (passes == LambPasses::kApply) {  // the moments kNorms computed and did not write
+        float mf = Traits::load(m[i]), vf = Traits::load(v[i]);
+        math.moments(Traits::load(g[i]) * factor, mf, vf);
+        m[i] = Traits::store(mf);
+        v[i] = Traits::store(vf);
+      }
       const float u = math.direction(pf, Traits::load(m[i]), Traits::load(v[i]));
       p[i] = Traits::store(math.apply(pf, u, trust));
     }
@@ -275,12 +308,12 @@ void lamb_update_reference(const FlatBuffers& b, const UpdateTables& t, const La
 }
 
 // ------------------------------------------------------------------ CUDA (NT_HAVE_CUDA builds)
-// Every pointer is device memory; one launch per call (LAMB: three).
+// Every pointer is device memory; one launch per call (LAMB: three, two for either part).
 
 void sgd_update_cuda(const FlatBuffers& b, const UpdateTables& t, cudaStream_t stream);
 void adam_update_cuda(const FlatBuffers& b, const UpdateTables& t, bool amsgrad,
                       cudaStream_t stream);
 void lamb_update_cuda(const FlatBuffers& b, const UpdateTables& t, const LambTables& l,
-                      cudaStream_t stream);
+                      LambPasses passes, cudaStream_t stream);
 
 }  // namespace nimble_train::optim

@@ -103,7 +103,15 @@ void bind_optim(py::module_& m) {
         "Adam / AdamW over flat buffers, in place. max_exp_avg_sq: the flat buffer (amsgrad) or "
         "None.");
 
-  m.def("optim_lamb_update_", &optim::lamb_update_, py::arg("params"), py::arg("grads"),
+  m.def("optim_lamb_update_",
+        [](const at::Tensor& params, const at::Tensor& grads, const at::Tensor& exp_avg,
+           const at::Tensor& exp_avg_sq, const at::Tensor& chunks, const at::Tensor& first_chunk,
+           const at::Tensor& hyper, const at::Tensor& control, const at::Tensor& chunk_norms,
+           const at::Tensor& trust) {
+          optim::lamb_update_(params, grads, exp_avg, exp_avg_sq, chunks, first_chunk, hyper,
+                              control, chunk_norms, trust);
+        },
+        py::arg("params"), py::arg("grads"),
         py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("chunks"), py::arg("first_chunk"),
         py::arg("hyper"), py::arg("control"), py::arg("chunk_norms"), py::arg("trust"),
         py::call_guard<py::gil_scoped_release>(),
@@ -142,15 +150,25 @@ void bind_optim(py::module_& m) {
                                   "What one pass of the fused update reads and writes.")
       .def(py::init([](at::Tensor param, at::Tensor grad, std::vector<at::Tensor> state,
                        at::Tensor chunks, std::optional<at::Tensor> first_chunk,
-                       std::optional<at::Tensor> chunk_norms, std::optional<at::Tensor> trust) {
+                       std::optional<at::Tensor> chunk_norms, std::optional<at::Tensor> trust,
+                       std::optional<at::Tensor> tensor_rows,
+                       std::optional<at::Tensor> tensor_sums,
+                       std::optional<at::Tensor> global_sums) {
+             const auto or_none = [](const std::optional<at::Tensor>& t) {
+               return t.value_or(at::Tensor());
+             };
              return optim::UpdateTarget{param, grad, std::move(state), chunks,
-                                        first_chunk.value_or(at::Tensor()),
-                                        chunk_norms.value_or(at::Tensor()),
-                                        trust.value_or(at::Tensor()), at::Tensor()};
+                                        or_none(first_chunk), or_none(chunk_norms),
+                                        or_none(trust), at::Tensor(), or_none(tensor_rows),
+                                        or_none(tensor_sums), or_none(global_sums)};
            }),
            py::kw_only(), py::arg("param"), py::arg("grad"), py::arg("state"), py::arg("chunks"),
            py::arg("first_chunk") = py::none(), py::arg("chunk_norms") = py::none(),
-           py::arg("trust") = py::none())
+           py::arg("trust") = py::none(), py::arg("tensor_rows") = py::none(),
+           py::arg("tensor_sums") = py::none(), py::arg("global_sums") = py::none(),
+           "Sharded LAMB: first_chunk, chunk_norms and trust of the slice's own chunk table, "
+           "tensor_rows (each local tensor's row of global_sums), tensor_sums and global_sums "
+           "(see src/optim/fused_step.h).")
       .def_readonly("partials", &optim::UpdateTarget::partials);
   m.def("optim_target_of", &optim::target_of, py::arg("flat"),
         "The update target of a whole FlatTensors.");

@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 import nimble_train as nt
 from nimble_train import _torch_private
+from nimble_train._extension import _C
 from nimble_train._gradsync import plan_buckets
 from nimble_train.distributed import World
 from step_reference import (MLP, ReadsTheHeadLate, assert_same_training, classification_batches,
@@ -392,6 +393,12 @@ SHARD_OPTIMIZERS = {
                                                    weight_decay=1e-3),
     "adamw": lambda groups: torch.optim.AdamW(groups, lr=2e-3, weight_decay=0.05),
     "adam-amsgrad": lambda groups: torch.optim.Adam(groups, lr=2e-3, amsgrad=True),
+    # LAMB's trust ratios need each whole tensor's norms: the ranks add their parts of them.
+    # The second group without weight decay: its ratios are 1 unless always_adapt.
+    "lamb": lambda groups: nt.optim.LAMB(
+        [{**groups[0], "weight_decay": 0.05}, {**groups[1], "weight_decay": 0.0}], lr=2e-3),
+    "lamb-always-adapt": lambda groups: nt.optim.LAMB(groups, lr=2e-3, weight_decay=0.0,
+                                                      always_adapt=True),
 }
 
 
@@ -603,9 +610,66 @@ def test_shard_optimizer_is_refused_where_it_cannot_work(monkeypatch):
         nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=True)
     with pytest.raises(ValueError, match="shard_optimizer must be True or False"):
         nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), shard_optimizer=1)
-    with pytest.raises(ValueError, match="LAMB's trust ratio"):
-        from nimble_train.optim import FusedOptimizer, LAMB
-        FusedOptimizer(LAMB(model.parameters()), shard_world=2).shard([])
+    from nimble_train.optim import FusedOptimizer, LAMB
+    lamb = LAMB(model.parameters())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    fused = FusedOptimizer(lamb, shard_world=2)
+    n = fused.flat_params[torch.float32].numel()
+    fused.shard([(torch.float32, *_C.shard_slice(0, n, 2, 0))])  # rank 0's half
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="LAMB's trust ratios need every rank's part"):
+        fused.step()  # without reduce_partials, the norms would be this rank's part alone
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_a_sharded_lamb_step_whose_sum_over_the_ranks_fails_changes_nothing(clip):
+    # Each sum over the ranks of a step fails in turn (clipping: the gradient statistics, then
+    # LAMB's per-tensor norms): the parameters, this rank's state and the step counts stay as
+    # after the last completed step, and the next step is the one a run without the failures
+    # takes.
+    from nimble_train.optim import FusedOptimizer, LAMB
+
+    def build():
+        torch.manual_seed(0)
+        model = MLP()
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        fused = FusedOptimizer(LAMB(model.parameters(), lr=1e-2, weight_decay=0.01),
+                               shard_world=2)
+        n = fused.flat_params[torch.float32].numel()
+        fused.shard([(torch.float32, *_C.shard_slice(0, n, 2, 0))])  # rank 0's half
+        return model, fused
+
+    def held(model, fused):
+        return ([p.detach().clone() for p in model.parameters()]
+                + [t.clone() for piece in fused._state.pieces for t in piece.state.values()]
+                + [fused._tables.param_steps.clone(), fused._tables.hyper.clone()])
+
+    model, fused = build()
+    twin, twin_fused = build()
+    calls, fail_at = [0], [0]
+
+    def reduce(t):  # one rank of two stands alone here: its part is the sum
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise RuntimeError("injected: the sum over the ranks failed")
+    fused.reduce_partials = reduce
+    twin_fused.reduce_partials = lambda t: None
+    fused.step(max_grad_norm=clip)
+    twin_fused.step(max_grad_norm=clip)
+    before = held(model, fused)
+    for k in range(1 if clip is None else 2):
+        fail_at[0] = calls[0] + 1 + k
+        with pytest.raises(RuntimeError, match="injected"):
+            fused.step(max_grad_norm=clip)
+        assert all(torch.equal(a, b) for a, b in zip(held(model, fused), before)), k
+    fail_at[0] = 0
+    fused.step(max_grad_norm=clip)
+    twin_fused.step(max_grad_norm=clip)
+    assert all(torch.equal(a, b) for a, b in zip(held(model, fused), held(twin, twin_fused)))
+    assert not all(torch.equal(a, b) for a, b in zip(held(model, fused), before))
 
 
 def test_an_overflow_in_one_shard_skips_the_update_on_every_rank():

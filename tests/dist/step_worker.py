@@ -98,7 +98,7 @@ def sharded(info):
     def check(step, opt, ref_opt):
         stats = step.stats()
         assert stats["optimizer_shards"] == info.world_size, stats
-        whole = 2 * 4 * sum(p.numel() for p in step.model.parameters())  # AdamW: 2 fp32 moments
+        whole = 2 * 4 * sum(p.numel() for p in step.model.parameters())  # 2 fp32 moments
         assert stats["optimizer_state_bytes"] <= 1.05 * whole / info.world_size, (stats, whole)
         try:
             opt.state_dict()
@@ -127,6 +127,18 @@ def sharded(info):
     stats = _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
                         shard=True, after_close=closed)
     assert stats["update_in_buckets"] == "yes", stats  # each part's update and all-gather
+    # LAMB: the ranks add their parts of each tensor's norms before its trust ratio; the
+    # update follows the backward. The second group, without weight decay, keeps ratio 1.
+    stats = _as_one_gpu(info, lambda params: nt.optim.LAMB(
+        _two_groups(params, weight_decay=0.0), lr=2e-3, weight_decay=0.05), shard=True,
+        after=check)
+    assert stats["optimizer_shards"] == info.world_size, stats
+    assert stats["update_in_buckets"].startswith("no: LAMB"), stats
+
+
+def _two_groups(params, **second):
+    params = list(params)
+    return [{"params": params[::2]}, {"params": params[1::2], **second}]
 
 
 def unfused(info):

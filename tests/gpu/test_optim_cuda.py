@@ -7,6 +7,8 @@ tolerances are a few ulps. float16/bfloat16: ours must be within 2x of torch's e
 float64 run.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -259,6 +261,69 @@ def test_device_loss_scaler_is_capturable_and_follows_grad_scaler_semantics():
         assert scaler.scale.item() == expected_scale
         assert scaler.found_inf.item() == float(flag)
     assert fused.staging_errors() == 0
+
+
+@pytest.mark.parametrize("clip", [None, 5.0])
+def test_sharded_lamb_on_two_ranks_matches_lamb_whole(clip):
+    # Two ranks (threads on one GPU) each update their half of the flat buffers: the cut falls
+    # inside tensors (the largest spans many chunks), whose trust ratios need both halves'
+    # norms, added through reduce_partials. Each rank's half must be as LAMB on the whole.
+    ranks = 2
+
+    def make(p):  # every tensor adapts: the one cut in two (the largest, last) too
+        return LAMB(groups(p, dict(weight_decay=0.0)), lr=1e-2, weight_decay=0.01, eps=1e-4,
+                    always_adapt=True)
+    base = make_params()
+    whole_params = clone_params(base)
+    whole = FusedOptimizer(make(whole_params))
+    params = [clone_params(base) for _ in range(ranks)]
+    shards = [FusedOptimizer(make(p), shard_world=ranks) for p in params]
+    n = whole.flat_params[torch.float32].numel()
+    cuts = [_C.shard_slice(0, n, ranks, r) for r in range(ranks)]
+    barrier, slots = threading.Barrier(ranks, timeout=60), [None] * ranks
+
+    def summed(r):
+        def reduce(t):  # an in-place sum over the ranks, as NCCL's all-reduce
+            slots[r] = t.clone()
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            t.copy_(total)
+        return reduce
+
+    for r, fused in enumerate(shards):
+        fused.shard([(torch.float32, *cuts[r])])
+        fused.reduce_partials = summed(r)
+    for step in range(3):
+        grads = random_grads(whole_params, step)
+        for p in [whole_params, *params]:
+            set_grads(p, grads)
+        whole.step(max_grad_norm=clip)
+        errors = []
+
+        def run(r):
+            try:
+                shards[r].step(max_grad_norm=clip)
+            except BaseException as exc:  # noqa: BLE001 - raised below
+                errors.append(exc)
+                barrier.abort()
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        torch.cuda.synchronize()
+        flats = [f.flat_params[torch.float32] for f in shards]
+        for r, (start, stop, _, _) in enumerate(cuts):  # the all-gather
+            for q in range(ranks):
+                if q != r:
+                    flats[q][start:stop].copy_(flats[r][start:stop])
+    assert not any(torch.equal(a, b) for a, b in zip(whole_params, base))
+    for r in range(ranks):
+        for i, (a, b) in enumerate(zip(params[r], whole_params)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, r=r, i=i: f"rank {r}, tensor {i}: {m}")
 
 
 def test_stage_host_values_refuses_to_run_inside_a_capture():

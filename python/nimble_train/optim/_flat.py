@@ -81,6 +81,8 @@ class Piece:
     gathered_from: tuple[int, int]  # the range whose all-gather brings the other ranks' parts
     state: dict = field(default_factory=dict)  # state key -> buffer of stop - start elements
     chunks: torch.Tensor | None = None
+    first_chunk: torch.Tensor | None = None
+    members: list = field(default_factory=list)  # the flat's segments the slice touches
 
     @property
     def param(self) -> torch.Tensor:
@@ -117,18 +119,42 @@ def chunk_table(offsets: list[int], groups: list[int], chunk_elems: int,
     return chunks.to(device), first.to(device)
 
 
-def update_targets(targets: list, state_keys: list[str],
-                   device: torch.device) -> tuple[torch.Tensor, list]:
+def update_targets(targets: list, state_keys: list[str], device: torch.device,
+                   lamb: bool = False) -> tuple[torch.Tensor, list]:
     """The C++ update targets (_C.UpdateTarget) of FlatBuffers or sharded Pieces, and one
-    float32 [rows, 2] buffer for the gradient statistics of them all: (partials, targets)."""
+    float32 [rows, 2] buffer for the gradient statistics of them all: (partials, targets).
+
+    `lamb`: the Pieces of a sharded LAMB, each with its own scratch for the norms and, shared
+    by them all, one row per tensor of every flat buffer, where the ranks' parts of a tensor's
+    norms are added before its trust ratio (src/optim/fused_step.h)."""
+    first_row: dict[int, int] = {}  # id of a flat buffer -> the row of its first tensor
+    rows = 0
+    for t in targets:
+        if isinstance(t, Piece) and id(t.flat) not in first_row:
+            first_row[id(t.flat)] = rows
+            rows += len(t.flat.params)
+    global_sums = (torch.zeros(rows, 2, dtype=torch.float32, device=device)
+                   if lamb and rows else None)
     made = []
     for t in targets:
         if isinstance(t, FlatBuffers):
             made.append(_C.optim_target_of(t.core))
-        else:
-            made.append(_C.UpdateTarget(param=t.param, grad=t.grad,
-                                        state=[t.state[key] for key in state_keys],
-                                        chunks=t.chunks))
+            continue
+        extra = {}
+        if global_sums is not None:
+            k = len(t.members)
+            extra = dict(
+                first_chunk=t.first_chunk,
+                chunk_norms=torch.zeros(t.chunks.shape[0], 2, dtype=torch.float32,
+                                        device=device),
+                trust=torch.zeros(k, dtype=torch.float32, device=device),
+                tensor_rows=torch.tensor([first_row[id(t.flat)] + i for i in t.members],
+                                         dtype=torch.int64, device=device),
+                tensor_sums=torch.zeros(k, 2, dtype=torch.float32, device=device),
+                global_sums=global_sums)
+        made.append(_C.UpdateTarget(param=t.param, grad=t.grad,
+                                    state=[t.state[key] for key in state_keys],
+                                    chunks=t.chunks, **extra))
     return _C.optim_assign_partials(made, device)
 
 
@@ -143,9 +169,10 @@ def cut_pieces(flats: list[FlatBuffers], slices, chunk_elems: int,
         flat = by_dtype[dtype]
         members, local = _C.slice_segments(flat.offsets, start, stop,
                                            flat.param.element_size())
-        chunks, _ = chunk_table(list(local), [flat.groups[i] for i in members], chunk_elems,
-                                device)
-        piece = Piece(flat, start, stop, (range_start, range_count), chunks=chunks)
+        chunks, first = chunk_table(list(local), [flat.groups[i] for i in members],
+                                    chunk_elems, device)
+        piece = Piece(flat, start, stop, (range_start, range_count), chunks=chunks,
+                      first_chunk=first, members=list(members))
         piece.state = {key: buf[start:stop].clone() if copy_state else buf[start:stop]
                        for key, buf in flat.state.items()}
         pieces.append(piece)

@@ -125,17 +125,16 @@ class FusedOptimizer:
         of the slices moves into buffers of their own and optimizer.state keeps only the step
         counts (see consolidate()). step() then updates the slices alone; the caller reduces
         the gradients into them before and all-gathers the parameters after, and sets
-        `reduce_partials` (an in-place sum over the ranks) when step() computes gradient norms.
+        `reduce_partials` (an in-place sum over the ranks) when step() computes gradient norms,
+        and for LAMB always: each rank takes its part of every tensor's two norms, and the sum
+        over the ranks gives the whole tensor's trust ratio.
         Built with shard_world=N, every run of whole segments splits into N such slices.
         """
-        if self._algorithm == "lamb":
-            raise ValueError("FusedOptimizer.shard: LAMB's trust ratio needs each whole "
-                             "parameter's norms, which a shard does not hold; shard SGD, Adam or "
-                             "AdamW, or keep LAMB's state whole")
         if self._state.pieces is not None:
             raise RuntimeError("FusedOptimizer.shard: the state is sharded already")
         pieces = cut_pieces(self._flats, slices, self._chunk_elems, self.device)
-        self._partials, self._targets = update_targets(pieces, self._keys, self.device)
+        self._partials, self._targets = update_targets(pieces, self._keys, self.device,
+                                                       lamb=self._algorithm == "lamb")
         self._state.shard(pieces)
 
     def why_not_in_parts(self) -> str | None:
@@ -283,10 +282,22 @@ class FusedOptimizer:
         """
         self._check_step("step", inv_scale, found_inf, max_grad_norm, grad_scale)
         self._before_update()
-        # The step itself is C++ (src/optim/fused_step.h), shared with the LibTorch Step.
-        norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables,
-                                   self._partials, inv_scale, found_inf, grad_scale,
-                                   float(max_grad_norm or 0.0), self._partial_sum())
+        # Sharded LAMB sums its norms over the ranks after the step counts have moved on (its
+        # ratios need the step's bias corrections) and before it writes anything else: if that
+        # sum raises, an eager step puts the counts back, and the state is as it was.
+        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        tables = self._tables
+        counts = ([(t, t.clone()) for t in (tables.hyper, tables.param_steps)]
+                  if self._algorithm == "lamb" and self.sharded and not capturing else [])
+        try:
+            # The step itself is C++ (src/optim/fused_step.h), shared with the LibTorch Step.
+            norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables,
+                                       self._partials, inv_scale, found_inf, grad_scale,
+                                       float(max_grad_norm or 0.0), self._partial_sum())
+        except BaseException:
+            for table, kept in counts:  # the groups' step counts (hyper) and the parameters'
+                table.copy_(kept)
+            raise
         # LR schedulers check that optimizer.step() ran before them; this step stands for it.
         _torch_private.mark_optimizer_stepped(self.optimizer)
         return norm
@@ -310,6 +321,11 @@ class FusedOptimizer:
                 f"FusedOptimizer.{where}: the state is sharded and this step needs the global "
                 "gradient norm or overflow flag; set reduce_partials (an in-place sum over the "
                 "ranks) after shard()")
+        if self._algorithm == "lamb" and self.sharded and self.reduce_partials is None:
+            raise RuntimeError(
+                f"FusedOptimizer.{where}: the state is sharded and LAMB's trust ratios need "
+                "every rank's part of each tensor's norms; set reduce_partials (an in-place sum "
+                "over the ranks) after shard()")
         return stats
 
     def _partial_sum(self) -> Callable[[torch.Tensor], None] | None:
