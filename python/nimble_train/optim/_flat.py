@@ -127,14 +127,14 @@ def update_targets(targets: list, state_keys: list[str], device: torch.device,
     `lamb`: the Pieces of a sharded LAMB, each with its own scratch for the norms and, shared
     by them all, one row per tensor of every flat buffer, where the ranks' parts of a tensor's
     norms are added before its trust ratio (src/optim/fused_step.h)."""
-    first_row: dict[int, int] = {}  # id of a flat buffer -> the row of its first tensor
+    first_row: dict[int, int] = {}  # LAMB: id of a flat buffer -> the row of its first tensor
     rows = 0
-    for t in targets:
-        if isinstance(t, Piece) and id(t.flat) not in first_row:
-            first_row[id(t.flat)] = rows
-            rows += len(t.flat.params)
-    global_sums = (torch.zeros(rows, 2, dtype=torch.float32, device=device)
-                   if lamb and rows else None)
+    if lamb:
+        for t in targets:
+            if isinstance(t, Piece) and id(t.flat) not in first_row:
+                first_row[id(t.flat)] = rows
+                rows += len(t.flat.params)
+    global_sums = torch.zeros(rows, 2, dtype=torch.float32, device=device) if rows else None
     made = []
     for t in targets:
         if isinstance(t, FlatBuffers):

@@ -291,7 +291,7 @@ class FusedOptimizer:
                   if self._algorithm == "lamb" and self.sharded and not capturing else [])
         try:
             # The step itself is C++ (src/optim/fused_step.h), shared with the LibTorch Step.
-            norm = _C.optim_fused_step(self._algorithm, self._targets, self._tables,
+            norm = _C.optim_fused_step(self._algorithm, self._targets, tables,
                                        self._partials, inv_scale, found_inf, grad_scale,
                                        float(max_grad_norm or 0.0), self._partial_sum())
         except BaseException:
