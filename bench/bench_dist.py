@@ -6,7 +6,7 @@ through torch.distributed.run and reads what rank 0 reports.
 
     python bench/bench_dist.py --gpus 2 [--model resnet18|bert] [--batch 32] [--steps 50]
                                [--repeats 5] [--bucket-mb 25 ...] [--shard-optimizer] [--sync-bn]
-                               [--grad-clip MAX] [--json out.json]
+                               [--grad-clip MAX] [--optimizer adamw|lamb] [--json out.json]
 
 Each worker runs the same modes one after the other, each with a fresh model and optimizer
 from the same seed and its own synthetic data (seed + rank), --batch samples per GPU:
@@ -23,7 +23,10 @@ backward per layer); the one-GPU
 baseline keeps BatchNorm. With --grad-clip every mode clips the global gradient norm
 (clip_grad_norm_ with foreach, captured in ddp-graph; nt.Step(grad_clip=MAX), whose update then
 needs every gradient: its "step" rows take each bucket's share of the norm right after the
-bucket's collective and update after the backward).
+bucket's collective and update after the backward). With --optimizer lamb (BERT) every mode
+trains with nimble_train's LAMB, which only nt.Step runs fused: torch has no fused LAMB for
+the DDP rows (eager, its plain step would read the step count on the host for every tensor;
+captured, it cannot be), so the table has nt.Step's rows alone.
 """
 
 from __future__ import annotations
@@ -186,14 +189,15 @@ def measure(key: str, w: Workload, info, args, bucket_mb: float | None = None
 def worker(args) -> int:
     info = nt.init_distributed()
     torch.backends.cudnn.benchmark = True
-    w = make_workload(args.model, args.batch, info.device, seed=SEED + info.rank)
+    w = make_workload(args.model, args.batch, info.device, seed=SEED + info.rank,
+                      optimizer=args.optimizer)
     if args.sync_bn:
         make_model = w.make_model
         w.make_model = lambda: torch.nn.SyncBatchNorm.convert_sync_batchnorm(make_model())
     rows, step, last_step_wall = [], None, None
     # "step" last, so that its communicator is the last one to close; one row per bucket size.
-    runs = ([("ddp-eager", None), ("ddp-graph", None), ("step-serial", args.bucket_mb[0])]
-            + [("step", mb) for mb in args.bucket_mb])
+    ddp = [("ddp-eager", None), ("ddp-graph", None)] if args.optimizer != "lamb" else []
+    runs = ddp + [("step-serial", args.bucket_mb[0])] + [("step", mb) for mb in args.bucket_mb]
     if args.shard_optimizer:
         runs += [("step-shard-serial", args.bucket_mb[0]), ("step-shard", args.bucket_mb[0])]
     for i, (key, mb) in enumerate(runs):
@@ -221,6 +225,7 @@ def worker(args) -> int:
                 "gpu": torch.cuda.get_device_name(info.device), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "nimble_train": nt.__version__,
                 "sync_bn": args.sync_bn, "grad_clip": args.grad_clip,
+                "optimizer": args.optimizer,
                 "last_step_wall": last_step_wall}
         write_json(args.worker_out, rows, meta)
     if step is not None and callable(getattr(step, "close", None)):
@@ -234,7 +239,7 @@ def worker(args) -> int:
 
 def single_gpu_baseline(args) -> dict:
     """nt.Step on one GPU with the per-GPU batch, no process group: the scaling reference."""
-    w = make_workload(args.model, args.batch, "cuda", seed=SEED)
+    w = make_workload(args.model, args.batch, "cuda", seed=SEED, optimizer=args.optimizer)
     row = {"mode": "step", "label": LABELS["step"], "gpus": 1, "batch": args.batch,
            "ms_per_step": None, "samples_per_s": None, "note": "baseline", "error": None}
     step = None
@@ -269,6 +274,8 @@ def run_torchrun(args, out_path: str) -> tuple[int, str, float]:
         command.append("--shard-optimizer")
     if args.grad_clip is not None:
         command += ["--grad-clip", str(args.grad_clip)]
+    if args.optimizer is not None:
+        command += ["--optimizer", args.optimizer]
     # stderr goes to a file rather than a pipe: workers that outlive torchrun would hold a
     # pipe open and block the read.
     with tempfile.TemporaryFile("w+") as err:
@@ -309,7 +316,9 @@ def format_table(rows: list[dict], meta: dict) -> str:
             f"{'scaling':>7}  {'vs DDP eager':>12}  {'vs DDP graph':>12}  note")
     sync_bn = ", SyncBatchNorm on N GPUs" if meta.get("sync_bn") else ""
     clip = f", gradients clipped to norm {meta['grad_clip']:g}" if meta.get("grad_clip") else ""
-    lines = [f"{title(meta)}, {meta['model']}, batch {meta['batch']} per GPU{sync_bn}{clip}",
+    lamb = (", LAMB (no DDP rows: torch has no fused LAMB)"
+            if meta.get("optimizer") == "lamb" else "")
+    lines = [f"{title(meta)}, {meta['model']}, batch {meta['batch']} per GPU{sync_bn}{clip}{lamb}",
              f"median of {meta['repeats']} x {meta['steps']} steps, CUDA events, slowest rank; "
              "samples/s over all GPUs; scaling: per-GPU throughput vs nt.Step on one GPU",
              head, "-" * len(head)]
@@ -387,6 +396,8 @@ def main(argv=None) -> int:
                         help="on N GPUs, convert BatchNorm to SyncBatchNorm (every mode)")
     parser.add_argument("--grad-clip", type=float, metavar="MAX",
                         help="every mode clips the global gradient norm to MAX")
+    parser.add_argument("--optimizer", choices=("adamw", "lamb"), default=None,
+                        help="BERT's optimizer: adamw (default) or lamb (nt.Step rows only)")
     parser.add_argument("--json", help="also write the rows and metadata to this file")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)  # set by the launcher
     args = parser.parse_args(argv)
@@ -394,6 +405,9 @@ def main(argv=None) -> int:
         parser.error("--gpus, --batch, --steps and --repeats must be >= 1")
     if args.grad_clip is not None and not 0 < args.grad_clip < float("inf"):
         parser.error(f"--grad-clip must be a positive finite number; got {args.grad_clip}")
+    if args.optimizer is not None and args.model != "bert":
+        parser.error(f"--optimizer chooses BERT's optimizer; --model {args.model} trains with "
+                     f"its recipe's SGD. Leave --optimizer out, or pass --model bert.")
     if "RANK" not in os.environ:
         return launcher(args)
     if not args.worker_out:

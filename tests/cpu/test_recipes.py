@@ -767,6 +767,20 @@ def test_bench_streams_encoder_is_bert_shaped_and_its_forward_plans_three_stream
     assert plan.num_streams == 3 and plan.num_syncs > 0
 
 
+def test_bench_dist_takes_lamb_for_bert_alone_and_says_why_the_ddp_rows_are_missing(capsys):
+    bench = _bench_script("bench_dist")
+    with pytest.raises(SystemExit):
+        bench.main(["--model", "resnet18", "--optimizer", "lamb"])
+    assert "--model resnet18 trains with its recipe's SGD" in capsys.readouterr().err
+    meta = {"model": "bert", "batch": 32, "repeats": 5, "steps": 50, "gpu": "G", "torch": "t",
+            "optimizer": "lamb"}
+    rows = [{"label": "nt.Step", "gpus": 2, "batch": 32, "ms_per_step": 20.0,
+             "samples_per_s": 3200.0, "scaling": 0.95}]
+    table = bench.format_table(rows, meta)
+    assert "LAMB (no DDP rows: torch has no fused LAMB)" in table.splitlines()[0]
+    assert "LAMB" not in bench.format_table(rows, {**meta, "optimizer": None})
+
+
 def test_bench_memory_refuses_to_measure_without_a_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU; bench/bench_memory.py measures there")
@@ -832,6 +846,32 @@ def test_cifar_workloads_take_bf16_autocast_and_refuse_fp16():
     assert w.amp == "bf16" and w.description.endswith(", bf16 autocast")
     with pytest.raises(ValueError, match="amp must be None or 'bf16'.*got 'fp16'"):
         workloads.make_workload("resnet18", 4, "cpu", count=1, amp="fp16")
+
+
+@needs_transformers
+def test_bert_workload_trains_with_the_optimizer_it_is_given():
+    # BERT's decay groups with either optimizer; LAMB's plain step cannot be fused by torch
+    # or captured by hand, which the anchors would otherwise ask of it silently.
+    lamb = workloads.make_workload("bert", 2, "cpu", seq=16, bert_size="tiny", count=1,
+                                   optimizer="lamb")
+    adamw = workloads.make_workload("bert", 2, "cpu", seq=16, bert_size="tiny", count=1)
+    assert lamb.description.endswith(", bf16, LAMB") and adamw.description.endswith(", AdamW")
+    model = lamb.make_model()
+    opt = lamb.make_optimizer(model)
+    assert isinstance(opt, nt.optim.LAMB)
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(list(model.parameters()))
+    assert isinstance(adamw.make_optimizer(model), torch.optim.AdamW)
+    for option in ({"fused": True}, {"capturable": True}):
+        with pytest.raises(ValueError, match="nt.Step runs it as fused kernels"):
+            lamb.make_optimizer(model, **option)
+
+
+def test_only_bert_workloads_take_an_optimizer():
+    with pytest.raises(ValueError, match="resnet18 trains with its recipe's SGD"):
+        workloads.make_workload("resnet18", 4, "cpu", count=1, optimizer="lamb")
+    with pytest.raises(ValueError, match='optimizer must be None, "adamw" or "lamb"; got .sgd.'):
+        workloads.make_workload("bert", 4, "cpu", count=1, optimizer="sgd")
 
 
 def test_the_benchmarks_workload_options_build_the_workload_they_name():

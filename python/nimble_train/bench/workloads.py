@@ -160,6 +160,11 @@ def bert_optimizer(model: torch.nn.Module, lr: float, *, kind: str = "adamw",
         return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6, fused=fused,
                                  capturable=capturable)
     if kind == "lamb":
+        if fused or capturable:
+            raise ValueError("nimble_train.optim.LAMB is a plain optimizer whose step reads the "
+                             "step count on the host: it has no fused=True of torch's, and a "
+                             "hand-written CUDA graph cannot capture it (capturable=True). "
+                             "nt.Step runs it as fused kernels; use kind='adamw' here.")
         from ..optim import LAMB
         return LAMB(groups, lr=lr, betas=(0.9, 0.999), eps=1e-6)
     raise ValueError(f'optimizer must be "adamw" or "lamb"; got {kind!r}')
@@ -224,16 +229,24 @@ class Workload:
 
 
 def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: str = "base",
-                  count: int = 8, seed: int = 0, amp: str | None = None) -> Workload:
+                  count: int = 8, seed: int = 0, amp: str | None = None,
+                  optimizer: str | None = None) -> Workload:
     """The workload of the recipe `name` with `count` distinct batches of size `batch`.
 
     `amp="bf16"`: a CIFAR model's steps run under bfloat16 autocast (its weights and the
     optimizer stay float32; no loss scaling, so every mode runs the same step). BERT always
-    runs in bf16."""
+    runs in bf16. `optimizer`: BERT's, "adamw" (the default) or "lamb" (nimble_train's LAMB,
+    which a hand-written graph cannot capture: its plain step reads the step count on the
+    host); the CIFAR models train with their recipe's SGD."""
     device = torch.device(device)
     if amp not in (None, "bf16"):
         raise ValueError(f"amp must be None or 'bf16' (float16 would need each mode's loss "
                          f"scaling); got {amp!r}")
+    if optimizer not in (None, "adamw", "lamb"):
+        raise ValueError(f'optimizer must be None, "adamw" or "lamb"; got {optimizer!r}')
+    if optimizer is not None and name != "bert":
+        raise ValueError(f"optimizer={optimizer!r} chooses BERT's optimizer; {name} trains with "
+                         f"its recipe's SGD. Leave optimizer out for the CIFAR models.")
     if name in CIFAR_MODELS:
         training = CIFAR_TRAINING[name]
         description = training.description + (f", {amp} autocast" if amp else "")
@@ -246,11 +259,13 @@ def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: s
     if name == "bert":
         config = bert_config(bert_size)
         data = synthetic_mlm(batch * count, seq, config.vocab_size, device=device, seed=seed)
+        kind = optimizer or "adamw"
         return Workload(
-            name=name, description=f"BERT-{bert_size} masked LM, seq {seq}, bf16, AdamW",
+            name=name, description=(f"BERT-{bert_size} masked LM, seq {seq}, bf16, "
+                                    f"{'AdamW' if kind == 'adamw' else 'LAMB'}"),
             batch=batch, make_model=lambda: bert_model(bert_size, device),
             make_optimizer=lambda m, fused=None, capturable=False: bert_optimizer(
-                m, 1e-4, fused=fused, capturable=capturable),
+                m, 1e-4, kind=kind, fused=fused, capturable=capturable),
             loss_fn=None, batches=slice_batches(data, batch), amp="bf16")
     raise ValueError(f"model must be one of {CIFAR_MODELS + ('bert',)}; got {name!r}")
 
