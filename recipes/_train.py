@@ -81,6 +81,9 @@ def base_parser(doc: str, *, batch: int | None, epochs: int, amp_help: str,
                         "kernels, on one stream (a longer first step, often faster steps)")
     g.add_argument("--no-capture", action="store_true",
                    help="never capture: same semantics, eager (debugging)")
+    g.add_argument("--shard-optimizer", action="store_true",
+                   help="under torchrun on GPUs: each rank keeps 1/N of the optimizer state "
+                        "(ZeRO stage 1 inside the graph); checkpoints gather it whole")
     p.add_argument("--amp", choices=list(_AMP), default=None, help=amp_help)
     p.add_argument("--grad-clip", type=float, default=None, help="max global gradient norm")
     p.add_argument("--save", metavar="PATH",
@@ -109,6 +112,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                      f"{args.mode} leave it out (--mode compile is the plain loop, compiled)")
     if args.grad_clip is not None and not args.grad_clip > 0:
         parser.error(f"--grad-clip must be positive; got {args.grad_clip}")
+    if args.shard_optimizer and args.mode != "step":
+        parser.error(f"--shard-optimizer shards nt.Step's fused optimizer (--mode step); with "
+                     f"--mode {args.mode} leave it out")
+    if args.shard_optimizer and args.no_capture:
+        parser.error("--shard-optimizer needs the captured step (its sharded update is the fused "
+                     "one that capture sets up); leave out --no-capture or --shard-optimizer")
     if getattr(args, "eval_samples", None) is not None and args.eval_samples < 0:
         parser.error(f"--eval-samples must be >= 0 (0 skips the evaluation); got "
                      f"{args.eval_samples}")
@@ -132,6 +141,9 @@ def join_job(recipe: str, args) -> Job | None:
     saving checkpoints. Returns None, after saying why, when the run cannot take part."""
     world = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if world == 1:
+        if args.shard_optimizer:
+            print("--shard-optimizer: one process keeps the whole optimizer state; it is sharded "
+                  "over the ranks of a torchrun job on several GPUs")
         return Job()
     if args.mode != "step":
         print(f"{recipe}: under torchrun (WORLD_SIZE={world}) the recipes train data-parallel "
@@ -143,8 +155,18 @@ def join_job(recipe: str, args) -> Job | None:
               f"(LOCAL_RANK), or --device cpu; --device {args.device} does not apply",
               file=sys.stderr)
         return None
+    if args.shard_optimizer and args.device == "cpu":
+        print(f"{recipe}: --shard-optimizer shards the state over GPUs (NCCL collectives inside "
+              "the captured step); --device cpu has none. Leave out --shard-optimizer or "
+              "--device cpu.", file=sys.stderr)
+        return None
     info = nt.init_distributed(device=args.device)  # --device cpu: a small run over gloo
     args.device = str(info.device)
+    if args.shard_optimizer and info.device.type != "cuda":
+        print(f"{recipe}: --shard-optimizer shards the state over GPUs; this process was given "
+              f"{info.device}. Run on GPUs or leave out --shard-optimizer.", file=sys.stderr)
+        torch.distributed.destroy_process_group()
+        return None
     if info.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; every rank's errors reach stderr
     return Job(info.rank, info.world_size)
@@ -256,13 +278,15 @@ def autocast(device: torch.device, amp: str | None):
 def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.device,
                     amp: str | None, streams, warmup: int, grad_clip: float | None,
                     capture: bool, compile_model: bool = False,
-                    buckets: nt.Buckets | None = None) -> Callable[[Any], torch.Tensor]:
+                    buckets: nt.Buckets | None = None,
+                    shard_optimizer: bool = False) -> Callable[[Any], torch.Tensor]:
     """One training step in `mode`; returns the mean loss of the batch as a device tensor.
 
     eager and compile run the plain loop (zero_grad, forward, backward, clip, step) with the
     model itself or torch.compile(model); fp16 there uses torch's GradScaler. step is nt.Step,
     over torch.compile(model) with compile_model, padding variable-length batches to `buckets`
-    (the plain loop takes each batch as it comes).
+    (the plain loop takes each batch as it comes), its optimizer state sharded over the ranks
+    of a data-parallel job with shard_optimizer.
     """
     if mode == "step":
         forward = torch.compile(model) if compile_model else model
@@ -270,7 +294,7 @@ def make_train_step(mode: str, model, optimizer, loss_fn, *, device: torch.devic
         # inductor plans the rest.
         return nt.Step(forward, optimizer, loss_fn, streams=streams,
                        warmup=warmup, amp=amp, grad_clip=grad_clip, capture=capture,
-                       buckets=buckets)
+                       buckets=buckets, shard_optimizer=shard_optimizer)
     # compile: with the dense attention masks Step's compiled models get, so that both run the
     # same attention kernels (nimble_train/_inductor_masks.py); at every call, as lengths vary
     forward = (dense_masks_while_compiling(torch.compile(model), calls=None)
@@ -780,6 +804,7 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
               f"steps)  test accuracy {_accuracy_text(accuracy)}", flush=True)
         if args.save:
             rng = gather_rng_states(job, device)  # every rank takes part
+            consolidate_optimizer_state(train_step)  # so does this (a no-op unless sharded)
             if job.main:
                 save_checkpoint(args.save, recipe=recipe, model=model, optimizer=optimizer,
                                 scheduler=scheduler, step=step_count,
@@ -793,6 +818,13 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
     return Result(epochs_done=step_count / steps_per_epoch, steps_done=step_count,
                   train_loss=progress.last_mean, accuracy=accuracy,
                   samples_per_s=progress.samples_per_s(), tokens_per_s=progress.tokens_per_s())
+
+
+def consolidate_optimizer_state(train_step) -> None:
+    """A sharded optimizer's whole state gathered on every rank (a collective), so that rank 0's
+    optimizer.state_dict() holds all of it; it stays whole until the next step."""
+    if isinstance(train_step, nt.Step):
+        train_step.consolidate_optimizer_state()
 
 
 def describe_step(train_step) -> str | None:
@@ -809,6 +841,8 @@ def describe_step(train_step) -> str | None:
                  f"{s.get('eager_steps')} eager steps, {s.get('streams')} stream(s), "
                  f"{s.get('graph_nodes')} graph nodes, pool "
                  f"{(s.get('pool_bytes') or 0) / 2**20:.0f} MiB"]
+    if (s.get("optimizer_shards") or 1) > 1:
+        lines.append(f"nt.Step optimizer: state sharded over {s['optimizer_shards']} ranks")
     if s.get("shape_buckets"):
         lines.append("nt.Step buckets: " + ", ".join(
             f"{size} ({'captured, ' if b['captured'] else ''}{b['replays']} replays, "

@@ -264,7 +264,8 @@ def main(argv=None) -> int:
         train_step = _train.make_train_step(
             args.mode, model, optimizer, training.loss_fn, device=device, amp=amp,
             streams=args.streams, warmup=args.warmup, grad_clip=args.grad_clip,
-            capture=not args.no_capture, compile_model=args.compile)
+            capture=not args.no_capture, compile_model=args.compile,
+            shard_optimizer=args.shard_optimizer)
     except NotImplementedError as exc:
         print(f"--mode {args.mode} --amp {args.amp}: {exc}", file=sys.stderr)
         return 2

@@ -279,3 +279,44 @@ def test_resume_of_the_other_recipes_checkpoint_names_both(cifar_checkpoint, cap
                        "of recipes/bert.py; expected a checkpoint written by recipes/bert.py "
                        "--save")
     assert "planned its learning-rate schedule" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- --shard-optimizer
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--mode", "eager"], "--shard-optimizer shards nt.Step's fused optimizer (--mode step)"),
+    (["--no-capture"], "--shard-optimizer needs the captured step")])
+def test_shard_optimizer_needs_the_captured_step(extra, says, capsys):
+    with pytest.raises(SystemExit):
+        cifar10.main(TINY_CIFAR + ["--steps", "1", "--shard-optimizer", *extra])
+    assert says in capsys.readouterr().err
+
+
+def test_shard_optimizer_under_torchrun_on_the_cpu_is_refused_before_joining(monkeypatch,
+                                                                            capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # the job is never joined: nothing listens
+    assert cifar10.main(TINY_CIFAR + ["--steps", "1", "--shard-optimizer"]) == 2
+    assert "--shard-optimizer shards the state over GPUs" in capsys.readouterr().err
+
+
+def test_shard_optimizer_in_one_process_trains_on_and_says_there_is_nothing_to_shard(
+        tmp_path, monkeypatch, capsys):
+    # Every checkpoint gathers a sharded state first, on every rank, before rank 0 saves.
+    import nimble_train as nt
+    order = []
+    consolidate = nt.Step.consolidate_optimizer_state
+    monkeypatch.setattr(nt.Step, "consolidate_optimizer_state",
+                        lambda self: order.append("consolidate") or consolidate(self))
+    save = _train.write_atomically
+    monkeypatch.setattr(_train, "write_atomically",
+                        lambda state, path: order.append("save") or save(state, path))
+    path = str(tmp_path / "ckpt.pt")
+    assert cifar10.main(TINY_CIFAR + ["--steps", "2", "--shard-optimizer", "--save", path]) == 0
+    out = capsys.readouterr().out
+    assert "--shard-optimizer: one process keeps the whole optimizer state" in out
+    assert "state sharded over" not in out
+    assert order == ["consolidate", "save"]
+    plain = str(tmp_path / "plain.pt")
+    assert cifar10.main(TINY_CIFAR + ["--steps", "2", "--save", plain]) == 0
+    assert_same_training_state(load(path), load(plain))  # one process: nothing changes
