@@ -155,18 +155,13 @@ def join_job(recipe: str, args) -> Job | None:
               f"(LOCAL_RANK), or --device cpu; --device {args.device} does not apply",
               file=sys.stderr)
         return None
-    if args.shard_optimizer and args.device == "cpu":
+    if args.shard_optimizer and (args.device == "cpu" or not torch.cuda.is_available()):
         print(f"{recipe}: --shard-optimizer shards the state over GPUs (NCCL collectives inside "
-              "the captured step); --device cpu has none. Leave out --shard-optimizer or "
-              "--device cpu.", file=sys.stderr)
+              "the captured step); this job runs on the CPU. Leave out --shard-optimizer, or "
+              "run on GPUs.", file=sys.stderr)
         return None
     info = nt.init_distributed(device=args.device)  # --device cpu: a small run over gloo
     args.device = str(info.device)
-    if args.shard_optimizer and info.device.type != "cuda":
-        print(f"{recipe}: --shard-optimizer shards the state over GPUs; this process was given "
-              f"{info.device}. Run on GPUs or leave out --shard-optimizer.", file=sys.stderr)
-        torch.distributed.destroy_process_group()
-        return None
     if info.rank != 0:
         sys.stdout = open(os.devnull, "w")  # rank 0 reports; every rank's errors reach stderr
     return Job(info.rank, info.world_size)
@@ -804,7 +799,8 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
               f"steps)  test accuracy {_accuracy_text(accuracy)}", flush=True)
         if args.save:
             rng = gather_rng_states(job, device)  # every rank takes part
-            consolidate_optimizer_state(train_step)  # so does this (a no-op unless sharded)
+            if isinstance(train_step, nt.Step):  # a sharded state, whole on every rank
+                train_step.consolidate_optimizer_state()
             if job.main:
                 save_checkpoint(args.save, recipe=recipe, model=model, optimizer=optimizer,
                                 scheduler=scheduler, step=step_count,
@@ -818,13 +814,6 @@ def fit(args, *, recipe: str, model, optimizer, scheduler, train_step,
     return Result(epochs_done=step_count / steps_per_epoch, steps_done=step_count,
                   train_loss=progress.last_mean, accuracy=accuracy,
                   samples_per_s=progress.samples_per_s(), tokens_per_s=progress.tokens_per_s())
-
-
-def consolidate_optimizer_state(train_step) -> None:
-    """A sharded optimizer's whole state gathered on every rank (a collective), so that rank 0's
-    optimizer.state_dict() holds all of it; it stays whole until the next step."""
-    if isinstance(train_step, nt.Step):
-        train_step.consolidate_optimizer_state()
 
 
 def describe_step(train_step) -> str | None:
