@@ -164,33 +164,39 @@ class Encoder(nn.Module):
         return self.head(self.block(x).mean(1))
 
 
-def test_compiled_bf16_transformer_with_side_streams_equals_one_stream(fresh_dynamo,
-                                                                      monkeypatch):
+def test_compiled_bf16_transformer_with_side_streams_equals_eager(fresh_dynamo, monkeypatch):
     monkeypatch.setattr(_inductor_wgrad, "SPLIT_MATMULS", True)  # off by default
     g = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 12, 32, generator=g).cuda(),
                 torch.randint(0, 5, (8,), generator=g).cuda()) for _ in range(6)]
     runs = []
-    for streams in ("auto", 1):
+    for streams in ("auto", "eager"):
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = Encoder().cuda()
         # SGD: a gradient read before its launch ended would move the weights (Adam's steps
         # are about lr whatever the gradient)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if streams == "eager":
+            losses = torch.stack(eager_loop(torch.compile(model), opt, per_sample, batches,
+                                            amp=torch.bfloat16))
+            runs.append((None, model, opt, losses))
+            continue
         step = nt.Step(torch.compile(model), opt, per_sample, streams=streams, warmup=2,
                        amp="bf16")
         losses = torch.stack([step(b).clone() for b in batches])
         runs.append((step.stats(), model, opt, losses))
-    (auto, m_auto, o_auto, l_auto), (single, m_one, o_one, l_one) = runs
+    (auto, m_auto, o_auto, l_auto), (_, m_eager, o_eager, l_eager) = runs
     assert auto["captured"] and auto["replays"] == 4, auto
     # at least the feed-forward's two, the attention's output projection and the head
     assert auto["weight_grad_layers"] >= 4, auto
-    assert single["weight_grad_layers"] == 0
-    # bf16 products cast to float32 after the join: what one stream computes, to bf16's
-    # rounding (one unit in the last place of a loss: the two graphs fuse differently)
-    torch.testing.assert_close(l_auto, l_one, rtol=5e-3, atol=1e-3)
-    assert_same_training(m_auto, o_auto, m_one, o_one, rtol=1e-2, atol=1e-3)
+    # Split off to the side streams, the weight products stay autograd's: bf16 products cast
+    # to float32 after the join, as the eager loop makes them (where one stream now writes
+    # them in float32 into the flat buffers, which differs by bf16's rounding: see
+    # test_inductor_grads_cuda). What is left is the two graphs' fusions (one unit in the
+    # last place of a loss); a gradient read before its side launch ended would be far off.
+    torch.testing.assert_close(l_auto, l_eager, rtol=5e-3, atol=1e-3)
+    assert_same_training(m_auto, o_auto, m_eager, o_eager, rtol=1e-3, atol=1e-4)
 
 
 def warmed(batches):
