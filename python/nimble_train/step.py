@@ -115,8 +115,9 @@ class Step:
             buffers (as DDP does when it is built); False keeps each rank's own.
         overlap_update: data parallel on GPUs: the captured step updates each gradient bucket
             (sharded: this rank's part, then its all-gather) on the communication stream right
-            after its collective, while the backward goes on (not LAMB, whose trust ratios
-            need whole parameters). With grad_clip or the fp16 loss scale the update needs
+            after its collective, while the backward goes on (LAMB too: each bucket's trust
+            ratios from its own tensors' norms; sharded, the ranks add their parts of them
+            first, bucket by bucket). With grad_clip or the fp16 loss scale the update needs
             every gradient first: each bucket's share of the gradient norm and overflow check
             is taken there instead, and the update follows the backward. :meth:`stats` says
             which ("update_in_buckets") or why neither. False: after the backward, as one pass.
@@ -546,10 +547,9 @@ class Step:
             return "not data parallel"
         if not self.overlap_update:
             return "overlap_update=False"
-        fused = self._update.fused
-        if fused is None:
+        if self._update.fused is None:
             return "the optimizer is not fused"
-        return fused.why_not_in_parts()
+        return None
 
     def _weight_grad_layers(self) -> int:
         split, graph = self._compiled_split, self._graph

@@ -206,8 +206,69 @@ void prepare_update_(const StepTables& tables, const std::optional<at::Tensor>& 
   prepare_step_(tables, std::nullopt, grad_scale, std::nullopt, 0.0, false);
 }
 
+namespace {
+
+void check_sharded_lamb(const UpdateTarget& t, const at::Tensor& global) {
+  NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
+  NT_CHECK(t.tensor_rows.defined() && t.tensor_sums.defined() && t.global_sums.defined() &&
+               t.global_sums.is_same(global),
+           "fused LAMB: every target of a sharded step needs tensor_rows, tensor_sums and "
+           "the one global_sums they share");
+}
+
+// A sharded slice's part of its tensors' sums of p^2 and update^2 (kNorms computes the
+// moments and writes nothing but the sums).
+void lamb_norms_(const UpdateTarget& t, const StepTables& tables) {
+  lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk, tables.hyper,
+               tables.control, t.chunk_norms, t.trust, t.tensor_sums, LambPasses::kNorms);
+}
+
+// The whole tensors' sums, added over the ranks in global_sums, back into the slice's rows;
+// then its trust ratios, moments and parameters (kApply).
+void lamb_apply_(const UpdateTarget& t, const StepTables& tables) {
+  at::Tensor sums = t.tensor_sums;  // the same tensor: each tensor's total, in place
+  at::index_select_out(sums, t.global_sums, 0, t.tensor_rows);
+  lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk, tables.hyper,
+               tables.control, t.chunk_norms, t.trust, t.tensor_sums, LambPasses::kApply);
+}
+
+// Sharded LAMB over one slice alone: only its range's rows are added over the ranks.
+void lamb_sharded_part_(const UpdateTarget& t, const StepTables& tables,
+                        const std::function<void(const at::Tensor&)>& reduce) {
+  check_sharded_lamb(t, t.global_sums);
+  NT_CHECK(t.range_sums.defined(), "fused LAMB: a sharded slice updated on its own needs "
+           "range_sums, the rows of every tensor of its range (update it with fused_step)");
+  NT_CHECK(static_cast<bool>(reduce), "fused LAMB: a sharded slice updated on its own needs "
+           "reduce (an in-place sum over the ranks) for its tensors' norms");
+  lamb_norms_(t, tables);
+  t.range_sums.zero_();
+  t.global_sums.index_add_(0, t.tensor_rows, t.tensor_sums);
+  reduce(t.range_sums);
+  lamb_apply_(t, tables);
+}
+
+// Sharded LAMB: each target's per-tensor sums, every tensor's sums added over the targets and
+// over the ranks, then each target's trust ratios, moments and parameters. A reduce that raises
+// leaves the state as it was; the step counts prepare_step_ moved are the caller's to put back.
+void lamb_sharded_(const std::vector<UpdateTarget>& targets, const StepTables& tables,
+                   const std::function<void(const at::Tensor&)>& reduce) {
+  NT_CHECK(static_cast<bool>(reduce), "fused LAMB: a sharded step needs reduce_partials (an "
+           "in-place sum over the ranks) for its per-tensor norms");
+  const at::Tensor& global = targets.front().global_sums;
+  for (const UpdateTarget& t : targets) {
+    check_sharded_lamb(t, global);
+    lamb_norms_(t, tables);
+  }
+  global.zero_();
+  for (const UpdateTarget& t : targets) global.index_add_(0, t.tensor_rows, t.tensor_sums);
+  reduce(global);
+  for (const UpdateTarget& t : targets) lamb_apply_(t, tables);
+}
+
+}  // namespace
+
 void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
-             const StepTables& tables) {
+             const StepTables& tables, const std::function<void(const at::Tensor&)>& reduce) {
   const auto state = [](const UpdateTarget& t, size_t k) -> std::optional<at::Tensor> {
     if (k < t.state.size()) return t.state[k];
     return std::nullopt;
@@ -224,47 +285,16 @@ void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
         break;
       case Algorithm::kLamb:
         NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
-        NT_CHECK(!t.tensor_rows.defined(), "fused LAMB: a sharded slice's trust ratios need "
-                 "every rank's part of its tensors; update it with fused_step");
+        if (t.tensor_rows.defined()) {
+          lamb_sharded_part_(t, tables, reduce);
+          break;
+        }
         lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk,
                      tables.hyper, tables.control, t.chunk_norms, t.trust);
         break;
     }
   }
 }
-
-namespace {
-
-// Sharded LAMB: each target's per-tensor sums (kNorms computes the moments and writes nothing
-// but the sums), every tensor's sums added over the targets and over the ranks, then each
-// target's trust ratios, moments and parameters (kApply). A reduce that raises leaves the
-// state as it was; the step counts prepare_step_ moved are the caller's to put back.
-void lamb_sharded_(const std::vector<UpdateTarget>& targets, const StepTables& tables,
-                   const std::function<void(const at::Tensor&)>& reduce) {
-  NT_CHECK(static_cast<bool>(reduce), "fused LAMB: a sharded step needs reduce_partials (an "
-           "in-place sum over the ranks) for its per-tensor norms");
-  const at::Tensor& global = targets.front().global_sums;
-  for (const UpdateTarget& t : targets) {
-    NT_CHECK(t.state.size() >= 2, "fused LAMB: exp_avg and exp_avg_sq are missing");
-    NT_CHECK(t.tensor_rows.defined() && t.tensor_sums.defined() && t.global_sums.defined() &&
-                 t.global_sums.is_same(global),
-             "fused LAMB: every target of a sharded step needs tensor_rows, tensor_sums and "
-             "the one global_sums they share");
-    lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk, tables.hyper,
-                 tables.control, t.chunk_norms, t.trust, t.tensor_sums, LambPasses::kNorms);
-  }
-  global.zero_();
-  for (const UpdateTarget& t : targets) global.index_add_(0, t.tensor_rows, t.tensor_sums);
-  reduce(global);
-  for (const UpdateTarget& t : targets) {
-    at::Tensor sums = t.tensor_sums;  // the same tensor: each tensor's total, in place
-    at::index_select_out(sums, global, 0, t.tensor_rows);
-    lamb_update_(t.param, t.grad, t.state[0], t.state[1], t.chunks, t.first_chunk, tables.hyper,
-                 tables.control, t.chunk_norms, t.trust, t.tensor_sums, LambPasses::kApply);
-  }
-}
-
-}  // namespace
 
 bool needs_stats(const FusedStepArgs& args) {
   return args.inv_scale.has_value() || args.found_inf.has_value() || args.max_grad_norm > 0;

@@ -82,10 +82,13 @@ struct UpdateTarget {
   // Sharded LAMB (a rank's slice holds parts of tensors): each local tensor's row of
   // global_sums (int64 [num_tensors]), its sums of p^2 and update^2 (float32 [num_tensors, 2]),
   // and the float32 [rows, 2] sums that every target of a step shares, added over the ranks
-  // before the trust ratios. Undefined for a whole buffer.
+  // before the trust ratios. range_sums: the rows of global_sums of every tensor in the range
+  // the slice is all-gathered from (its bucket, whole tensors on every rank), which an update
+  // of this slice alone (update_) adds over the ranks. Undefined for a whole buffer.
   at::Tensor tensor_rows;
   at::Tensor tensor_sums;
   at::Tensor global_sums;
+  at::Tensor range_sums;
 };
 
 UpdateTarget target_of(const FlatTensors& flat);
@@ -140,9 +143,13 @@ void grad_stats_parts_(const std::vector<UpdateTarget>& targets,
 // (so no unscaling, clipping or overflow check: nothing global), then update_ over the targets
 // in any grouping, each target once per step, on streams ordered after prepare_update_.
 // Together they do what fused_step does when it computes no statistics. grad_scale: as
-// FusedStepArgs'.
+// FusedStepArgs'. LAMB's trust ratios need each target to hold whole tensors; a sharded slice
+// (tensor_rows) holds parts of them, so update_ takes its part of its tensors' norms, adds the
+// ranks' parts with `reduce` (an in-place sum over the ranks, on range_sums: every rank calls
+// it for the same range, in the same order), then applies the whole tensors' ratios.
 void prepare_update_(const StepTables& tables, const std::optional<at::Tensor>& grad_scale);
 void update_(Algorithm algorithm, const std::vector<UpdateTarget>& targets,
-             const StepTables& tables);
+             const StepTables& tables,
+             const std::function<void(const at::Tensor&)>& reduce = {});
 
 }  // namespace nimble_train::optim

@@ -1,6 +1,8 @@
 // Bindings for src/optim.
 #include <torch/csrc/utils/pybind.h>
 
+#include <functional>
+#include <optional>
 #include <tuple>
 #include <utility>
 
@@ -16,6 +18,15 @@ namespace py = pybind11;
 namespace nimble_train {
 
 namespace {
+
+// A Python in-place sum over the ranks as the C++ step calls it (with the GIL released).
+std::function<void(const at::Tensor&)> summing(const std::optional<py::function>& fn) {
+  if (!fn.has_value()) return {};
+  return [fn = *fn](const at::Tensor& t) {
+    const py::gil_scoped_acquire gil;
+    fn(t);
+  };
+}
 
 // The table layouts, so that Python builds and reads the tables without repeating numbers.
 py::dict layout() {
@@ -153,22 +164,25 @@ void bind_optim(py::module_& m) {
                        std::optional<at::Tensor> chunk_norms, std::optional<at::Tensor> trust,
                        std::optional<at::Tensor> tensor_rows,
                        std::optional<at::Tensor> tensor_sums,
-                       std::optional<at::Tensor> global_sums) {
+                       std::optional<at::Tensor> global_sums,
+                       std::optional<at::Tensor> range_sums) {
              const auto or_none = [](const std::optional<at::Tensor>& t) {
                return t.value_or(at::Tensor());
              };
              return optim::UpdateTarget{param, grad, std::move(state), chunks,
                                         or_none(first_chunk), or_none(chunk_norms),
                                         or_none(trust), at::Tensor(), or_none(tensor_rows),
-                                        or_none(tensor_sums), or_none(global_sums)};
+                                        or_none(tensor_sums), or_none(global_sums),
+                                        or_none(range_sums)};
            }),
            py::kw_only(), py::arg("param"), py::arg("grad"), py::arg("state"), py::arg("chunks"),
            py::arg("first_chunk") = py::none(), py::arg("chunk_norms") = py::none(),
            py::arg("trust") = py::none(), py::arg("tensor_rows") = py::none(),
            py::arg("tensor_sums") = py::none(), py::arg("global_sums") = py::none(),
-           "Sharded LAMB: first_chunk, chunk_norms and trust of the slice's own chunk table, "
-           "tensor_rows (each local tensor's row of global_sums), tensor_sums and global_sums "
-           "(see src/optim/fused_step.h).")
+           py::arg("range_sums") = py::none(),
+           "LAMB: first_chunk, chunk_norms and trust of the target's own chunk table; sharded, "
+           "tensor_rows (each local tensor's row of global_sums), tensor_sums, global_sums and "
+           "range_sums (see src/optim/fused_step.h).")
       .def_readonly("partials", &optim::UpdateTarget::partials);
   m.def("optim_target_of", &optim::target_of, py::arg("flat"),
         "The update target of a whole FlatTensors.");
@@ -187,14 +201,8 @@ void bind_optim(py::module_& m) {
            std::optional<at::Tensor> grad_scale, double max_grad_norm,
            std::optional<py::function> reduce_partials,
            bool stats_done) -> std::optional<at::Tensor> {
-          optim::FusedStepArgs args{inv_scale, found_inf, grad_scale, max_grad_norm, {},
-                                    stats_done};
-          if (reduce_partials.has_value()) {
-            args.reduce_partials = [fn = *reduce_partials](const at::Tensor& p) {
-              const py::gil_scoped_acquire gil;
-              fn(p);
-            };
-          }
+          const optim::FusedStepArgs args{inv_scale, found_inf, grad_scale, max_grad_norm,
+                                          summing(reduce_partials), stats_done};
           at::Tensor norm;
           {
             const py::gil_scoped_release release;
@@ -241,13 +249,16 @@ void bind_optim(py::module_& m) {
         "gradient statistics.");
   m.def("optim_update",
         [](const std::string& algorithm, const std::vector<optim::UpdateTarget>& targets,
-           const optim::StepTables& tables) {
+           const optim::StepTables& tables, std::optional<py::function> reduce) {
           const optim::Algorithm parsed = optim::parse_algorithm(algorithm);
+          const std::function<void(const at::Tensor&)> sum = summing(reduce);
           const py::gil_scoped_release release;
-          optim::update_(parsed, targets, tables);
+          optim::update_(parsed, targets, tables, sum);
         },
         py::arg("algorithm"), py::arg("targets"), py::arg("tables"),
-        "The second part: the updates of these targets, after optim_prepare_update.");
+        py::arg("reduce") = py::none(),
+        "The second part: the updates of these targets, after optim_prepare_update. Sharded "
+        "LAMB's slices add their tensors' norms over the ranks with reduce (an in-place sum).");
 }
 
 }  // namespace nimble_train

@@ -482,17 +482,21 @@ def test_sharded_optimizer_trains_as_one_process_and_saves_whole_state(name, cli
 @pytest.mark.parametrize("clip", [None, 0.05], ids=["update", "clip"])
 @pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize("net", ["mlp", "reads-late"])
-def test_updates_in_buckets_during_the_backward_train_as_one_process(net, shard, clip, ranks):
+@pytest.mark.parametrize("lamb", [False, True], ids=["plain", "lamb"])
+def test_updates_in_buckets_during_the_backward_train_as_one_process(lamb, net, shard, clip,
+                                                                      ranks):
     # Each rank: from its second step on, every bucket is reduced (sharded: reduce-scattered),
     # updated (sharded: this rank's part, then all-gathered) as soon as its gradients are
     # complete, while the backward goes on; buckets whose parameters the backward still reads
     # wait for its end. Clipping needs the global norm: each bucket's share of it is taken as
     # soon as it is reduced (late ones too: they read only gradients), the update follows the
-    # backward. Reference: torch.optim on one model with the whole batch.
+    # backward. LAMB: each bucket's trust ratios from its own tensors' norms (sharded: the
+    # ranks' parts of them added, bucket by bucket). Reference: torch.optim (our LAMB's eager
+    # step) on one model with the whole batch.
     from nimble_train._gradsync import GradientSync
     from nimble_train.optim import FusedOptimizer
 
-    make = SHARD_OPTIMIZERS["adamw" if shard else "sgd-nesterov"]
+    make = SHARD_OPTIMIZERS["lamb" if lamb else "adamw" if shard else "sgd-nesterov"]
     torch.manual_seed(0)
     start = MLP(features=20, hidden=48, classes=5) if net == "mlp" else ReadsTheHeadLate()
     batches = classification_batches(5, 6 * ranks, features=20, seed=2)

@@ -79,6 +79,10 @@ def equivalence(info):
                             overlap_update=overlap)
         assert stats["buckets"] >= 3, stats
         assert stats["update_in_buckets"] == expected, stats
+    # LAMB too: each bucket's trust ratios from its own whole tensors.
+    stats = _as_one_gpu(info, lambda params: nt.optim.LAMB(
+        _two_groups(params, weight_decay=0.0), lr=2e-3, weight_decay=0.05))
+    assert stats["update_in_buckets"] == "yes", stats
 
 
 def clipped(info):
@@ -127,13 +131,14 @@ def sharded(info):
     stats = _as_one_gpu(info, lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
                         shard=True, after_close=closed)
     assert stats["update_in_buckets"] == "yes", stats  # each part's update and all-gather
-    # LAMB: the ranks add their parts of each tensor's norms before its trust ratio; the
-    # update follows the backward. The second group, without weight decay, keeps ratio 1.
+    # LAMB: right after each bucket's reduce-scatter, the ranks add their parts of its tensors'
+    # norms, then update their parts with the whole tensors' trust ratios and all-gather the
+    # bucket. The second group, without weight decay, keeps ratio 1.
     stats = _as_one_gpu(info, lambda params: nt.optim.LAMB(
         _two_groups(params, weight_decay=0.0), lr=2e-3, weight_decay=0.05), shard=True,
         after=check)
     assert stats["optimizer_shards"] == info.world_size, stats
-    assert stats["update_in_buckets"].startswith("no: LAMB"), stats
+    assert stats["update_in_buckets"] == "yes", stats
 
 
 def _two_groups(params, **second):

@@ -52,7 +52,11 @@ def features_of(model):
      "yes, but 1 bucket(s) after the backward"),
     ("reads-late", lambda p: torch.optim.Adam(p, lr=2e-3), True,
      "yes, but 1 bucket(s) after the backward"),
-], ids=["sgd", "adamw-sharded", "reads-late", "reads-late-sharded"])
+    ("mlp", lambda p: nt.optim.LAMB(p, lr=2e-3, weight_decay=0.05), False, "yes"),
+    ("reads-late", lambda p: nt.optim.LAMB(p, lr=2e-3, weight_decay=0.05), True,
+     "yes, but 1 bucket(s) after the backward"),
+], ids=["sgd", "adamw-sharded", "reads-late", "reads-late-sharded", "lamb",
+        "lamb-reads-late-sharded"])
 def test_updates_in_buckets_train_as_the_eager_loop(one_rank, no_tf32, net, make_opt, shard,
                                                     expected):
     torch.manual_seed(0)
@@ -72,19 +76,27 @@ def test_updates_in_buckets_train_as_the_eager_loop(one_rank, no_tf32, net, make
     step.close()
 
 
-@pytest.mark.parametrize("net", ["mlp", "cnn"])
+@pytest.mark.parametrize("shard", [False, True], ids=["whole", "sharded"])
+@pytest.mark.parametrize("net, make_opt", [
+    ("mlp", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    ("cnn", lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+    ("mlp", lambda p: nt.optim.LAMB(p, lr=2e-3, weight_decay=0.05)),
+], ids=["mlp", "cnn", "mlp-lamb"])
 def test_the_update_in_buckets_is_the_update_after_the_backward_bit_for_bit(
-        one_rank, deterministic_cudnn, net):
-    """The same kernels on the same values, only earlier: identical parameters and state."""
+        one_rank, deterministic_cudnn, net, make_opt, shard):
+    """The same kernels on the same values, only earlier: identical parameters and state
+    (LAMB: each tensor's norms summed over the same chunks, in the same order)."""
     torch.manual_seed(0)
     model = MLP(hidden=256) if net == "mlp" else SmallCNN()
-    make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731
     (m1, o1), (m2, o2) = twin(model.cuda(), make_opt)
     batches = classification_batches(8, 16, image=net == "cnn", device="cuda")
-    early = train(m1, o1, batches)
-    late = train(m2, o2, batches, overlap_update=False)
+    early = train(m1, o1, batches, shard_optimizer=shard)
+    late = train(m2, o2, batches, overlap_update=False, shard_optimizer=shard)
     assert early.stats()["update_in_buckets"] == "yes"
     assert late.stats()["update_in_buckets"] == "no: overlap_update=False"
+    if shard:
+        early.consolidate_optimizer_state()
+        late.consolidate_optimizer_state()
     assert_same_training(m1, o1, m2, o2, rtol=0, atol=0)
 
 

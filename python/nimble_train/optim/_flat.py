@@ -120,16 +120,17 @@ def chunk_table(offsets: list[int], groups: list[int], chunk_elems: int,
 
 
 def update_targets(targets: list, state_keys: list[str], device: torch.device,
-                   lamb: bool = False) -> tuple[torch.Tensor, list]:
-    """The C++ update targets (_C.UpdateTarget) of FlatBuffers or sharded Pieces, and one
-    float32 [rows, 2] buffer for the gradient statistics of them all: (partials, targets).
+                   lamb: bool = False, sharded: bool = False) -> tuple[torch.Tensor, list]:
+    """The C++ update targets (_C.UpdateTarget) of FlatBuffers or Pieces, and one float32
+    [rows, 2] buffer for the gradient statistics of them all: (partials, targets).
 
-    `lamb`: the Pieces of a sharded LAMB, each with its own scratch for the norms and, shared
-    by them all, one row per tensor of every flat buffer, where the ranks' parts of a tensor's
-    norms are added before its trust ratio (src/optim/fused_step.h)."""
-    first_row: dict[int, int] = {}  # LAMB: id of a flat buffer -> the row of its first tensor
+    `lamb`: each Piece gets its own scratch for LAMB's norms. `sharded` (the Pieces of a sharded
+    LAMB, which hold parts of tensors): also, shared by them all, one row per tensor of every
+    flat buffer, where the ranks' parts of a tensor's norms are added before its trust ratio,
+    and each Piece's view of the rows of its bucket's tensors (src/optim/fused_step.h)."""
+    first_row: dict[int, int] = {}  # sharded LAMB: id of a flat buffer -> its first tensor's row
     rows = 0
-    if lamb:
+    if lamb and sharded:
         for t in targets:
             if isinstance(t, Piece) and id(t.flat) not in first_row:
                 first_row[id(t.flat)] = rows
@@ -141,17 +142,24 @@ def update_targets(targets: list, state_keys: list[str], device: torch.device,
             made.append(_C.optim_target_of(t.core))
             continue
         extra = {}
-        if global_sums is not None:
+        if lamb:
             k = len(t.members)
-            extra = dict(
-                first_chunk=t.first_chunk,
-                chunk_norms=torch.zeros(t.chunks.shape[0], 2, dtype=torch.float32,
-                                        device=device),
-                trust=torch.zeros(k, dtype=torch.float32, device=device),
-                tensor_rows=torch.tensor([first_row[id(t.flat)] + i for i in t.members],
-                                         dtype=torch.int64, device=device),
+            extra = dict(first_chunk=t.first_chunk,
+                         chunk_norms=torch.zeros(t.chunks.shape[0], 2, dtype=torch.float32,
+                                                 device=device),
+                         trust=torch.zeros(k, dtype=torch.float32, device=device))
+        if global_sums is not None:
+            first = first_row[id(t.flat)]
+            range_start, range_count = t.gathered_from
+            bucket, _ = _C.slice_segments(t.flat.offsets, range_start, range_start + range_count,
+                                          t.flat.param.element_size())
+            extra.update(
+                tensor_rows=torch.tensor([first + i for i in t.members], dtype=torch.int64,
+                                         device=device),
                 tensor_sums=torch.zeros(k, 2, dtype=torch.float32, device=device),
-                global_sums=global_sums)
+                global_sums=global_sums,
+                range_sums=global_sums[first + bucket[0]: first + bucket[-1] + 1]
+                if bucket else global_sums[first:first])
         made.append(_C.UpdateTarget(param=t.param, grad=t.grad,
                                     state=[t.state[key] for key in state_keys],
                                     chunks=t.chunks, **extra))

@@ -134,29 +134,29 @@ class FusedOptimizer:
             raise RuntimeError("FusedOptimizer.shard: the state is sharded already")
         pieces = cut_pieces(self._flats, slices, self._chunk_elems, self.device)
         self._partials, self._targets = update_targets(pieces, self._keys, self.device,
-                                                       lamb=self._algorithm == "lamb")
+                                                       lamb=self._algorithm == "lamb",
+                                                       sharded=True)
         self._state.shard(pieces)
-
-    def why_not_in_parts(self) -> str | None:
-        """Why this optimizer's step cannot go in parts (split, begin_update), or None."""
-        if self._algorithm == "lamb":
-            return "LAMB's trust ratio is computed over every parameter in one pass"
-        return None
 
     def split(self, slices: list[tuple[torch.dtype, int, int]]) -> None:
         """Cuts the update into parts, one per slice (dtype, start, stop) of whole segments of
         the flat buffers, for a step in parts (:meth:`begin_update`); the state stays where it
         is. A sharded optimizer is in parts already: one per slice given to :meth:`shard`."""
-        why = self.why_not_in_parts()
-        if why is not None:
-            raise ValueError(f"FusedOptimizer.split: {why}; update it with step()")
         if self.sharded:
             raise RuntimeError("FusedOptimizer.split: a sharded optimizer is in parts already "
                                "(its shards)")
+        bounds = {f.dtype: set(f.offsets) for f in self._flats}
+        for dtype, start, stop in slices:
+            if dtype not in bounds or start not in bounds[dtype] or stop not in bounds[dtype]:
+                raise ValueError(
+                    f"FusedOptimizer.split: each slice must be a run of whole parameters of the "
+                    f"flat buffers (start and stop among segments(dtype)'s offsets, or the "
+                    f"buffer's end); got ({dtype}, {start}, {stop})")
         pieces = cut_pieces(self._flats, [(d, start, stop, start, stop - start)
                                           for d, start, stop in slices],
                             self._chunk_elems, self.device, copy_state=False)
-        self._part_partials, self._parts = update_targets(pieces, self._keys, self.device)
+        self._part_partials, self._parts = update_targets(pieces, self._keys, self.device,
+                                                         lamb=self._algorithm == "lamb")
 
     @property
     def num_parts(self) -> int:
@@ -384,7 +384,7 @@ class FusedOptimizer:
         if self._waiting is not None:
             _C.optim_grad_stats_parts([parts[index]], self._factor)
         else:
-            _C.optim_update(self._algorithm, [parts[index]], self._tables)
+            _C.optim_update(self._algorithm, [parts[index]], self._tables, self._partial_sum())
 
     def end_update(self) -> torch.Tensor | None:
         """After every part's update_part: the step stands for ``optimizer.step()``. When the
