@@ -193,10 +193,14 @@ def test_compiled_bf16_transformer_with_side_streams_equals_eager(fresh_dynamo, 
     # Split off to the side streams, the weight products stay autograd's: bf16 products cast
     # to float32 after the join, as the eager loop makes them (where one stream now writes
     # them in float32 into the flat buffers, which differs by bf16's rounding: see
-    # test_inductor_grads_cuda). What is left is the two graphs' fusions (one unit in the
-    # last place of a loss); a gradient read before its side launch ended would be far off.
+    # test_inductor_grads_cuda). What is left is the two compilations' kernels, and those
+    # differ by machine: on one H100 the two sides agreed to the last bit, on others (the
+    # same torch) inductor's kernels rounded some bf16 values the other way and a momentum
+    # element of a few thousandths moved by up to 1.2e-3. So the test holds the training to
+    # bf16's agreement, which a gradient read before its side launch ended (the zeros or
+    # the last step's values of a whole weight gradient) is far outside.
     torch.testing.assert_close(l_auto, l_eager, rtol=5e-3, atol=1e-3)
-    assert_same_training(m_auto, o_auto, m_eager, o_eager, rtol=1e-3, atol=1e-4)
+    assert_same_training(m_auto, o_auto, m_eager, o_eager, rtol=5e-2, atol=3e-3)
 
 
 def warmed(batches):
