@@ -11,6 +11,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def pytest_configure(config):
+    # NT_TEST_MARGINS=path (scripts/gpu-test sets it): how close each test's comparisons
+    # came to their tolerances, written to path (tests/margins.py).
+    path = os.environ.get("NT_TEST_MARGINS")
+    if path:
+        import margins
+        margins.register(config, path)
+
+
 def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
