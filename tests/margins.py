@@ -7,11 +7,13 @@ is measured: its closeness, the largest |actual - expected| / (atol + rtol * |ex
 the finite elements (1.0: at the tolerance). Per test the closest comparison is kept; the
 session writes them all to `path` as JSON and lists those at REPORT_ABOVE or more last.
 Comparisons with no tolerance (rtol = atol = 0: bit for bit) have no margin and are left out,
-as are the workers that tests/dist starts (other processes).
+as are the workers that tests/dist starts (other processes); a test that probes tolerances on
+purpose calls the comparison unmeasured (unmeasured()).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -86,10 +88,12 @@ class MarginRecorder:
     def pytest_configure(self, config) -> None:
         original = self._original = torch.testing.assert_close
 
+        @functools.wraps(original)  # __wrapped__: the comparison unmeasured
         def measured(actual, expected, *args, rtol=None, atol=None, **kwargs):
             original(actual, expected, *args, rtol=rtol, atol=atol, **kwargs)  # raises first
             if self._test is not None:
                 self._note(closeness(actual, expected, rtol, atol), rtol, atol)
+        measured.nt_margins = True
         torch.testing.assert_close = measured
 
     def pytest_unconfigure(self, config) -> None:
@@ -143,6 +147,14 @@ def _caller() -> str:
     shown = (os.path.relpath(name, tests) if name.startswith(tests + os.sep)
              else os.path.basename(name))
     return f"{shown}:{frame.f_lineno}"
+
+
+def unmeasured():
+    """torch.testing.assert_close without the recorder (itself where none is installed)."""
+    f = torch.testing.assert_close
+    while getattr(f, "nt_margins", False):
+        f = f.__wrapped__
+    return f
 
 
 def register(config, path: str) -> MarginRecorder:
