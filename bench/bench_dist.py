@@ -48,7 +48,8 @@ from nimble_train.bench.cli import _note, _one_line
 from nimble_train.bench.modes import _autocast, _eager_loop, _fresh, anchor_capture, graph_step
 from nimble_train.bench.report import _fmt, _number, read_json, title, write_json
 from nimble_train.bench.timing import ms_per_step
-from nimble_train.bench.workloads import Workload, forward_loss, make_workload
+from nimble_train.bench.workloads import (Workload, forward_loss, make_workload,
+                                          why_not_optimizer)
 
 LABELS = {"ddp-eager": "DDP eager", "ddp-graph": "DDP whole-step graph", "step": "nt.Step",
           "step-serial": "nt.Step, update after bw", "step-shard": "nt.Step, sharded opt.",
@@ -405,9 +406,9 @@ def main(argv=None) -> int:
         parser.error("--gpus, --batch, --steps and --repeats must be >= 1")
     if args.grad_clip is not None and not 0 < args.grad_clip < float("inf"):
         parser.error(f"--grad-clip must be a positive finite number; got {args.grad_clip}")
-    if args.optimizer is not None and args.model != "bert":
-        parser.error(f"--optimizer chooses BERT's optimizer; --model {args.model} trains with "
-                     f"its recipe's SGD. Leave --optimizer out, or pass --model bert.")
+    why = why_not_optimizer(args.model, args.optimizer)
+    if why is not None:  # before any GPU or torchrun
+        parser.error(why)
     if "RANK" not in os.environ:
         return launcher(args)
     if not args.worker_out:

@@ -771,7 +771,7 @@ def test_bench_dist_takes_lamb_for_bert_alone_and_says_why_the_ddp_rows_are_miss
     bench = _bench_script("bench_dist")
     with pytest.raises(SystemExit):
         bench.main(["--model", "resnet18", "--optimizer", "lamb"])
-    assert "--model resnet18 trains with its recipe's SGD" in capsys.readouterr().err
+    assert "resnet18 trains with its recipe's SGD" in capsys.readouterr().err
     meta = {"model": "bert", "batch": 32, "repeats": 5, "steps": 50, "gpu": "G", "torch": "t",
             "optimizer": "lamb"}
     rows = [{"label": "nt.Step", "gpus": 2, "batch": 32, "ms_per_step": 20.0,

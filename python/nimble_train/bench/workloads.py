@@ -228,6 +228,16 @@ class Workload:
     amp: str | None = None
 
 
+def why_not_optimizer(name: str, optimizer: str | None) -> str | None:
+    """Why workload `name` cannot train with `optimizer` (None: it can)."""
+    if optimizer not in (None, "adamw", "lamb"):
+        return f'optimizer must be None, "adamw" or "lamb"; got {optimizer!r}'
+    if optimizer is not None and name != "bert":
+        return (f"optimizer {optimizer!r} chooses BERT's optimizer; {name} trains with its "
+                f"recipe's SGD. Leave the optimizer out, or take the bert workload.")
+    return None
+
+
 def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: str = "base",
                   count: int = 8, seed: int = 0, amp: str | None = None,
                   optimizer: str | None = None) -> Workload:
@@ -242,11 +252,9 @@ def make_workload(name: str, batch: int, device, *, seq: int = 128, bert_size: s
     if amp not in (None, "bf16"):
         raise ValueError(f"amp must be None or 'bf16' (float16 would need each mode's loss "
                          f"scaling); got {amp!r}")
-    if optimizer not in (None, "adamw", "lamb"):
-        raise ValueError(f'optimizer must be None, "adamw" or "lamb"; got {optimizer!r}')
-    if optimizer is not None and name != "bert":
-        raise ValueError(f"optimizer={optimizer!r} chooses BERT's optimizer; {name} trains with "
-                         f"its recipe's SGD. Leave optimizer out for the CIFAR models.")
+    why = why_not_optimizer(name, optimizer)
+    if why is not None:
+        raise ValueError(why)
     if name in CIFAR_MODELS:
         training = CIFAR_TRAINING[name]
         description = training.description + (f", {amp} autocast" if amp else "")

@@ -158,8 +158,7 @@ def update_targets(targets: list, state_keys: list[str], device: torch.device,
                                          device=device),
                 tensor_sums=torch.zeros(k, 2, dtype=torch.float32, device=device),
                 global_sums=global_sums,
-                range_sums=global_sums[first + bucket[0]: first + bucket[-1] + 1]
-                if bucket else global_sums[first:first])
+                range_sums=global_sums[first + bucket[0]: first + bucket[-1] + 1])
         made.append(_C.UpdateTarget(param=t.param, grad=t.grad,
                                     state=[t.state[key] for key in state_keys],
                                     chunks=t.chunks, **extra))
