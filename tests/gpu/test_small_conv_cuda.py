@@ -68,16 +68,31 @@ def test_under_autocast_the_kernels_run_in_its_dtype_and_the_gradient_in_float32
         y_torch = conv(x)
     assert y.dtype == y_torch.dtype == dtype
     grad_y = torch.randn(y.shape, generator=g).cuda()
-    y.float().backward(grad_y)
-    assert conv.weight.grad.dtype == torch.float32
-    y_ref, gw_ref, gb_ref = reference(x, conv, grad_y)
-    # The operands are rounded to `dtype`: the results are within its rounding of float64's.
-    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    y.float().backward(grad_y)  # the cast's backward rounds grad_y to `dtype`
+    assert conv.weight.grad.dtype == conv.bias.grad.dtype == torch.float32
+    # The reference takes the operands as the kernels see them: the input, the weight, the bias
+    # and the output's gradient rounded to `dtype`, then everything in float64. The kernels sum
+    # in float32 and round only the output to `dtype`: the output within one unit in its last
+    # place, the gradients (never rounded to `dtype`) within float32's summation error. Against
+    # the unrounded operands' float64 results the gradients would differ by the operands'
+    # rounding instead, which says nothing of where the kernels round.
+    rounded = copy.deepcopy(conv)
+    with torch.no_grad():
+        rounded.weight.copy_(conv.weight.to(dtype))
+        rounded.bias.copy_(conv.bias.to(dtype))
+    y_ref, gw_ref, gb_ref = reference(x.to(dtype), rounded, grad_y.to(dtype))
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(y.double().cpu(), y_ref, rtol=ulp, atol=1e-4)
     scale = gw_ref.abs().max().item()
-    torch.testing.assert_close(y.double().cpu(), y_ref, rtol=tol * 4, atol=tol * 4)
     torch.testing.assert_close(conv.weight.grad.double().cpu() / scale, gw_ref / scale,
-                               rtol=tol, atol=tol)
-    torch.testing.assert_close(conv.bias.grad.double().cpu(), gb_ref, rtol=tol, atol=tol * 10)
+                               rtol=1e-5, atol=1e-5)
+    scale = gb_ref.abs().max().item()
+    torch.testing.assert_close(conv.bias.grad.double().cpu() / scale, gb_ref / scale,
+                               rtol=1e-5, atol=1e-5)
+    # Rounded to `dtype` once more, as torch's own kernels would leave them, the gradients
+    # would miss: the test tells a float32 sum from a `dtype` one.
+    assert not torch.allclose(conv.weight.grad.to(dtype).double().cpu(), gw_ref, rtol=1e-5,
+                              atol=1e-5 * gw_ref.abs().max().item())
 
 
 def test_inputs_it_does_not_take_go_to_torch():
