@@ -192,6 +192,9 @@ class Step:
                                     accumulate, self._compiled_products)
         self._window = Window(accumulate)
         self._swapped = False  # the EMA weights are in the model (ema_weights())
+        # Which parameters required gradients when the flat buffers and graphs fixed what the
+        # step trains (the end of warm-up): a change since is refused (_check_trainable).
+        self._trainable = None
         # The graph each call launches, by bucket and place in the window (-1: none yet).
         self._launch_entry: list[list[int]] = []
         self._entry_of: dict[tuple[int, tuple[bool, bool]], int] = {}  # (bucket, kind) -> entry
@@ -245,7 +248,8 @@ class Step:
                 full = False  # the slow path says what is wrong with the batch
             if full:
                 entry = self._launch_entry[bucket][window.micro]
-                if entry >= 0 and not self._swapped and not self._update.changed():
+                if (entry >= 0 and not self._swapped and not self._update.changed()
+                        and self._trainable.first_changed() < 0):
                     samples = self._template.batch_size
                     try:
                         self._graph.graph.launch(entry, tensors, self._call_values(samples))
@@ -293,6 +297,8 @@ class Step:
         if self._phase is Phase.TEMPLATE:
             return self._first_call(batch)
         self._update.check_groups()
+        if self._trainable is not None and self._trainable.first_changed() >= 0:
+            self._refuse_trainable_change()
         tensors = self._template.tensors(batch)
         bucket = self._layout.bucket(tensors)
         samples = self._samples(tensors, bucket)
@@ -305,6 +311,7 @@ class Step:
                 self._fuse()
             loss = self._eager_step(batch, tensors, bucket, samples, warmup=True)
             if self._counts["steps"] + 1 >= self._warmup_steps:
+                self._fix_trainable()  # an optimizer captured as it is: from here on
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
             if short and not self._will_capture and self._pads(tensors, samples):
@@ -533,12 +540,36 @@ class Step:
         self._iteration.keep_accumulated_grads()
         if sync is not None:
             used = sync.used_anywhere(used)
+        self._fix_trainable()
         self._update.fuse(self._params, self._graph.update_values, shards, used)
         if sync is not None:
             sync.use_buckets(self._update.fused,
                              update_in_buckets=self._why_not_in_buckets() is None)
         if self._ema is not None:
             self._ema.use_flat(self._update.fused)
+
+    def _fix_trainable(self) -> None:
+        """From here on the flat buffers and the graphs hold which parameters train."""
+        if self._trainable is None:
+            self._trainable = _C.TrainableFlags(self._params)
+
+    def _refuse_trainable_change(self) -> None:
+        """A parameter frozen or unfrozen (requires_grad_) since warm-up: the flat buffers and
+        the graphs would go on updating it, or never update it. Raised before anything runs."""
+        i = self._trainable.first_changed()
+        p, was = self._params[i], self._trainable.was_trainable(i)
+        names = {id(q): name for name, q in self.model.named_parameters()}
+        name = names.get(id(p), f"optimizer parameter {i} (shape {tuple(p.shape)})")
+        changed = sum(q.requires_grad != self._trainable.was_trainable(k)
+                      for k, q in enumerate(self._params))
+        effect = ("the captured step would go on updating it" if was else
+                  "the captured step would never compute its gradient or update it")
+        raise NimbleError(
+            f"nimble_train.Step: {name}.requires_grad changed from {was} to {not was} after "
+            f"warm-up fixed which parameters the step trains ({changed} parameter(s) changed); "
+            f"{effect}. Freeze or unfreeze parameters before the Step's first call, or build a "
+            "new Step for the new set: step.close(), then nt.Step(model, optimizer, ...) again "
+            "(the optimizer's state carries over). Nothing was run for this call.")
 
     def _why_not_in_buckets(self) -> str | None:
         """Why a captured data-parallel step does not update each bucket right after its

@@ -124,6 +124,18 @@ std::vector<FlatTensors> build_flat_buffers(
   return flats;
 }
 
+TrainableFlags::TrainableFlags(std::vector<at::Tensor> params) : params_(std::move(params)) {
+  flags_.reserve(params_.size());
+  for (const at::Tensor& p : params_) flags_.push_back(p.requires_grad());
+}
+
+int64_t TrainableFlags::first_changed() const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].requires_grad() != flags_[i]) return int64_t(i);
+  }
+  return -1;
+}
+
 void reattach(std::vector<FlatTensors>& flats) {
   const c10::AutoGradMode no_grad(false);
   for (FlatTensors& flat : flats) {

@@ -66,6 +66,23 @@ void attach_grads(std::vector<FlatTensors>& flats);
 // One memset per flat gradient buffer (capturable); undefined gradients go back to their views.
 void zero_grads(std::vector<FlatTensors>& flats);
 
+// Which of a step's parameters required gradients when it fixed what it trains (its flat
+// buffers, its graphs). A parameter frozen since (requires_grad_(false)) would go on being
+// updated by them, one unfrozen never would: the step checks before each call and refuses.
+class TrainableFlags {
+ public:
+  TrainableFlags() = default;
+  explicit TrainableFlags(std::vector<at::Tensor> params);
+  // The index of the first parameter whose requires_grad differs from then, or -1.
+  int64_t first_changed() const;
+  bool was_trainable(int64_t i) const { return flags_.at(size_t(i)); }
+  int64_t size() const { return int64_t(params_.size()); }
+
+ private:
+  std::vector<at::Tensor> params_;
+  std::vector<bool> flags_;
+};
+
 // What one pass of the update reads and writes: a whole FlatTensors, or one rank's slice of it
 // when the state is sharded. state: in the order of the algorithm's state keys (SGD:
 // momentum; Adam: exp_avg, exp_avg_sq[, max_exp_avg_sq]; LAMB: exp_avg, exp_avg_sq); empty

@@ -157,6 +157,15 @@ void bind_optim(py::module_& m) {
   m.def("optim_zero_grads", &optim::zero_grads, py::arg("flats"),
         "One memset per flat gradient buffer; undefined gradients go back to their views.");
 
+  py::class_<optim::TrainableFlags>(m, "TrainableFlags",
+                                    "Which parameters required gradients when a step fixed "
+                                    "what it trains; first_changed() finds one changed since.")
+      .def(py::init<std::vector<at::Tensor>>(), py::arg("params"))
+      .def("first_changed", &optim::TrainableFlags::first_changed,
+           "The index of the first parameter whose requires_grad differs from then, or -1.")
+      .def("was_trainable", &optim::TrainableFlags::was_trainable, py::arg("i"))
+      .def("__len__", &optim::TrainableFlags::size);
+
   py::class_<optim::UpdateTarget>(m, "UpdateTarget",
                                   "What one pass of the fused update reads and writes.")
       .def(py::init([](at::Tensor param, at::Tensor grad, std::vector<at::Tensor> state,

@@ -21,6 +21,7 @@
 #include <torch/optim/sgd.h>
 
 #include <map>
+#include <optional>
 #include <set>
 #include <tuple>
 #include <utility>
@@ -326,6 +327,7 @@ class Step::Impl {
   StepStats stats() const;
   void close() {
     release();
+    own_grads();
     phase_ = Phase::kClosed;
   }
   void inject(int point);
@@ -350,12 +352,17 @@ class Step::Impl {
   // The fused update.
   void fuse();
   void check_structure() const;
+  void fix_trainable();          // from here on, which parameters train is fixed
+  void check_trainable() const;  // ... and a parameter frozen or unfrozen since is refused
   std::vector<float> staged_values() const;
   void bind_state();       // optimizer.state() -> flat buffers, then views of them
   void keep_state_bound(); // a torch::load since the last call: bind again
   void after_update();     // host step counts, as torch::optim's step() would advance them
   at::Tensor fused_update();
   void release();
+  // The gradients leave the flat buffers: torch::optim's zero_grad() detaches each gradient in
+  // place, which a view refuses. Parameters and state stay views (nothing detaches those).
+  void own_grads();
 
   std::shared_ptr<torch::nn::Module> module_;
   torch::optim::Optimizer& optimizer_;
@@ -389,6 +396,10 @@ class Step::Impl {
   int64_t entry_ = -1;
   at::Tensor graph_loss_;
   std::string capture_error_;
+
+  // Which parameters required gradients when the flat buffers (or the graph) fixed what the
+  // step trains.
+  std::optional<optim::TrainableFlags> trainable_;
 
   // The fused update.
   bool fused_ = false;
@@ -610,6 +621,33 @@ void Step::Impl::check_structure() const {
   }
 }
 
+void Step::Impl::fix_trainable() {
+  if (trainable_.has_value()) return;
+  std::vector<at::Tensor> params;
+  for (auto& group : optimizer_.param_groups()) {
+    for (const at::Tensor& p : group.params()) params.push_back(p);
+  }
+  trainable_.emplace(std::move(params));
+}
+
+void Step::Impl::check_trainable() const {
+  if (!trainable_.has_value()) return;
+  const int64_t changed = trainable_->first_changed();
+  if (changed < 0) return;
+  size_t g = 0;
+  int64_t i = changed;
+  while (g < group_sizes_.size() && i >= int64_t(group_sizes_[g])) i -= int64_t(group_sizes_[g++]);
+  const bool was = trainable_->was_trainable(changed);
+  throw Error(std::string("nimble_train::Step: the requires_grad of param_groups()[") +
+              std::to_string(g) + "].params()[" + std::to_string(i) + "] changed from " +
+              (was ? "true to false" : "false to true") +
+              " after warm-up fixed which parameters the step trains; the step would " +
+              (was ? "go on updating it" : "never compute its gradient or update it") +
+              ". Freeze or unfreeze parameters before the Step's first call, or build a new "
+              "Step for the new set (close() this one; the optimizer's state carries over). "
+              "Nothing was run for this call.");
+}
+
 std::vector<float> Step::Impl::staged_values() const {
   check_structure();
   std::vector<float> values(size_t(num_values_), 0.0f);
@@ -630,6 +668,7 @@ void Step::Impl::fuse() {
       if (p.requires_grad() && p.grad().defined()) params.emplace_back(int64_t(g), p);
     }
   }
+  fix_trainable();
   if (params.empty()) {
     throw Error("nimble_train::Step: no parameter got a gradient in the first step; check that "
                 "forward_loss uses the model and returns a loss that depends on it");
@@ -908,6 +947,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
     make_template(batch);
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
   }
+  check_trainable();
   const int64_t samples = check_batch(batch);
   const bool short_batch = samples < batch_size_;
   if (short_batch && options_.partial_batch == PartialBatch::kError) {
@@ -920,7 +960,10 @@ at::Tensor Step::Impl::call(const Batch& batch) {
   switch (phase_) {
     case Phase::kWarmup:
       loss = eager_step(batch, samples, /*warmup=*/true);
-      if (eager_steps_ >= options_.warmup) phase_ = Phase::kCapture;
+      if (eager_steps_ >= options_.warmup) {
+        fix_trainable();  // an optimizer captured as it is: from here on
+        phase_ = Phase::kCapture;
+      }
       break;
     case Phase::kCapture:
       if (short_batch) {  // the capture waits for a full batch
@@ -958,6 +1001,15 @@ StepStats Step::Impl::stats() const {
   s.update = fused_ ? "fused" : "eager";
   s.capture_error = capture_error_;
   return s;
+}
+
+void Step::Impl::own_grads() {
+  const c10::AutoGradMode no_grad(false);
+  for (optim::FlatTensors& flat : flats_) {
+    for (at::Tensor& p : flat.params) {
+      if (p.grad().defined()) p.mutable_grad() = p.grad().clone();
+    }
+  }
 }
 
 void Step::Impl::release() {

@@ -255,6 +255,81 @@ TEST(StepCpu, AnOptimizerThatCannotBeFusedRunsAsItIs) {
   EXPECT_EQ(step.stats().update, "eager");
 }
 
+// A parameter frozen (or unfrozen) after warm-up: the flat buffers hold the old set, so the
+// call is refused before it runs anything, and a new Step trains the new set as the loop does.
+TEST(StepCpu, AParameterFrozenOrUnfrozenAfterWarmupIsRefusedAndANewStepTrainsTheNewSet) {
+  auto batches = make_batches(10, 16, 16);
+  auto net = make_model(17), ref = make_model(17);
+  auto options = torch::optim::SGDOptions(0.1).momentum(0.9);
+  torch::optim::SGD opt(net->parameters(), options);
+  torch::optim::SGD ref_opt(ref->parameters(), options);
+  auto expect_refused = [&](nt::Step& step, const nt::Batch& b, const char* change) {
+    const std::vector<torch::Tensor> before = snapshot(net);
+    try {
+      step(b);
+      ADD_FAILURE() << "a call after " << change << " ran";
+    } catch (const nt::Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("param_groups()[0].params()[0]"), std::string::npos) << what;
+      EXPECT_NE(what.find(change), std::string::npos) << what;
+      EXPECT_NE(what.find("build a new Step"), std::string::npos) << what;
+    }
+    EXPECT_EQ(max_change(net, before), 0);  // nothing ran
+  };
+  nt::Step step(net, opt, per_sample(net));
+  size_t i = 0;
+  for (; i < 3; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  ASSERT_EQ(step.stats().update, "fused");
+  net->parameters()[0].requires_grad_(false);
+  ref->parameters()[0].requires_grad_(false);
+  expect_refused(step, batches[i], "true to false");
+  step.close();
+  const torch::Tensor frozen = net->parameters()[0].detach().clone();
+  nt::Step again(net, opt, per_sample(net));
+  for (; i < 6; ++i) {
+    again(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), kTol);
+  EXPECT_TRUE(net->parameters()[0].equal(frozen));  // no momentum moved it, as in the loop
+  net->parameters()[0].requires_grad_(true);
+  ref->parameters()[0].requires_grad_(true);
+  expect_refused(again, batches[i], "false to true");
+  again.close();
+  nt::Step third(net, opt, per_sample(net));
+  for (; i < batches.size(); ++i) {
+    third(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), kTol);
+  EXPECT_FALSE(net->parameters()[0].equal(frozen));  // trained again
+}
+
+// close() hands the optimizer back for a plain loop: torch::optim's zero_grad() detaches each
+// gradient in place, which the flat buffers' views would refuse.
+TEST(StepCpu, AfterCloseTheOptimizerTrainsInAPlainLoop) {
+  auto batches = make_batches(6, 16, 18);
+  auto net = make_model(19), ref = make_model(19);
+  auto options = torch::optim::AdamOptions(1e-2);
+  torch::optim::Adam opt(net->parameters(), options);
+  torch::optim::Adam ref_opt(ref->parameters(), options);
+  nt::Step step(net, opt, per_sample(net));
+  for (size_t i = 0; i < 3; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  ASSERT_EQ(step.stats().update, "fused");
+  step.close();
+  for (size_t i = 3; i < batches.size(); ++i) {
+    reference_step(net, opt, batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+}
+
 TEST(StepCpu, AClosedStepRefusesCalls) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));

@@ -399,6 +399,43 @@ def test_parameters_without_grad_are_left_alone():
     assert params[2].grad is None
 
 
+def test_a_parameter_frozen_after_fusing_leaves_the_old_buffers_when_fused_anew():
+    """A Step rebuilt for a new set of trainable parameters fuses the optimizer anew: the
+    parameters it leaves out get their own copies (values kept), so that the earlier flat
+    buffers are not kept alive by their views, and the rest train on as torch's optimizer."""
+    params = make_params()
+    ref_params = clone_params(params)
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.5)
+    ref = torch.optim.AdamW(ref_params, lr=0.1, weight_decay=0.5)
+    fused = FusedOptimizer(opt)
+    for i in range(2):
+        for ps in (params, ref_params):
+            set_grads(ps, random_grads(ps, i))
+        fused.step()
+        ref.step()
+    first = fused._flats[0].param.untyped_storage()
+    assert params[2].untyped_storage().data_ptr() == first.data_ptr()  # a view, so far
+    fused.close()
+    for p in (params[2], ref_params[2]):
+        p.requires_grad_(False)
+        p.grad = None
+    frozen = params[2].detach().clone()
+    fused = FusedOptimizer(opt)
+    frozen_state = [opt.state[params[2]][k] for k in ("exp_avg", "exp_avg_sq")]
+    for t in [params[2]] + frozen_state:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        assert t.untyped_storage().data_ptr() != first.data_ptr()
+    assert torch.equal(params[2], frozen)
+    for i in range(2, 4):
+        for ps in (params, ref_params):
+            trainable = [p for p in ps if p.requires_grad]
+            set_grads(trainable, random_grads(trainable, i))
+        fused.step()
+        ref.step()
+    assert torch.equal(params[2], frozen)
+    assert_same_params_and_state(params, opt, ref_params, ref)
+
+
 def test_why_unsupported_says_why():
     params = make_params()
     assert FusedOptimizer.why_unsupported(torch.optim.AdamW(params)) is None

@@ -1,6 +1,7 @@
 """Step on the GPU: captured steps equal eager ones, and failures lose nothing."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -94,6 +95,54 @@ def test_an_optimizer_that_cannot_be_fused_is_captured_as_is_and_recaptured_on_c
         eager_loop(m2, o2, per_sample, [b])
     assert step.stats()["captures"] == 2 and step.stats()["optimizer"] == "captured as-is"
     assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9),  # captured as it is
+], ids=["sgd-momentum", "rmsprop-as-is"])
+def test_a_parameter_frozen_or_unfrozen_after_warmup_is_refused_and_a_new_step_trains_the_new_set(
+        make_opt, streams):
+    """The flat buffers and graphs hold the parameters that trained in warm-up: a frozen one
+    would go on being updated, an unfrozen one never would. The call is refused before it
+    runs anything; a new Step (the optimizer's state carried over) trains as the loop does."""
+    torch.manual_seed(4)
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(), make_opt)
+    batches = classification_batches(12, 16, image=True, device="cuda")
+
+    def train(start, stop):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # RMSprop: captured as it is
+            step = nt.Step(m1, o1, per_sample, warmup=2, streams=streams)
+        for b in batches[start:stop]:
+            step(b)
+        eager_loop(m2, o2, per_sample, batches[start:stop])
+        assert step.stats()["replays"] == stop - start - 2
+        assert_same_training(m1, o1, m2, o2, **TOL)
+        return step
+
+    def refused(step, change):
+        with pytest.raises(nt.NimbleError, match=rf"conv2\.weight\.requires_grad changed from "
+                                                 rf"{change}.*build a new Step"):
+            step(batches[0])
+        assert_same_training(m1, o1, m2, o2, **TOL)  # nothing ran
+        step.close()
+
+    step = train(0, 4)
+    for m in (m1, m2):
+        m.conv2.weight.requires_grad_(False)
+    refused(step, "True to False")
+    frozen = m1.conv2.weight.detach().clone()
+    step = train(4, 8)
+    assert torch.equal(m1.conv2.weight, frozen)  # its momentum moved it no further
+    w = m1.conv2.weight  # and the first Step's flat buffers are not kept alive through it
+    assert w.untyped_storage().nbytes() == w.numel() * w.element_size()
+    for m in (m1, m2):
+        m.conv2.weight.requires_grad_(True)
+    refused(step, "False to True")
+    train(8, 12).close()
+    assert not torch.equal(m1.conv2.weight, frozen)
 
 
 def test_fp16_with_device_loss_scaling_matches_grad_scaler():

@@ -107,7 +107,39 @@ def build_flat_buffers(params: list[tuple[int, torch.Tensor]], state_keys: list[
             list(core.groups), list(core.offsets), core.param, core.grad,
             dict(zip(state_keys, core.state)), list(core.grad_views), core.chunks,
             core.first_chunk, core.chunk_norms, core.trust))
+    for _, p in params:
+        setattr(p, IN_FLAT_BUFFERS, True)  # for own_storage(), should it be left out later
     return flats
+
+
+# Marks a parameter that has been in flat buffers: its data, gradient and state are (or were)
+# views of them.
+IN_FLAT_BUFFERS = "_nimble_train_flat"
+
+
+def own_storage(params: list[torch.Tensor], state) -> None:
+    """Parameters left out of new flat buffers (frozen since, or without a gradient) that were
+    in earlier ones (an earlier fused optimizer's: a Step built anew for a new set of trainable
+    parameters replaces its buffers) get copies of their data, gradient and state, so that the
+    earlier buffers are freed with the last views the new set leaves them."""
+    def owned(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+            return t.clone()  # a dense view: clone keeps its strides (channels-last)
+        return t
+    with torch.no_grad():
+        for p in params:
+            if not getattr(p, IN_FLAT_BUFFERS, False):
+                continue
+            data = p.data
+            if owned(data) is not data:
+                p.data = data.clone()
+            if p.grad is not None:
+                p.grad = owned(p.grad)
+            kept = state.get(p, {})
+            for key, value in kept.items():
+                if isinstance(value, torch.Tensor):
+                    kept[key] = owned(value)
+            delattr(p, IN_FLAT_BUFFERS)
 
 
 def chunk_table(offsets: list[int], groups: list[int], chunk_elems: int,

@@ -9,7 +9,7 @@ import torch
 
 from .. import _torch_private
 from .._extension import _C
-from ._flat import build_flat_buffers, cut_pieces, update_targets
+from ._flat import build_flat_buffers, cut_pieces, own_storage, update_targets
 from ._hyper import LAYOUT, STAGED, Structure, make_tables
 from ._state import FlatState
 from ._support import algorithm, trainable, why_unsupported
@@ -77,6 +77,9 @@ class FusedOptimizer:
                                          shard_world=shard_world, chunk_elems=chunk_elems,
                                          lamb=self._algorithm == "lamb")
         self._cores = [flat.core for flat in self._flats]
+        taken = {id(p) for _, p in params}
+        own_storage([p for group in groups for p in group["params"] if id(p) not in taken],
+                    optimizer.state)
         self._partials, self._targets = update_targets(self._flats, keys, self.device)
         self._parts: list | None = None  # split(): the update's parts, as UpdateTargets
         self._part_partials: torch.Tensor | None = None  # their gradient statistics
