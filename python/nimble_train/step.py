@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import operator
 from typing import Any, Callable
 
 import torch
@@ -51,6 +52,8 @@ from ._update import Update
 from ._window import Window
 from .distributed import DEFAULT_BUCKET_MB, current_world
 from .errors import DistributedError, NimbleError
+
+_TRAINING = operator.attrgetter("training")
 
 
 class Phase(enum.Enum):
@@ -195,6 +198,10 @@ class Step:
         # Which parameters required gradients when the flat buffers and graphs fixed what the
         # step trains (the end of warm-up): a change since is refused (_check_trainable).
         self._trainable = None
+        # Each module's training flag when the graphs were first captured (_check_modes).
+        self._modules: list[tuple[str, torch.nn.Module]] = []
+        self._module_list: list[torch.nn.Module] = []
+        self._modes: list[bool] | None = None
         # The graph each call launches, by bucket and place in the window (-1: none yet).
         self._launch_entry: list[list[int]] = []
         self._entry_of: dict[tuple[int, tuple[bool, bool]], int] = {}  # (bucket, kind) -> entry
@@ -249,7 +256,8 @@ class Step:
             if full:
                 entry = self._launch_entry[bucket][window.micro]
                 if (entry >= 0 and not self._swapped and not self._update.changed()
-                        and self._trainable.first_changed() < 0):
+                        and self._trainable.first_changed() < 0
+                        and list(map(_TRAINING, self._module_list)) == self._modes):
                     samples = self._template.batch_size
                     try:
                         self._graph.graph.launch(entry, tensors, self._call_values(samples))
@@ -299,6 +307,8 @@ class Step:
         self._update.check_groups()
         if self._trainable is not None and self._trainable.first_changed() >= 0:
             self._refuse_trainable_change()
+        if self._phase in (Phase.CAPTURE, Phase.REPLAY):
+            self._check_modes()
         tensors = self._template.tensors(batch)
         bucket = self._layout.bucket(tensors)
         samples = self._samples(tensors, bucket)
@@ -312,6 +322,9 @@ class Step:
             loss = self._eager_step(batch, tensors, bucket, samples, warmup=True)
             if self._counts["steps"] + 1 >= self._warmup_steps:
                 self._fix_trainable()  # an optimizer captured as it is: from here on
+                self._modules = list(self.model.named_modules())
+                self._module_list = [m for _, m in self._modules]
+                self._modes = list(map(_TRAINING, self._module_list))
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
             if short and not self._will_capture and self._pads(tensors, samples):
@@ -570,6 +583,30 @@ class Step:
             f"{effect}. Freeze or unfreeze parameters before the Step's first call, or build a "
             "new Step for the new set: step.close(), then nt.Step(model, optimizer, ...) again "
             "(the optimizer's state carries over). Nothing was run for this call.")
+
+    def _check_modes(self) -> None:
+        """The modules' training modes are those the graphs were captured with: a graph runs
+        BatchNorm's batch statistics and dropout as it was captured, whatever the flags say
+        now. Raised before anything runs."""
+        now = list(map(_TRAINING, self._module_list))
+        if now == self._modes:
+            return
+        i = next(k for k, (a, b) in enumerate(zip(now, self._modes)) if a != b)
+        name, module = self._modules[i]
+        where = f"module '{name}' ({type(module).__name__})" if name else "the model"
+        mode = lambda training: "training" if training else "eval"  # noqa: E731
+        changed = sum(a != b for a, b in zip(now, self._modes))
+        if not self.model.training and self._modes[0]:
+            fix = ("call model.train() before the next step (after an evaluation; "
+                   "step.evaluator(fn) switches to eval mode and back by itself)")
+        else:
+            fix = ("put the modes back, or, to train on with the new ones (BatchNorm's "
+                   "statistics frozen, say), step.close() and build a new nt.Step")
+        raise NimbleError(
+            f"nimble_train.Step: {where} is in {mode(now[i])} mode, and the step's graphs were "
+            f"captured with it in {mode(self._modes[i])} mode ({changed} module(s) changed); a "
+            f"captured graph runs the modes it was captured with. To train as the modes say, "
+            f"{fix}. Nothing was run for this call.")
 
     def _why_not_in_buckets(self) -> str | None:
         """Why a captured data-parallel step does not update each bucket right after its

@@ -145,6 +145,50 @@ def test_a_parameter_frozen_or_unfrozen_after_warmup_is_refused_and_a_new_step_t
     assert not torch.equal(m1.conv2.weight, frozen)
 
 
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_module_mode_changed_after_capture_is_refused_and_a_new_step_trains_in_the_new_modes(
+        streams):
+    """A graph runs BatchNorm's batch statistics (and dropout) as captured: a model left in
+    eval mode after an evaluation, or a BatchNorm frozen with .eval(), is refused before
+    anything runs; model.train() resumes the graphs, and a new Step trains in new modes as the
+    eager loop does."""
+    torch.manual_seed(5)
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05,
+                                                                          momentum=0.9))
+    batches = classification_batches(10, 16, image=True, device="cuda")
+    step = nt.Step(m1, o1, per_sample, warmup=2, streams=streams)
+    for b in batches[:4]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[:4])
+    m1.eval()  # an evaluation, and no model.train() after it
+    with pytest.raises(nt.NimbleError, match=r"the model is in eval mode.*captured with it in "
+                                             r"training mode.*call model\.train\(\)"):
+        step(batches[4])
+    assert_same_training(m1, o1, m2, o2, **TOL)  # nothing ran
+    m1.train()
+    for b in batches[4:6]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[4:6])
+    assert step.stats()["replays"] == 4 and step.stats()["captures"] == 1
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    for m in (m1, m2):
+        m.bn1.eval()  # its statistics frozen from here on
+    with pytest.raises(nt.NimbleError, match=r"module 'bn1' \(BatchNorm2d\) is in eval mode"
+                                             r".*step\.close\(\) and build a new nt\.Step"):
+        step(batches[6])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    step.close()
+    frozen = m1.bn1.running_mean.clone()
+    step = nt.Step(m1, o1, per_sample, warmup=2, streams=streams)
+    for b in batches[6:]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[6:])
+    assert step.stats()["replays"] == 2
+    assert torch.equal(m1.bn1.running_mean, frozen)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    step.close()
+
+
 def test_fp16_with_device_loss_scaling_matches_grad_scaler():
     torch.manual_seed(10)
     (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.AdamW(p, lr=1e-3))
