@@ -68,6 +68,19 @@ def ieee_float32(matmul: bool):
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = saved
 
 
+@pytest.fixture(autouse=True)
+def cudnn_autotuner_restored():
+    """cuDNN's autotuner as it was before each test. The recipes and the benchmark, run in
+    process by their tests, turn it on for the process as programs do; a later test's eager
+    references would then run algorithms picked per run and differ by more than rounding (the
+    multi-stream tests' 5%-lr check failed after the recipe tests so)."""
+    saved = torch.backends.cudnn.benchmark
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
 @pytest.fixture
 def no_tf32():
     """float32 matmuls and convolutions in full precision for the test (comparisons with an
