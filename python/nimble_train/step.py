@@ -196,7 +196,7 @@ class Step:
         self._window = Window(accumulate)
         self._swapped = False  # the EMA weights are in the model (ema_weights())
         # Which parameters required gradients when the flat buffers and graphs fixed what the
-        # step trains (the end of warm-up): a change since is refused (_check_trainable).
+        # step trains (the end of warm-up): a change since is refused (_refuse_trainable_change).
         self._trainable = None
         # Each module's training flag when the graphs were first captured (_check_modes).
         self._modules: list[tuple[str, torch.nn.Module]] = []
