@@ -199,7 +199,6 @@ class Step:
         # step trains (the end of warm-up): a change since is refused (_refuse_trainable_change).
         self._trainable = None
         # Each module's training flag when the graphs were first captured (_check_modes).
-        self._modules: list[tuple[str, torch.nn.Module]] = []
         self._module_list: list[torch.nn.Module] = []
         self._modes: list[bool] | None = None
         # The graph each call launches, by bucket and place in the window (-1: none yet).
@@ -322,9 +321,7 @@ class Step:
             loss = self._eager_step(batch, tensors, bucket, samples, warmup=True)
             if self._counts["steps"] + 1 >= self._warmup_steps:
                 self._fix_trainable()  # an optimizer captured as it is: from here on
-                self._modules = list(self.model.named_modules())
-                self._module_list = [m for _, m in self._modules]
-                self._modes = list(map(_TRAINING, self._module_list))
+                self._fix_modes()
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
             if short and not self._will_capture and self._pads(tensors, samples):
@@ -584,6 +581,11 @@ class Step:
             "new Step for the new set: step.close(), then nt.Step(model, optimizer, ...) again "
             "(the optimizer's state carries over). Nothing was run for this call.")
 
+    def _fix_modes(self) -> None:
+        """The graphs about to be captured run every module in its training mode of now."""
+        self._module_list = list(self.model.modules())
+        self._modes = list(map(_TRAINING, self._module_list))
+
     def _check_modes(self) -> None:
         """The modules' training modes are those the graphs were captured with: a graph runs
         BatchNorm's batch statistics and dropout as it was captured, whatever the flags say
@@ -592,7 +594,7 @@ class Step:
         if now == self._modes:
             return
         i = next(k for k, (a, b) in enumerate(zip(now, self._modes)) if a != b)
-        name, module = self._modules[i]
+        name, module = list(self.model.named_modules())[i]  # modules()'s order
         where = f"module '{name}' ({type(module).__name__})" if name else "the model"
         mode = lambda training: "training" if training else "eval"  # noqa: E731
         changed = sum(a != b for a, b in zip(now, self._modes))

@@ -71,12 +71,10 @@ void zero_grads(std::vector<FlatTensors>& flats);
 // updated by them, one unfrozen never would: the step checks before each call and refuses.
 class TrainableFlags {
  public:
-  TrainableFlags() = default;
   explicit TrainableFlags(std::vector<at::Tensor> params);
   // The index of the first parameter whose requires_grad differs from then, or -1.
   int64_t first_changed() const;
   bool was_trainable(int64_t i) const { return flags_.at(size_t(i)); }
-  int64_t size() const { return int64_t(params_.size()); }
 
  private:
   std::vector<at::Tensor> params_;

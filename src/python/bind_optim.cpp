@@ -163,8 +163,7 @@ void bind_optim(py::module_& m) {
       .def(py::init<std::vector<at::Tensor>>(), py::arg("params"))
       .def("first_changed", &optim::TrainableFlags::first_changed,
            "The index of the first parameter whose requires_grad differs from then, or -1.")
-      .def("was_trainable", &optim::TrainableFlags::was_trainable, py::arg("i"))
-      .def("__len__", &optim::TrainableFlags::size);
+      .def("was_trainable", &optim::TrainableFlags::was_trainable, py::arg("i"));
 
   py::class_<optim::UpdateTarget>(m, "UpdateTarget",
                                   "What one pass of the fused update reads and writes.")

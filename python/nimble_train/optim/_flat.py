@@ -131,8 +131,9 @@ def own_storage(params: list[torch.Tensor], state) -> None:
             if not getattr(p, IN_FLAT_BUFFERS, False):
                 continue
             data = p.data
-            if owned(data) is not data:
-                p.data = data.clone()
+            copy = owned(data)
+            if copy is not data:
+                p.data = copy
             if p.grad is not None:
                 p.grad = owned(p.grad)
             kept = state.get(p, {})
