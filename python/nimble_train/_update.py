@@ -16,6 +16,7 @@ import warnings
 import torch
 
 from . import _capturable
+from .errors import NimbleError
 
 
 class Update:
@@ -33,6 +34,11 @@ class Update:
         self.grad_scaler = None   # fp16 in eager steps: torch's GradScaler
         self.staged_lr: list[bool] = []
         self._baked: list[dict] | None = None
+        # Captured as it is: the state tensors the graphs read, as (group, index, key, tensor),
+        # and whether optimizer.load_state_dict replaced them since (settle_state).
+        self._state_read: list[tuple[int, int, str, torch.Tensor]] = []
+        self._load_hook = None
+        self.loaded = False
         self._groups = len(optimizer.param_groups)
         self._params = sum(len(group["params"]) for group in optimizer.param_groups)
         if amp == "fp16":
@@ -118,9 +124,53 @@ class Update:
                 group["lr"] = lr
 
     def bake(self) -> None:
-        """After capturing an optimizer as it is: what the graph baked in."""
-        if self.fused is None:
-            self._baked = _capturable.hyperparameters(self.optimizer, self.staged_lr)
+        """After capturing an optimizer as it is: what the graph baked in, and the state
+        tensors it reads (a load_state_dict since replaces them: settle_state)."""
+        if self.fused is not None:
+            return
+        self._baked = _capturable.hyperparameters(self.optimizer, self.staged_lr)
+        state = self.optimizer.state
+        self._state_read = [(g, i, key, value)
+                            for g, group in enumerate(self.optimizer.param_groups)
+                            for i, p in enumerate(group["params"])
+                            for key, value in state.get(p, {}).items()
+                            if isinstance(value, torch.Tensor)]
+        if self._load_hook is None:
+            self._load_hook = self.optimizer.register_load_state_dict_post_hook(self._on_load)
+
+    def _on_load(self, _optimizer: torch.optim.Optimizer) -> None:
+        self.loaded = True
+
+    def settle_state(self) -> None:
+        """After optimizer.load_state_dict, for an optimizer captured as it is: the loaded
+        values go into the state tensors the graphs read, which optimizer.state holds again,
+        and the loaded param groups get their capturable form back. A loaded state without a
+        tensor the graphs read, or with another shape, is refused before anything changes."""
+        if not self.loaded:
+            return
+        groups, state = self.optimizer.param_groups, self.optimizer.state
+        for g, i, key, read in self._state_read:
+            new = state.get(groups[g]["params"][i], {}).get(key)
+            if new is read:
+                continue
+            if not isinstance(new, torch.Tensor) or new.shape != read.shape:
+                seen = ("none" if not isinstance(new, torch.Tensor) else
+                        f"one of shape {tuple(new.shape)}")
+                raise NimbleError(
+                    f"nimble_train.Step: optimizer.load_state_dict gave param_groups[{g}]"
+                    f"['params'][{i}] the state {key!r} {seen}, where the captured step reads "
+                    f"one of shape {tuple(read.shape)}. Load a state_dict saved from this "
+                    "optimizer (the same parameters and options), or build a new Step for the "
+                    "loaded one: step.close(), then nt.Step(model, optimizer, ...). Nothing was "
+                    "run for this call.")
+        with torch.no_grad():
+            for g, i, key, read in self._state_read:
+                p_state = state[groups[g]["params"][i]]
+                if p_state[key] is not read:
+                    read.copy_(p_state[key])
+                    p_state[key] = read
+        _capturable.make_capturable(self.optimizer)  # same groups: the same staged lr
+        self.loaded = False
 
     def check_groups(self) -> None:
         """The optimizer's parameters are those the Step was built for: a param group added
@@ -136,9 +186,10 @@ class Update:
                 "or build a new Step (step.close() first).")
 
     def changed(self) -> bool:
-        """Whether a hyper-parameter the graph baked in changed since (a recapture is due), or
-        a param group was added (the slow path says so)."""
-        if len(self.optimizer.param_groups) != self._groups:
+        """Whether a hyper-parameter the graph baked in changed since (a recapture is due), a
+        param group was added, or a loaded state awaits settle_state (the slow path sees to
+        each)."""
+        if self.loaded or len(self.optimizer.param_groups) != self._groups:
             return True
         if self.fused is not None or self._baked is None:
             return False  # the fused update reads every hyper-parameter on the device
@@ -157,3 +208,6 @@ class Update:
     def close(self) -> None:
         if self.fused is not None:
             self.fused.close()
+        if self._load_hook is not None:
+            self._load_hook.remove()
+            self._load_hook = None

@@ -56,6 +56,10 @@ from .errors import DistributedError, NimbleError
 _TRAINING = operator.attrgetter("training")
 
 
+def _describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
 class Phase(enum.Enum):
     TEMPLATE = "template"
     WARMUP = "warm-up"
@@ -196,8 +200,11 @@ class Step:
         self._window = Window(accumulate)
         self._swapped = False  # the EMA weights are in the model (ema_weights())
         # Which parameters required gradients when the flat buffers and graphs fixed what the
-        # step trains (the end of warm-up): a change since is refused (_refuse_trainable_change).
-        self._trainable = None
+        # step trains (the end of warm-up): a change since is refused (_refuse_trainable_change);
+        # and from capture on where the graphs read their data (_settle_params).
+        self._watch = None
+        self._watched: list[torch.Tensor] = []  # the optimizer's parameters, the model's others
+        self._buffers_read: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
         # Each module's training flag when the graphs were first captured (_check_modes).
         self._module_list: list[torch.nn.Module] = []
         self._modes: list[bool] | None = None
@@ -255,7 +262,7 @@ class Step:
             if full:
                 entry = self._launch_entry[bucket][window.micro]
                 if (entry >= 0 and not self._swapped and not self._update.changed()
-                        and self._trainable.first_changed() < 0
+                        and not self._watch.changed()
                         and list(map(_TRAINING, self._module_list)) == self._modes):
                     samples = self._template.batch_size
                     try:
@@ -304,10 +311,11 @@ class Step:
         if self._phase is Phase.TEMPLATE:
             return self._first_call(batch)
         self._update.check_groups()
-        if self._trainable is not None and self._trainable.first_changed() >= 0:
-            self._refuse_trainable_change()
         if self._phase in (Phase.CAPTURE, Phase.REPLAY):
             self._check_modes()
+        if self._watch is not None and self._watch.changed():
+            self._settle_params()
+        self._update.settle_state()
         tensors = self._template.tensors(batch)
         bucket = self._layout.bucket(tensors)
         samples = self._samples(tensors, bucket)
@@ -322,6 +330,7 @@ class Step:
             if self._counts["steps"] + 1 >= self._warmup_steps:
                 self._fix_trainable()  # an optimizer captured as it is: from here on
                 self._fix_modes()
+                self._fix_storage()
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
             if short and not self._will_capture and self._pads(tensors, samples):
@@ -560,26 +569,78 @@ class Step:
 
     def _fix_trainable(self) -> None:
         """From here on the flat buffers and the graphs hold which parameters train."""
-        if self._trainable is None:
-            self._trainable = _C.TrainableFlags(self._params)
+        if self._watch is None:
+            known = {id(p) for p in self._params}
+            others = [p for p in self.model.parameters() if id(p) not in known]
+            self._watched = [*self._params, *others]  # frozen ones the forward reads too
+            self._watch = _C.ParamWatch(self._watched, len(self._params))
+
+    def _param_name(self, i: int) -> str:
+        p = self._watched[i]
+        names = {id(q): name for name, q in self.model.named_parameters()}
+        return names.get(id(p), f"optimizer parameter {i} (shape {tuple(p.shape)})")
+
+    def _fix_storage(self) -> None:
+        """The graphs about to be captured read each parameter's data and each buffer where
+        they are now (after _fix_modes: its module list)."""
+        self._watch.fix_storage()
+        self._buffers_read = [(module, name, tensor) for module in self._module_list
+                              for name, tensor in module._buffers.items() if tensor is not None]
+
+    def _settle_params(self) -> None:
+        """Before anything runs: a parameter frozen or unfrozen since warm-up is refused; a
+        parameter whose data was replaced since capture (``p.data = t``) goes back where the
+        graphs read it, its new values copied there, and so does a buffer replaced with it
+        (module.to() replaces both), or the call is refused when they cannot."""
+        if self._watch.first_flag_changed() >= 0:
+            self._refuse_trainable_change()
+        for i in self._watch.moved():
+            why = self._watch.why_not_restorable(i)
+            if why:
+                self._refuse_replaced(f"the data of {self._param_name(i)}", why)
+        buffers = []
+        for module, name, read in self._buffers_read:
+            now = module._buffers.get(name)
+            if now is read:
+                continue
+            if now is None or (now.shape, now.dtype, now.device) != (read.shape, read.dtype,
+                                                                       read.device):
+                seen = "removed" if now is None else f"now {_describe(now)}"
+                where = {id(m): n for n, m in self.model.named_modules()}.get(id(module))
+                self._refuse_replaced(f"the buffer {where + '.' if where else ''}{name}",
+                                      f"it is {seen} where the graphs read {_describe(read)}")
+            buffers.append((module, name, read, now))
+        self._watch.restore()
+        with torch.no_grad():
+            for module, name, read, now in buffers:
+                read.copy_(now)
+                module._buffers[name] = read
+
+    @staticmethod
+    def _refuse_replaced(what: str, why: str) -> None:
+        raise NimbleError(
+            f"nimble_train.Step: {what} was replaced after capture (p.data = ..., "
+            f"module.to(...)), and {why}. Change values in place (with torch.no_grad(): "
+            "p.copy_(t)), or build a new Step for the new model: step.close(), then "
+            "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
 
     def _refuse_trainable_change(self) -> None:
         """A parameter frozen or unfrozen (requires_grad_) since warm-up: the flat buffers and
         the graphs would go on updating it, or never update it. Raised before anything runs."""
-        i = self._trainable.first_changed()
-        p, was = self._params[i], self._trainable.was_trainable(i)
-        names = {id(q): name for name, q in self.model.named_parameters()}
-        name = names.get(id(p), f"optimizer parameter {i} (shape {tuple(p.shape)})")
-        changed = sum(q.requires_grad != self._trainable.was_trainable(k)
+        watch = self._watch
+        i = watch.first_flag_changed()
+        was = watch.was_trainable(i)
+        changed = sum(q.requires_grad != watch.was_trainable(k)
                       for k, q in enumerate(self._params))
         effect = ("the captured step would go on updating it" if was else
                   "the captured step would never compute its gradient or update it")
         raise NimbleError(
-            f"nimble_train.Step: {name}.requires_grad changed from {was} to {not was} after "
-            f"warm-up fixed which parameters the step trains ({changed} parameter(s) changed); "
-            f"{effect}. Freeze or unfreeze parameters before the Step's first call, or build a "
-            "new Step for the new set: step.close(), then nt.Step(model, optimizer, ...) again "
-            "(the optimizer's state carries over). Nothing was run for this call.")
+            f"nimble_train.Step: {self._param_name(i)}.requires_grad changed from {was} to "
+            f"{not was} after warm-up fixed which parameters the step trains ({changed} "
+            f"parameter(s) changed); {effect}. Freeze or unfreeze parameters before the Step's "
+            "first call, or build a new Step for the new set: step.close(), then "
+            "nt.Step(model, optimizer, ...) again (the optimizer's state carries over). Nothing "
+            "was run for this call.")
 
     def _fix_modes(self) -> None:
         """The graphs about to be captured run every module in its training mode of now."""
@@ -937,4 +998,6 @@ class Step:
             self._update.close()
             if self._gradsync is not None:
                 self._gradsync.close()
+            # The watch's aliases and the buffers kept the graphs' storage alive.
+            self._watch, self._watched, self._buffers_read = None, [], []
             self._enter(Phase.CLOSED)

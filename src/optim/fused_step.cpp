@@ -1,6 +1,7 @@
 // The fused optimizer step over tensors (see fused_step.h).
 #include "optim/fused_step.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/index_add.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <sstream>
 
 #include "common/check.h"
 #include "optim/device_tables.h"
@@ -124,16 +126,102 @@ std::vector<FlatTensors> build_flat_buffers(
   return flats;
 }
 
-TrainableFlags::TrainableFlags(std::vector<at::Tensor> params) : params_(std::move(params)) {
-  flags_.reserve(params_.size());
-  for (const at::Tensor& p : params_) flags_.push_back(p.requires_grad());
+ParamWatch::ParamWatch(std::vector<at::Tensor> params, int64_t trained)
+    : params_(std::move(params)) {
+  NT_CHECK(trained >= 0 && size_t(trained) <= params_.size(),
+           "ParamWatch: trained (", trained, ") must be in [0, ", params_.size(), "]");
+  flags_.reserve(size_t(trained));
+  for (int64_t i = 0; i < trained; ++i) flags_.push_back(params_[size_t(i)].requires_grad());
 }
 
-int64_t TrainableFlags::first_changed() const {
-  for (size_t i = 0; i < params_.size(); ++i) {
+void ParamWatch::fix_storage() {
+  captured_.clear();
+  captured_.reserve(params_.size());
+  for (const at::Tensor& p : params_) captured_.push_back(p.detach());
+}
+
+bool ParamWatch::is_moved(size_t i) const {
+  const at::Tensor& p = params_[i];
+  const at::Tensor& c = captured_[i];
+  return p.const_data_ptr() != c.const_data_ptr() || p.scalar_type() != c.scalar_type() ||
+         p.sizes() != c.sizes() || p.strides() != c.strides();
+}
+
+bool ParamWatch::changed() const {
+  for (size_t i = 0; i < flags_.size(); ++i) {
+    if (params_[i].requires_grad() != flags_[i]) return true;
+  }
+  for (size_t i = 0; i < captured_.size(); ++i) {
+    if (is_moved(i)) return true;
+  }
+  return false;
+}
+
+int64_t ParamWatch::first_flag_changed() const {
+  for (size_t i = 0; i < flags_.size(); ++i) {
     if (params_[i].requires_grad() != flags_[i]) return int64_t(i);
   }
   return -1;
+}
+
+std::vector<int64_t> ParamWatch::moved() const {
+  std::vector<int64_t> out;
+  for (size_t i = 0; i < captured_.size(); ++i) {
+    if (is_moved(i)) out.push_back(int64_t(i));
+  }
+  return out;
+}
+
+namespace {
+
+std::string describe(const at::Tensor& t) {
+  std::ostringstream s;
+  s << t.scalar_type() << " " << t.sizes() << " on " << t.device();
+  return s.str();
+}
+
+bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  switch (at::get_overlap_status(a, b)) {
+    case at::MemOverlapStatus::Full:
+    case at::MemOverlapStatus::Partial:
+      return true;
+    case at::MemOverlapStatus::TooHard:  // not dense: same storage is overlap enough
+      return a.storage().is_alias_of(b.storage());
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+std::string ParamWatch::why_not_restorable(int64_t i) const {
+  NT_CHECK(i >= 0 && size_t(i) < captured_.size(), "ParamWatch: no fixed parameter ", i);
+  const at::Tensor& p = params_[size_t(i)];
+  const at::Tensor& c = captured_[size_t(i)];
+  if (p.scalar_type() != c.scalar_type() || p.sizes() != c.sizes() || p.device() != c.device()) {
+    return "its data is now " + describe(p) + " where the graphs read " + describe(c);
+  }
+  for (size_t j = 0; j < params_.size(); ++j) {
+    if (j != size_t(i) && overlaps(p, params_[j])) {
+      return "its data now shares memory with parameter " + std::to_string(j) +
+             "'s, a tie the graphs (captured with them apart) cannot keep";
+    }
+  }
+  return "";
+}
+
+void ParamWatch::restore() {
+  const c10::AutoGradMode no_grad(false);
+  for (const int64_t i : moved()) {
+    const std::string why = why_not_restorable(i);
+    NT_CHECK(why.empty(), "ParamWatch: parameter ", i, " cannot go back: ", why);
+    at::Tensor& p = params_[size_t(i)];
+    const at::Tensor& c = captured_[size_t(i)];
+    at::Tensor values = p.detach();
+    if (at::get_overlap_status(values, c) != at::MemOverlapStatus::No) values = values.clone();
+    c.copy_(values);
+    p.set_data(c);
+  }
 }
 
 void reattach(std::vector<FlatTensors>& flats) {

@@ -66,19 +66,43 @@ void attach_grads(std::vector<FlatTensors>& flats);
 // One memset per flat gradient buffer (capturable); undefined gradients go back to their views.
 void zero_grads(std::vector<FlatTensors>& flats);
 
-// Which of a step's parameters required gradients when it fixed what it trains (its flat
-// buffers, its graphs). A parameter frozen since (requires_grad_(false)) would go on being
-// updated by them, one unfrozen never would: the step checks before each call and refuses.
-class TrainableFlags {
+// A step's parameters as it fixed them. Which required gradients when it fixed what it trains
+// (its flat buffers, its graphs): a parameter frozen since (requires_grad_(false)) would go on
+// being updated by them, one unfrozen never would. And, from capture on, the storage the graphs
+// read: `p.data = t` (a re-initialised layer, weights assigned, module.to()) gives a parameter
+// data the graphs never see, while they go on training the old. The step checks both before
+// each call (`changed`: one pass, cheap enough for every replay), refuses the first, and puts
+// the second back: the new values copied where the graphs read them.
+class ParamWatch {
  public:
-  explicit TrainableFlags(std::vector<at::Tensor> params);
-  // The index of the first parameter whose requires_grad differs from then, or -1.
-  int64_t first_changed() const;
+  // params: the optimizer's parameters (their flags are watched), then any others the graphs
+  // read (the model's parameters outside the optimizer: only their storage is watched).
+  ParamWatch(std::vector<at::Tensor> params, int64_t trained);
+  // From here on the graphs read each parameter's data where it is now (kept alive with them).
+  void fix_storage();
+  // A flag changed or a parameter's data moved since.
+  bool changed() const;
+  // The index of the first optimizer parameter whose requires_grad differs from then, or -1.
+  int64_t first_flag_changed() const;
   bool was_trainable(int64_t i) const { return flags_.at(size_t(i)); }
+  int64_t trained() const { return int64_t(flags_.size()); }
+  // The parameters whose data is no longer the storage the graphs read.
+  std::vector<int64_t> moved() const;
+  // Why parameter i's new data cannot go back where the graphs read it (another shape, dtype
+  // or device: the graphs' kernels were made for the old; memory shared with another
+  // parameter: a tie the graphs cannot keep), or "" when it can.
+  std::string why_not_restorable(int64_t i) const;
+  // Every moved parameter's new values are copied into the storage the graphs read, and the
+  // parameter views it again. Check why_not_restorable first: this throws on the first that
+  // cannot go back, after those before it went back. Host work: outside any capture.
+  void restore();
 
  private:
+  bool is_moved(size_t i) const;
+
   std::vector<at::Tensor> params_;
-  std::vector<bool> flags_;
+  std::vector<bool> flags_;           // the first `trained` parameters'
+  std::vector<at::Tensor> captured_;  // aliases of the data the graphs read (empty: not fixed)
 };
 
 // What one pass of the update reads and writes: a whole FlatTensors, or one rank's slice of it

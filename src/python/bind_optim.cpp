@@ -157,13 +157,25 @@ void bind_optim(py::module_& m) {
   m.def("optim_zero_grads", &optim::zero_grads, py::arg("flats"),
         "One memset per flat gradient buffer; undefined gradients go back to their views.");
 
-  py::class_<optim::TrainableFlags>(m, "TrainableFlags",
-                                    "Which parameters required gradients when a step fixed "
-                                    "what it trains; first_changed() finds one changed since.")
-      .def(py::init<std::vector<at::Tensor>>(), py::arg("params"))
-      .def("first_changed", &optim::TrainableFlags::first_changed,
+  py::class_<optim::ParamWatch>(m, "ParamWatch",
+                                "A step's parameters as it fixed them: which required gradients, "
+                                "and (from fix_storage() on) the storage its graphs read.")
+      .def(py::init<std::vector<at::Tensor>, int64_t>(), py::arg("params"), py::arg("trained"),
+           "params: the optimizer's `trained` parameters (flags watched), then others the graphs "
+           "read (storage only).")
+      .def("fix_storage", &optim::ParamWatch::fix_storage,
+           "From here on the graphs read each parameter's data where it is now.")
+      .def("changed", &optim::ParamWatch::changed,
+           "Whether a flag changed or a parameter's data moved since.")
+      .def("first_flag_changed", &optim::ParamWatch::first_flag_changed,
            "The index of the first parameter whose requires_grad differs from then, or -1.")
-      .def("was_trainable", &optim::TrainableFlags::was_trainable, py::arg("i"));
+      .def("was_trainable", &optim::ParamWatch::was_trainable, py::arg("i"))
+      .def("moved", &optim::ParamWatch::moved,
+           "The parameters whose data is no longer the storage the graphs read.")
+      .def("why_not_restorable", &optim::ParamWatch::why_not_restorable, py::arg("i"),
+           "Why parameter i's new data cannot go back where the graphs read it, or ''.")
+      .def("restore", &optim::ParamWatch::restore,
+           "Copies each moved parameter's values where the graphs read them; it views them again.");
 
   py::class_<optim::UpdateTarget>(m, "UpdateTarget",
                                   "What one pass of the fused update reads and writes.")

@@ -20,6 +20,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <set>
@@ -328,6 +329,7 @@ class Step::Impl {
   void close() {
     release();
     own_grads();
+    watch_.reset();  // its aliases kept the storage the graph read alive
     phase_ = Phase::kClosed;
   }
   void inject(int point);
@@ -352,8 +354,12 @@ class Step::Impl {
   // The fused update.
   void fuse();
   void check_structure() const;
-  void fix_trainable();          // from here on, which parameters train is fixed
-  void check_trainable() const;  // ... and a parameter frozen or unfrozen since is refused
+  void fix_trainable();  // from here on, which parameters train is fixed
+  // ... and a parameter frozen or unfrozen since is refused; from capture on, a parameter's
+  // data replaced since (`p.set_data(t)`) goes back where the graph reads it, values kept.
+  void check_params();
+  std::vector<at::Tensor> watched_params() const;  // the optimizer's, then the module's others
+  std::string param_name(int64_t i) const;         // the watch's i-th parameter, for an error
   std::vector<float> staged_values() const;
   void bind_state();       // optimizer.state() -> flat buffers, then views of them
   void keep_state_bound(); // a torch::load since the last call: bind again
@@ -398,8 +404,8 @@ class Step::Impl {
   std::string capture_error_;
 
   // Which parameters required gradients when the flat buffers (or the graph) fixed what the
-  // step trains.
-  std::optional<optim::TrainableFlags> trainable_;
+  // step trains, and from capture on the storage the graph reads.
+  std::optional<optim::ParamWatch> watch_;
 
   // The fused update.
   bool fused_ = false;
@@ -621,31 +627,65 @@ void Step::Impl::check_structure() const {
   }
 }
 
-void Step::Impl::fix_trainable() {
-  if (trainable_.has_value()) return;
+std::vector<at::Tensor> Step::Impl::watched_params() const {
   std::vector<at::Tensor> params;
   for (auto& group : optimizer_.param_groups()) {
     for (const at::Tensor& p : group.params()) params.push_back(p);
   }
-  trainable_.emplace(std::move(params));
+  const size_t trained = params.size();
+  for (const at::Tensor& p : module_->parameters()) {  // frozen ones the forward reads
+    const auto end = params.begin() + int64_t(trained);
+    if (std::none_of(params.begin(), end, [&](const at::Tensor& q) { return q.is_same(p); })) {
+      params.push_back(p);
+    }
+  }
+  return params;
 }
 
-void Step::Impl::check_trainable() const {
-  if (!trainable_.has_value()) return;
-  const int64_t changed = trainable_->first_changed();
-  if (changed < 0) return;
+void Step::Impl::fix_trainable() {
+  if (watch_.has_value()) return;
+  int64_t trained = 0;
+  for (const size_t n : group_sizes_) trained += int64_t(n);
+  watch_.emplace(watched_params(), trained);
+}
+
+std::string Step::Impl::param_name(int64_t i) const {
+  const at::Tensor p = watched_params().at(size_t(i));
+  std::string name;
+  for (const auto& named : module_->named_parameters()) {
+    if (named.value().is_same(p)) name = "the module's " + named.key();
+  }
+  if (i >= watch_->trained()) return name;
   size_t g = 0;
-  int64_t i = changed;
   while (g < group_sizes_.size() && i >= int64_t(group_sizes_[g])) i -= int64_t(group_sizes_[g++]);
-  const bool was = trainable_->was_trainable(changed);
-  throw Error(std::string("nimble_train::Step: the requires_grad of param_groups()[") +
-              std::to_string(g) + "].params()[" + std::to_string(i) + "] changed from " +
-              (was ? "true to false" : "false to true") +
-              " after warm-up fixed which parameters the step trains; the step would " +
-              (was ? "go on updating it" : "never compute its gradient or update it") +
-              ". Freeze or unfreeze parameters before the Step's first call, or build a new "
-              "Step for the new set (close() this one; the optimizer's state carries over). "
-              "Nothing was run for this call.");
+  const std::string place =
+      "param_groups()[" + std::to_string(g) + "].params()[" + std::to_string(i) + "]";
+  return name.empty() ? place : name + " (" + place + ")";
+}
+
+void Step::Impl::check_params() {
+  if (!watch_.has_value() || !watch_->changed()) return;
+  const int64_t changed = watch_->first_flag_changed();
+  if (changed >= 0) {
+    const bool was = watch_->was_trainable(changed);
+    throw Error("nimble_train::Step: the requires_grad of " + param_name(changed) +
+                " changed from " + (was ? "true to false" : "false to true") +
+                " after warm-up fixed which parameters the step trains; the step would " +
+                (was ? "go on updating it" : "never compute its gradient or update it") +
+                ". Freeze or unfreeze parameters before the Step's first call, or build a new "
+                "Step for the new set (close() this one; the optimizer's state carries over). "
+                "Nothing was run for this call.");
+  }
+  for (const int64_t i : watch_->moved()) {
+    const std::string why = watch_->why_not_restorable(i);
+    if (!why.empty()) {
+      throw Error("nimble_train::Step: the data of " + param_name(i) + " was replaced after "
+                  "capture, and " + why + ". Change a parameter's values in place "
+                  "(torch::NoGradGuard, p.copy_(t)), or build a new Step for the new model "
+                  "(close() this one). Nothing was run for this call.");
+    }
+  }
+  watch_->restore();
 }
 
 std::vector<float> Step::Impl::staged_values() const {
@@ -947,7 +987,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
     make_template(batch);
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
   }
-  check_trainable();
+  check_params();
   const int64_t samples = check_batch(batch);
   const bool short_batch = samples < batch_size_;
   if (short_batch && options_.partial_batch == PartialBatch::kError) {
@@ -962,6 +1002,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
       loss = eager_step(batch, samples, /*warmup=*/true);
       if (eager_steps_ >= options_.warmup) {
         fix_trainable();  // an optimizer captured as it is: from here on
+        watch_->fix_storage();  // the graph reads the data where the warm-up left it
         phase_ = Phase::kCapture;
       }
       break;

@@ -1,7 +1,8 @@
 // nimble_train::Step on a GPU: captured steps equal a hand-written LibTorch loop, learning rates
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
-// batches are padded in the graph (or run eagerly where padding would change results), and a
-// failed launch or capture leaves the model and optimizer as after the last completed step.
+// batches are padded in the graph (or run eagerly where padding would change results), a
+// failed launch or capture leaves the model and optimizer as after the last completed step,
+// and a parameter given new data trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -193,6 +194,52 @@ TEST_F(StepCuda, Bf16AutocastTrainsInTheGraph) {
     ref_opt.step();
   }
   EXPECT_LT(max_diff(net, ref), 1e-4);
+  EXPECT_EQ(step.stats().captures, 1);
+}
+
+// p.set_data(t) after capture gives a parameter storage the graph never reads: the next call
+// copies the new values where the graph reads them (the parameter views that again), and the
+// step trains on from them as the loop does; data of another dtype is refused, running nothing.
+TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
+  auto batches = make_batches(10, 32, 14, device);
+  auto net = make_model(15, device), ref = make_model(15, device);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  size_t i = 0;
+  for (; i < 5; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  ASSERT_EQ(step.stats().phase, nt::Phase::kReplay);
+  torch::Tensor weight = net->parameters()[0];
+  const void* where = weight.const_data_ptr();
+  const torch::Tensor fresh = torch::randn_like(weight) * 0.1;
+  const torch::Tensor halved = fresh.to(torch::kHalf);
+  {
+    torch::NoGradGuard no_grad;
+    weight.set_data(halved);
+    ref->parameters()[0].set_data(fresh.clone());
+  }
+  try {
+    step(batches[i]);
+    ADD_FAILURE() << "a call with half-precision data ran";
+  } catch (const nt::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("replaced after capture"), std::string::npos) << what;
+    EXPECT_NE(what.find("Half"), std::string::npos) << what;
+  }
+  EXPECT_TRUE(torch::equal(weight.detach(), halved));  // nothing ran
+  {
+    torch::NoGradGuard no_grad;
+    weight.set_data(fresh.clone());
+  }
+  for (; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_EQ(weight.const_data_ptr(), where);  // back in the storage the graph reads
+  EXPECT_LT(max_diff(net, ref), 1e-5);
   EXPECT_EQ(step.stats().captures, 1);
 }
 

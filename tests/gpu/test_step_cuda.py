@@ -1,6 +1,7 @@
 """Step on the GPU: captured steps equal eager ones, and failures lose nothing."""
 
 import copy
+import io
 import warnings
 
 import pytest
@@ -383,3 +384,115 @@ def test_graph_pool_stays_near_the_eager_peak():
     # vs 331-336 MB for ResNet-18 at batch 64), so this guards against regressions until the
     # gap is found.
     assert pool <= 1.6 * eager_bytes, {"pool": pool, "eager": eager_bytes, "peak": peak}
+
+
+AS_IS_AND_FUSED = [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    lambda p: torch.optim.Adam(p, lr=2e-3),
+    lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9),  # captured as it is
+]
+AS_IS_AND_FUSED_IDS = ["sgd-momentum", "adam", "rmsprop-as-is"]
+
+
+class SideBySide:
+    """A Step on one of twin models, the eager loop on the other, trained on the same batches."""
+
+    def __init__(self, twins, **options):
+        (self.m1, self.o1), (self.m2, self.o2) = twins
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # RMSprop: captured as it is
+            self.step = nt.Step(self.m1, self.o1, per_sample, warmup=2, **options)
+
+    def train(self, batches):
+        for b in batches:
+            self.step(b)
+        eager_loop(self.m2, self.o2, per_sample, batches)
+
+    def assert_same(self):
+        assert_same_training(self.m1, self.o1, self.m2, self.o2, **TOL)
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
+def test_parameter_data_replaced_after_capture_trains_on_from_the_new_values(make_opt, streams):
+    """`p.data = t` after capture (a re-initialised layer, weights loaded by assignment) gives
+    the parameter new storage the graphs never saw: the step trains on from the new values
+    as the eager loop does, in the storage the graphs read."""
+    torch.manual_seed(7)
+    run = SideBySide(cuda_twin(SmallCNN(), make_opt), streams=streams)
+    batches = classification_batches(10, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    new = torch.randn_like(run.m1.conv2.weight) * 0.05
+    for m in (run.m1, run.m2):
+        m.conv2.weight.data = new.clone()
+        m.head.bias.data = torch.zeros_like(m.head.bias)
+    run.train(batches[4:])
+    assert run.step.stats()["replays"] == 8
+    run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
+def test_a_checkpoint_loaded_into_a_running_step_is_what_it_trains_on_from(make_opt, streams):
+    """model.load_state_dict and optimizer.load_state_dict of a checkpoint from disk, between
+    replays of the same Step (a rollback after a loss spike): the step goes on from the
+    checkpoint as the eager loop does."""
+    torch.manual_seed(8)
+    run = SideBySide(cuda_twin(SmallCNN(), make_opt), streams=streams)
+    batches = classification_batches(12, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    buffer = io.BytesIO()
+    torch.save({"model": run.m1.state_dict(), "optim": run.o1.state_dict()}, buffer)
+    run.train(batches[4:7])
+    for m, o in ((run.m1, run.o1), (run.m2, run.o2)):
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        m.load_state_dict(saved["model"])
+        o.load_state_dict(saved["optim"])
+    run.train(batches[7:])
+    assert run.step.stats()["replays"] == 10
+    run.assert_same()
+
+
+def test_a_model_cast_after_capture_is_refused_and_cast_back_trains_on():
+    """model.half() after capture gives every parameter float16 data the graphs' kernels were
+    not made for: refused, naming one, before anything runs; model.float() gives float32 data
+    again, which goes back where the graphs read it."""
+    torch.manual_seed(9)
+    run = SideBySide(cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    run.m1.half()
+    before = copy.deepcopy(run.m1.state_dict())
+    with pytest.raises(nt.NimbleError, match=r"the data of conv1\.weight was replaced after "
+                                             r"capture.*Half \[8, 3, 3, 3\] on cuda:0 where the "
+                                             r"graphs read Float \[8, 3, 3, 3\].*new Step"):
+        run.step(batches[4])
+    for name, value in run.m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    run.m1.float()  # new float32 data for the parameters, new BatchNorm statistics tensors
+    run.m2.half().float()  # the eager twin takes the same rounding
+    run.train(batches[4:])
+    assert run.step.stats()["replays"] == 6
+    run.assert_same()
+
+
+def test_a_frozen_parameter_outside_the_optimizer_replaced_after_capture_is_read_anew():
+    """The forward's graph reads parameters the optimizer does not train (a frozen backbone
+    layer): new data given to one after capture is what the step's forward uses."""
+    torch.manual_seed(10)
+    models = [SmallCNN().cuda()]
+    models.append(copy.deepcopy(models[0]))
+    for m in models:
+        m.conv1.weight.requires_grad_(False)
+    run = SideBySide([(m, torch.optim.SGD([p for p in m.parameters() if p.requires_grad],
+                                          lr=0.05, momentum=0.9)) for m in models])
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    new = torch.randn_like(run.m1.conv1.weight) * 0.2
+    for m in models:
+        m.conv1.weight.data = new.clone()
+    run.train(batches[4:])
+    assert run.step.stats()["replays"] == 6
+    assert torch.equal(run.m1.conv1.weight, new)
+    run.assert_same()
