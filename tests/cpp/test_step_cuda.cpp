@@ -2,7 +2,7 @@
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
-// and a parameter given new data trains on from it.
+// a module left in eval mode is refused, and a parameter given new data trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -239,6 +239,39 @@ TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
     reference_step(ref, ref_opt, batches[i]);
   }
   EXPECT_EQ(weight.const_data_ptr(), where);  // back in the storage the graph reads
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+  EXPECT_EQ(step.stats().captures, 1);
+}
+
+// The graph runs BatchNorm's batch statistics as it was captured: a module left in eval() after
+// an evaluation is refused before anything runs, and train() resumes the graph.
+TEST_F(StepCuda, AModuleLeftInEvalAfterCaptureIsRefusedAndTrainResumesTheGraph) {
+  auto batches = make_batches(9, 32, 16, device);
+  auto net = make_model(17, device, /*batch_norm=*/true);
+  auto ref = make_model(17, device, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  size_t i = 0;
+  for (; i < 5; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  net->eval();
+  try {
+    step(batches[i]);
+    ADD_FAILURE() << "a call in eval mode ran";
+  } catch (const nt::Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("is in eval mode"), std::string::npos) << what;
+    EXPECT_NE(what.find("call train()"), std::string::npos) << what;
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);  // nothing ran
+  net->train();
+  for (; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
   EXPECT_LT(max_diff(net, ref), 1e-5);
   EXPECT_EQ(step.stats().captures, 1);
 }
