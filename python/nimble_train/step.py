@@ -597,6 +597,10 @@ class Step:
         for i in self._watch.moved():
             why = self._watch.why_not_restorable(i)
             if why:
+                j = self._watch.shares_memory_with(i)
+                if j >= 0:
+                    why = (f"its data now shares memory with {self._param_name(j)}'s, a tie the "
+                           "graphs (captured with them apart) cannot keep")
                 self._refuse_replaced(f"the data of {self._param_name(i)}", why)
         buffers = []
         for module, name, read in self._buffers_read:

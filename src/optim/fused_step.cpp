@@ -194,6 +194,14 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+int64_t ParamWatch::shares_memory_with(int64_t i) const {
+  NT_CHECK(i >= 0 && size_t(i) < params_.size(), "ParamWatch: no parameter ", i);
+  for (size_t j = 0; j < params_.size(); ++j) {
+    if (j != size_t(i) && overlaps(params_[size_t(i)], params_[j])) return int64_t(j);
+  }
+  return -1;
+}
+
 std::string ParamWatch::why_not_restorable(int64_t i) const {
   NT_CHECK(i >= 0 && size_t(i) < captured_.size(), "ParamWatch: no fixed parameter ", i);
   const at::Tensor& p = params_[size_t(i)];
@@ -201,26 +209,34 @@ std::string ParamWatch::why_not_restorable(int64_t i) const {
   if (p.scalar_type() != c.scalar_type() || p.sizes() != c.sizes() || p.device() != c.device()) {
     return "its data is now " + describe(p) + " where the graphs read " + describe(c);
   }
-  for (size_t j = 0; j < params_.size(); ++j) {
-    if (j != size_t(i) && overlaps(p, params_[j])) {
-      return "its data now shares memory with parameter " + std::to_string(j) +
-             "'s, a tie the graphs (captured with them apart) cannot keep";
-    }
+  const int64_t j = shares_memory_with(i);
+  if (j >= 0) {
+    return "its data now shares memory with parameter " + std::to_string(j) +
+           "'s, a tie the graphs (captured with them apart) cannot keep";
   }
   return "";
 }
 
 void ParamWatch::restore() {
   const c10::AutoGradMode no_grad(false);
+  // Every moved parameter's values first, all checked: a new data that is (part of) storage
+  // the graphs read is copied aside, as another parameter's restore may write there.
+  std::vector<std::pair<size_t, at::Tensor>> values;
   for (const int64_t i : moved()) {
     const std::string why = why_not_restorable(i);
     NT_CHECK(why.empty(), "ParamWatch: parameter ", i, " cannot go back: ", why);
-    at::Tensor& p = params_[size_t(i)];
-    const at::Tensor& c = captured_[size_t(i)];
-    at::Tensor values = p.detach();
-    if (at::get_overlap_status(values, c) != at::MemOverlapStatus::No) values = values.clone();
-    c.copy_(values);
-    p.set_data(c);
+    at::Tensor v = params_[size_t(i)].detach();
+    for (const at::Tensor& c : captured_) {
+      if (overlaps(v, c)) {
+        v = v.clone();
+        break;
+      }
+    }
+    values.emplace_back(size_t(i), std::move(v));
+  }
+  for (auto& [i, v] : values) {
+    captured_[i].copy_(v);
+    params_[i].set_data(captured_[i]);
   }
 }
 

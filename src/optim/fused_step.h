@@ -92,9 +92,11 @@ class ParamWatch {
   // or device: the graphs' kernels were made for the old; memory shared with another
   // parameter: a tie the graphs cannot keep), or "" when it can.
   std::string why_not_restorable(int64_t i) const;
+  // The first other parameter whose data shares memory with parameter i's, or -1.
+  int64_t shares_memory_with(int64_t i) const;
   // Every moved parameter's new values are copied into the storage the graphs read, and the
-  // parameter views it again. Check why_not_restorable first: this throws on the first that
-  // cannot go back, after those before it went back. Host work: outside any capture.
+  // parameter views it again. All or nothing: throws, changing nothing, when one cannot go
+  // back (why_not_restorable says why first). Host work: outside any capture.
   void restore();
 
  private:

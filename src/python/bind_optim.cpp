@@ -174,6 +174,8 @@ void bind_optim(py::module_& m) {
            "The parameters whose data is no longer the storage the graphs read.")
       .def("why_not_restorable", &optim::ParamWatch::why_not_restorable, py::arg("i"),
            "Why parameter i's new data cannot go back where the graphs read it, or ''.")
+      .def("shares_memory_with", &optim::ParamWatch::shares_memory_with, py::arg("i"),
+           "The first other parameter whose data shares memory with parameter i's, or -1.")
       .def("restore", &optim::ParamWatch::restore,
            "Copies each moved parameter's values where the graphs read them; it views them again.");
 

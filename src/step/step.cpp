@@ -710,7 +710,12 @@ void Step::Impl::check_params() {
                 "Nothing was run for this call.");
   }
   for (const int64_t i : watch_->moved()) {
-    const std::string why = watch_->why_not_restorable(i);
+    std::string why = watch_->why_not_restorable(i);
+    const int64_t j = why.empty() ? -1 : watch_->shares_memory_with(i);
+    if (j >= 0) {
+      why = "its data now shares memory with " + param_name(j) +
+            "'s, a tie the graph (captured with them apart) cannot keep";
+    }
     if (!why.empty()) {
       throw Error("nimble_train::Step: the data of " + param_name(i) + " was replaced after "
                   "capture, and " + why + ". Change a parameter's values in place "

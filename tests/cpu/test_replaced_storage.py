@@ -84,6 +84,32 @@ def test_new_data_overlapping_the_old_is_copied_from_a_snapshot():
     assert torch.equal(p.detach(), expected) and p.is_contiguous()
 
 
+def test_new_data_that_is_storage_another_restore_writes_is_read_before_it_is_written():
+    # b takes a's old storage and a new data: a's restore (first) writes where b's values are.
+    a, b = (torch.nn.Parameter(torch.randn(3, 3)) for _ in range(2))
+    watch = _C.ParamWatch([a, b], 2)
+    watch.fix_storage()
+    a_old, new = a.detach().clone(), torch.randn(3, 3)
+    b.data = a.data
+    a.data = new
+    assert watch.moved() == [0, 1] and watch.shares_memory_with(1) == -1
+    watch.restore()
+    assert torch.equal(a.detach(), new) and torch.equal(b.detach(), a_old)
+    assert not watch.changed()
+
+
+def test_one_that_cannot_go_back_leaves_the_others_unrestored_too():
+    params = _params(3)
+    watch = _C.ParamWatch(params, 3)
+    watch.fix_storage()
+    new = torch.randn(4, 3)
+    params[0].data = new
+    params[1].data = params[1].data.double()
+    with pytest.raises(ValueError, match="parameter 1 cannot go back"):
+        watch.restore()
+    assert params[0].data_ptr() == new.data_ptr() and watch.moved() == [0, 1]
+
+
 @pytest.mark.parametrize("change, said", [
     (lambda ps: setattr(ps[0], "data", ps[0].data.double()), r"Double \[4, 3\].*Float \[4, 3\]"),
     (lambda ps: setattr(ps[0], "data", torch.zeros(2, 6)), r"\[2, 6\] on cpu where the graphs "
@@ -97,6 +123,7 @@ def test_data_that_cannot_go_back_is_said_why_and_nothing_changes(change, said):
     change(params)
     (i,) = watch.moved()
     assert watch.why_not_restorable(i) != ""
+    assert watch.shares_memory_with(i) == (0 if i == 2 and "shares" in said else -1)
     with pytest.raises(ValueError, match=said):
         watch.restore()
 

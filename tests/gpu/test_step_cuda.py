@@ -454,14 +454,20 @@ def test_a_checkpoint_loaded_into_a_running_step_is_what_it_trains_on_from(make_
     run.assert_same()
 
 
-def test_a_model_cast_after_capture_is_refused_and_cast_back_trains_on():
-    """model.half() after capture gives every parameter float16 data the graphs' kernels were
-    not made for: refused, naming one, before anything runs; model.float() gives float32 data
-    again, which goes back where the graphs read it."""
+def test_replaced_data_that_cannot_go_back_is_refused_and_what_can_trains_on():
+    """A tie made after capture (the graphs read the two apart), and model.half() (float16
+    data the graphs' kernels were not made for): refused, naming a parameter, before anything
+    runs; data that can go back (model.float()) is copied where the graphs read it."""
     torch.manual_seed(9)
     run = SideBySide(cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))
     batches = classification_batches(8, 16, image=True, device="cuda")
     run.train(batches[:4])
+    bias = run.m1.bn1.bias.detach().clone()
+    run.m1.bn1.bias.data = run.m1.bn1.weight.data
+    with pytest.raises(nt.NimbleError, match=r"the data of bn1\.bias was replaced after capture"
+                                             r".*shares memory with bn1\.weight's"):
+        run.step(batches[4])
+    run.m1.bn1.bias.data = bias  # untied: goes back at the next call that runs
     run.m1.half()
     before = copy.deepcopy(run.m1.state_dict())
     with pytest.raises(nt.NimbleError, match=r"the data of conv1\.weight was replaced after "
