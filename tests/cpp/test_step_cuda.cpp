@@ -47,6 +47,15 @@ std::vector<nt::Batch> make_batches(int64_t count, int64_t size, int64_t seed,
   return nimble_train::testing::make_mlp_batches(count, size, seed, kShape, device);
 }
 
+// The step and the hand-written loop, each on batches [from, to).
+void train_both(nt::Step& step, torch::nn::Sequential& ref, torch::optim::Optimizer& ref_opt,
+                const std::vector<nt::Batch>& batches, size_t from, size_t to) {
+  for (size_t i = from; i < to; ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+}
+
 }  // namespace
 
 TEST_F(StepCuda, CapturedStepsEqualTheHandWrittenLoopAndLrChangesNeedNoRecapture) {
@@ -206,11 +215,7 @@ TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   nt::Step step(net, opt, per_sample(net));
-  size_t i = 0;
-  for (; i < 5; ++i) {
-    step(batches[i]);
-    reference_step(ref, ref_opt, batches[i]);
-  }
+  train_both(step, ref, ref_opt, batches, 0, 5);
   ASSERT_EQ(step.stats().phase, nt::Phase::kReplay);
   torch::Tensor weight = net->parameters()[0];
   const void* where = weight.const_data_ptr();
@@ -222,7 +227,7 @@ TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
     ref->parameters()[0].set_data(fresh.clone());
   }
   try {
-    step(batches[i]);
+    step(batches[5]);
     ADD_FAILURE() << "a call with half-precision data ran";
   } catch (const nt::Error& e) {
     const std::string what = e.what();
@@ -234,10 +239,7 @@ TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
     torch::NoGradGuard no_grad;
     weight.set_data(fresh.clone());
   }
-  for (; i < batches.size(); ++i) {
-    step(batches[i]);
-    reference_step(ref, ref_opt, batches[i]);
-  }
+  train_both(step, ref, ref_opt, batches, 5, batches.size());
   EXPECT_EQ(weight.const_data_ptr(), where);  // back in the storage the graph reads
   EXPECT_LT(max_diff(net, ref), 1e-5);
   EXPECT_EQ(step.stats().captures, 1);
@@ -252,14 +254,10 @@ TEST_F(StepCuda, AModuleLeftInEvalAfterCaptureIsRefusedAndTrainResumesTheGraph) 
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   nt::Step step(net, opt, per_sample(net));
-  size_t i = 0;
-  for (; i < 5; ++i) {
-    step(batches[i]);
-    reference_step(ref, ref_opt, batches[i]);
-  }
+  train_both(step, ref, ref_opt, batches, 0, 5);
   net->eval();
   try {
-    step(batches[i]);
+    step(batches[5]);
     ADD_FAILURE() << "a call in eval mode ran";
   } catch (const nt::Error& e) {
     const std::string what = e.what();
@@ -268,10 +266,7 @@ TEST_F(StepCuda, AModuleLeftInEvalAfterCaptureIsRefusedAndTrainResumesTheGraph) 
   }
   EXPECT_LT(max_diff(net, ref), 1e-5);  // nothing ran
   net->train();
-  for (; i < batches.size(); ++i) {
-    step(batches[i]);
-    reference_step(ref, ref_opt, batches[i]);
-  }
+  train_both(step, ref, ref_opt, batches, 5, batches.size());
   EXPECT_LT(max_diff(net, ref), 1e-5);
   EXPECT_EQ(step.stats().captures, 1);
 }
