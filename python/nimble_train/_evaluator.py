@@ -52,6 +52,8 @@ class Evaluator:
     def __call__(self, batch: Any) -> Any:
         step = self._step
         step._require_open("evaluator")
+        # Data replaced since capture goes where the graphs (this one's too) read it first.
+        step._settle_model(training=False)
         if self._template is None:
             self._start(batch)
         template = self._template

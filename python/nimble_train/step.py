@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import operator
 from typing import Any, Callable
 
 import torch
@@ -45,6 +44,7 @@ from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration, model_arguments
+from ._model_watch import ModelWatch, refuse_replaced
 from ._multistream import traced_submodule
 from ._padding import mixing_reason
 from ._sync import SyncRecorder
@@ -52,12 +52,6 @@ from ._update import Update
 from ._window import Window
 from .distributed import DEFAULT_BUCKET_MB, current_world
 from .errors import DistributedError, NimbleError
-
-_TRAINING = operator.attrgetter("training")
-
-
-def _describe(t: torch.Tensor) -> str:
-    return f"{t.dtype} {list(t.shape)} on {t.device}"
 
 
 class Phase(enum.Enum):
@@ -201,13 +195,12 @@ class Step:
         self._swapped = False  # the EMA weights are in the model (ema_weights())
         # Which parameters required gradients when the flat buffers and graphs fixed what the
         # step trains (the end of warm-up): a change since is refused (_refuse_trainable_change);
-        # and from capture on where the graphs read their data (_settle_params).
+        # and from capture on where the graphs read their data (_settle_model).
         self._watch = None
         self._watched: list[torch.Tensor] = []  # the optimizer's parameters, the model's others
-        self._buffers_read: list[tuple[torch.nn.Module, str, torch.Tensor]] = []
-        # Each module's training flag when the graphs were first captured (_check_modes).
-        self._module_list: list[torch.nn.Module] = []
-        self._modes: list[bool] | None = None
+        # Each module's training mode, children, parameters and buffers when the graphs were
+        # first captured (ModelWatch.check_modes, _settle_model).
+        self._model: ModelWatch | None = None
         # The graph each call launches, by bucket and place in the window (-1: none yet).
         self._launch_entry: list[list[int]] = []
         self._entry_of: dict[tuple[int, tuple[bool, bool]], int] = {}  # (bucket, kind) -> entry
@@ -262,8 +255,7 @@ class Step:
             if full:
                 entry = self._launch_entry[bucket][window.micro]
                 if (entry >= 0 and not self._swapped and not self._update.changed()
-                        and not self._watch.changed()
-                        and list(map(_TRAINING, self._module_list)) == self._modes):
+                        and not self._watch.changed() and self._model.first_changed() < 0):
                     samples = self._template.batch_size
                     try:
                         self._graph.graph.launch(entry, tensors, self._call_values(samples))
@@ -312,9 +304,8 @@ class Step:
             return self._first_call(batch)
         self._update.check_groups()
         if self._phase in (Phase.CAPTURE, Phase.REPLAY):
-            self._check_modes()
-        if self._watch is not None and self._watch.changed():
-            self._settle_params()
+            self._model.check_modes()
+        self._settle_model()
         self._update.settle_state()
         tensors = self._template.tensors(batch)
         bucket = self._layout.bucket(tensors)
@@ -329,8 +320,7 @@ class Step:
             loss = self._eager_step(batch, tensors, bucket, samples, warmup=True)
             if self._counts["steps"] + 1 >= self._warmup_steps:
                 self._fix_trainable()  # an optimizer captured as it is: from here on
-                self._fix_modes()
-                self._fix_storage()
+                self._fix_model()
                 self._enter(Phase.CAPTURE)
         elif phase is Phase.EAGER:
             if short and not self._will_capture and self._pads(tensors, samples):
@@ -580,53 +570,38 @@ class Step:
         names = {id(q): name for name, q in self.model.named_parameters()}
         return names.get(id(p), f"optimizer parameter {i} (shape {tuple(p.shape)})")
 
-    def _fix_storage(self) -> None:
-        """The graphs about to be captured read each parameter's data and each buffer where
-        they are now (after _fix_modes: its module list)."""
+    def _fix_model(self) -> None:
+        """The graphs about to be captured run every module in its training mode of now, and
+        read each parameter's data, each buffer and each module where they are now."""
         self._watch.fix_storage()
-        self._buffers_read = [(module, name, tensor) for module in self._module_list
-                              for name, tensor in module._buffers.items() if tensor is not None]
+        self._model = ModelWatch(self.model)
 
-    def _settle_params(self) -> None:
-        """Before anything runs: a parameter frozen or unfrozen since warm-up is refused; a
-        parameter whose data was replaced since capture (``p.data = t``) goes back where the
-        graphs read it, its new values copied there, and so does a buffer replaced with it
-        (module.to() replaces both), or the call is refused when they cannot."""
-        if self._watch.first_flag_changed() >= 0:
+    def _settle_model(self, *, training: bool = True) -> None:
+        """Before anything runs (a training call, or an evaluator's with training=False): a
+        parameter frozen or unfrozen since warm-up is refused, and so is a module or a
+        parameter object replaced since capture; a parameter whose data was replaced
+        (``p.data = t``) goes back where the graphs read it, its new values copied there, and
+        so does a replaced buffer, or the call is refused when they cannot (ModelWatch)."""
+        watch, model = self._watch, self._model
+        if watch is None or not (watch.changed() or (model is not None
+                                                     and model.objects_changed())):
+            return
+        if training and watch.first_flag_changed() >= 0:
             self._refuse_trainable_change()
-        for i in self._watch.moved():
-            why = self._watch.why_not_restorable(i)
+        if model is None:
+            return  # before capture: nothing is fixed but the flags
+        model.refuse_replaced_objects()
+        for i in watch.moved():
+            why = watch.why_not_restorable(i)
             if why:
-                j = self._watch.shares_memory_with(i)
+                j = watch.shares_memory_with(i)
                 if j >= 0:
                     why = (f"its data now shares memory with {self._param_name(j)}'s, a tie the "
                            "graphs (captured with them apart) cannot keep")
-                self._refuse_replaced(f"the data of {self._param_name(i)}", why)
-        buffers = []
-        for module, name, read in self._buffers_read:
-            now = module._buffers.get(name)
-            if now is read:
-                continue
-            if now is None or (now.shape, now.dtype, now.device) != (read.shape, read.dtype,
-                                                                       read.device):
-                seen = "removed" if now is None else f"now {_describe(now)}"
-                where = {id(m): n for n, m in self.model.named_modules()}.get(id(module))
-                self._refuse_replaced(f"the buffer {where + '.' if where else ''}{name}",
-                                      f"it is {seen} where the graphs read {_describe(read)}")
-            buffers.append((module, name, read, now))
-        self._watch.restore()
-        with torch.no_grad():
-            for module, name, read, now in buffers:
-                read.copy_(now)
-                module._buffers[name] = read
-
-    @staticmethod
-    def _refuse_replaced(what: str, why: str) -> None:
-        raise NimbleError(
-            f"nimble_train.Step: {what} was replaced after capture (p.data = ..., "
-            f"module.to(...)), and {why}. Change values in place (with torch.no_grad(): "
-            "p.copy_(t)), or build a new Step for the new model: step.close(), then "
-            "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
+                refuse_replaced(f"the data of {self._param_name(i)}", why)
+        buffers = model.replaced_buffers()
+        watch.restore()
+        model.put_back(buffers)
 
     def _refuse_trainable_change(self) -> None:
         """A parameter frozen or unfrozen (requires_grad_) since warm-up: the flat buffers and
@@ -645,35 +620,6 @@ class Step:
             "first call, or build a new Step for the new set: step.close(), then "
             "nt.Step(model, optimizer, ...) again (the optimizer's state carries over). Nothing "
             "was run for this call.")
-
-    def _fix_modes(self) -> None:
-        """The graphs about to be captured run every module in its training mode of now."""
-        self._module_list = list(self.model.modules())
-        self._modes = list(map(_TRAINING, self._module_list))
-
-    def _check_modes(self) -> None:
-        """The modules' training modes are those the graphs were captured with: a graph runs
-        BatchNorm's batch statistics and dropout as it was captured, whatever the flags say
-        now. Raised before anything runs."""
-        now = list(map(_TRAINING, self._module_list))
-        if now == self._modes:
-            return
-        i = next(k for k, (a, b) in enumerate(zip(now, self._modes)) if a != b)
-        name, module = list(self.model.named_modules())[i]  # modules()'s order
-        where = f"module '{name}' ({type(module).__name__})" if name else "the model"
-        mode = lambda training: "training" if training else "eval"  # noqa: E731
-        changed = sum(a != b for a, b in zip(now, self._modes))
-        if not self.model.training and self._modes[0]:
-            fix = ("call model.train() before the next step (after an evaluation; "
-                   "step.evaluator(fn) switches to eval mode and back by itself)")
-        else:
-            fix = ("put the modes back, or, to train on with the new ones (BatchNorm's "
-                   "statistics frozen, say), step.close() and build a new nt.Step")
-        raise NimbleError(
-            f"nimble_train.Step: {where} is in {mode(now[i])} mode, and the step's graphs were "
-            f"captured with it in {mode(self._modes[i])} mode ({changed} module(s) changed); a "
-            f"captured graph runs the modes it was captured with. To train as the modes say, "
-            f"{fix}. Nothing was run for this call.")
 
     def _why_not_in_buckets(self) -> str | None:
         """Why a captured data-parallel step does not update each bucket right after its
@@ -1003,5 +949,5 @@ class Step:
             if self._gradsync is not None:
                 self._gradsync.close()
             # The watch's aliases and the buffers kept the graphs' storage alive.
-            self._watch, self._watched, self._buffers_read = None, [], []
+            self._watch, self._watched, self._model = None, [], None
             self._enter(Phase.CLOSED)

@@ -12,5 +12,6 @@ void bind_capture(pybind11::module_& m);  // src/capture
 void bind_comm(pybind11::module_& m);     // src/comm (NCCL)
 void bind_layout(pybind11::module_& m);   // src/optim/flat_layout.h
 void bind_ops(pybind11::module_& m);      // src/ops
+void bind_watch(pybind11::module_& m);    // EntryWatch: a module tree's dict entries
 
 }  // namespace nimble_train

@@ -14,4 +14,5 @@ PYBIND11_MODULE(_C, m) {
   nimble_train::bind_comm(m);
   nimble_train::bind_layout(m);
   nimble_train::bind_ops(m);
+  nimble_train::bind_watch(m);
 }

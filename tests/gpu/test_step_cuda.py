@@ -502,3 +502,69 @@ def test_a_frozen_parameter_outside_the_optimizer_replaced_after_capture_is_read
     assert run.step.stats()["replays"] == 6
     assert torch.equal(run.m1.conv1.weight, new)
     run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_buffers_and_data_replaced_after_capture_are_what_the_step_and_its_evaluator_read(
+        streams):
+    """`bn.running_mean = t` (statistics reset or loaded by assignment) and `p.data = t` after
+    capture: a captured evaluator and the step's graphs read the new values, as the eager model
+    does, and the buffers stay the tensors the graphs read."""
+    torch.manual_seed(11)
+    run = SideBySide(cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    batches = classification_batches(10, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    logits = lambda m, b: m(b[0])  # noqa: E731
+    evaluate = run.step.evaluator(logits)
+    evaluate(batches[0])  # captured
+    read = run.m1.bn1.running_mean
+    mean, var = torch.randn_like(read) * 0.1, torch.rand_like(read) + 0.5
+    weight = torch.randn_like(run.m1.conv2.weight) * 0.05
+    for m in (run.m1, run.m2):
+        m.bn1.running_mean, m.bn1.running_var = mean.clone(), var.clone()
+        m.conv2.weight.data = weight.clone()
+    out = evaluate(batches[1])
+    run.m2.eval()
+    with torch.no_grad():
+        expected = logits(run.m2, batches[1])
+    run.m2.train()
+    torch.testing.assert_close(out, expected, **TOL)  # not the statistics the graph captured
+    assert evaluate.counts == {"replays": 2, "eager": 0, "captures": 1}
+    assert run.m1.bn1.running_mean is read
+    for m in (run.m1, run.m2):
+        m.bn2.running_var = torch.ones_like(m.bn2.running_var)  # reset alone, in training
+    run.train(batches[4:])
+    assert run.step.stats()["replays"] == 8
+    run.assert_same()  # the running statistics included
+
+
+def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_runs():
+    """model.head = nn.Linear(...) or load_state_dict(..., assign=True) after capture: the
+    graphs run the old module and the optimizer holds the old parameters, so the new ones would
+    never train. Refused, naming them, before anything runs; with the captured ones back, the
+    step trains on as the eager loop does."""
+    torch.manual_seed(12)
+    run = SideBySide(cuda_twin(SmallCNN(), lambda p: torch.optim.Adam(p, lr=2e-3)))
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    before = copy.deepcopy(run.m1.state_dict())
+    head = run.m1.head
+    run.m1.head = torch.nn.Linear(16, 5).cuda()
+    with pytest.raises(nt.NimbleError, match=r"module 'head' \(Linear\) was replaced by another "
+                                             r"Linear after capture.*Nothing was run"):
+        run.step(batches[4])
+    run.m1.head = head
+    originals = dict(run.m1.named_parameters())
+    run.m1.load_state_dict(copy.deepcopy(run.m1.state_dict()), assign=True)
+    with pytest.raises(nt.NimbleError, match=r"parameter 'conv1.weight' was replaced by another "
+                                             r"tensor after capture \(load_state_dict"):
+        run.step(batches[4])
+    for name, value in run.m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    for name, p in originals.items():
+        module, key = name.rsplit(".", 1)
+        setattr(run.m1.get_submodule(module), key, p)  # the buffers stay the loaded copies
+    run.train(batches[4:])
+    assert run.step.stats()["replays"] == 6
+    run.assert_same()

@@ -1,0 +1,159 @@
+"""What a captured step's graphs hold of the model: each module's training mode, its child
+modules, parameters and buffers, as they were when the graphs were first captured.
+
+A graph runs the modules, parameters and buffers it was captured with. User code that assigns
+new ones between calls (``model.fc = nn.Linear(...)``, ``load_state_dict(sd, assign=True)``,
+``model.bn.running_mean = t``, ``model.eval()``) changes an entry of a module's dicts, not what
+the graph reads. ModelWatch holds those entries and checks them all in one C++ pass
+(``_C.EntryWatch``, about 20 ns an entry) on every call; the slow path says what changed:
+
+- a training mode: refused (check_modes);
+- a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
+  the optimizer hold the old one, so the new one would never train;
+- a buffer: its values copied into the tensor the graphs read, which goes back in the module
+  (replaced_buffers, then put_back), or refused when it no longer fits (another shape, dtype
+  or device).
+
+A parameter's data replaced in place of its object (``p.data = t``) is ParamWatch's
+(src/optim/fused_step.h) to see.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._extension import _C
+from .errors import NimbleError
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{t.dtype} {list(t.shape)} on {t.device}"
+
+
+def refuse_replaced(what: str, why: str) -> None:
+    raise NimbleError(
+        f"nimble_train.Step: {what} was replaced after capture (p.data = ..., "
+        f"module.to(...)), and {why}. Change values in place (with torch.no_grad(): "
+        "p.copy_(t)), or build a new Step for the new model: step.close(), then "
+        "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
+
+
+class ModelWatch:
+    """`model`'s modules (modules()'s order), their modes and their dicts' entries, as now."""
+
+    def __init__(self, model: torch.nn.Module):
+        named = list(model.named_modules())
+        self.names = [name for name, _ in named]
+        self.modules = [module for _, module in named]
+        self.modes = [module.training for module in self.modules]
+        entries, self._what = [], []  # per entry (kind, module index, key)
+        for i, module in enumerate(self.modules):
+            attributes = vars(module)
+            if "training" in attributes:
+                entries.append((attributes, "training", attributes["training"]))
+                self._what.append(("mode", i, "training"))
+        self._modes_end = len(entries)
+        for i, module in enumerate(self.modules):
+            for kind, table in (("module", module._modules), ("parameter", module._parameters),
+                                ("buffer", module._buffers)):
+                for key, value in table.items():
+                    entries.append((table, key, value))
+                    self._what.append((kind, i, key))
+        self._entries = entries
+        self._watch = _C.EntryWatch(entries)
+        # The whole check on a step's fast path: -1 when nothing changed.
+        self.first_changed = self._watch.first_changed
+
+    def objects_changed(self) -> bool:
+        """A child module, parameter or buffer is not the one captured (modes aside)."""
+        return self._watch.first_changed(self._modes_end) >= 0
+
+    def _name(self, i: int, key: str | None = None) -> str:
+        name = ".".join(part for part in (self.names[i], key) if part)
+        return f"'{name}'" if name else "the model"
+
+    def check_modes(self) -> None:
+        """The modules' training modes are those the graphs were captured with: a graph runs
+        BatchNorm's batch statistics and dropout as it was captured, whatever the flags say
+        now. Raised before anything runs."""
+        now = [module.training for module in self.modules]
+        if now == self.modes:
+            return
+        i = next(k for k, (a, b) in enumerate(zip(now, self.modes)) if a != b)
+        module = self.modules[i]
+        where = (f"module {self._name(i)} ({type(module).__name__})" if self.names[i]
+                 else "the model")
+        mode = lambda training: "training" if training else "eval"  # noqa: E731
+        changed = sum(a != b for a, b in zip(now, self.modes))
+        if not now[0] and self.modes[0]:
+            fix = ("call model.train() before the next step (after an evaluation; "
+                   "step.evaluator(fn) switches to eval mode and back by itself)")
+        else:
+            fix = ("put the modes back, or, to train on with the new ones (BatchNorm's "
+                   "statistics frozen, say), step.close() and build a new nt.Step")
+        raise NimbleError(
+            f"nimble_train.Step: {where} is in {mode(now[i])} mode, and the step's graphs were "
+            f"captured with it in {mode(self.modes[i])} mode ({changed} module(s) changed); a "
+            f"captured graph runs the modes it was captured with. To train as the modes say, "
+            f"{fix}. Nothing was run for this call.")
+
+    def _changed(self, kind: str) -> list[tuple[int, str, object, object]]:
+        """(module index, key, value captured, value now or None) per changed entry of kind."""
+        out = []
+        for e in self._watch.changed(self._modes_end):
+            what, i, key = self._what[e]
+            if what == kind:
+                table, _, value = self._entries[e]
+                out.append((i, key, value, table.get(key)))
+        return out
+
+    def refuse_replaced_objects(self) -> None:
+        """A child module or a parameter object other than the one captured is refused: the
+        graphs run the old one and the optimizer updates it, so the new one would never train
+        (an eager loop would train nothing of it either). Raised before anything runs."""
+        for i, key, old, now in self._changed("module"):
+            seen = ("removed" if now is None else
+                    f"replaced by another {type(now).__name__}" if type(now) is type(old) else
+                    f"replaced by a {type(now).__name__}")
+            raise NimbleError(
+                f"nimble_train.Step: module {self._name(i, key)} ({type(old).__name__}) was "
+                f"{seen} after capture; the step's graphs run the module they were captured "
+                "with, and the optimizer holds its parameters. Assign new modules before the "
+                "Step's first call, or build a new Step (and an optimizer over the new "
+                "parameters): step.close(), then nt.Step(model, optimizer, ...) again. Nothing "
+                "was run for this call.")
+        for i, key, old, now in self._changed("parameter"):
+            seen = ("removed" if now is None else "set where the graphs read none" if old is None
+                    else "replaced by another tensor")
+            raise NimbleError(
+                f"nimble_train.Step: parameter {self._name(i, key)} was {seen} after capture "
+                "(load_state_dict(..., assign=True), or module."
+                f"{key} = nn.Parameter(...)); the optimizer and the step's graphs hold the old "
+                "one, so the new one would never train. Load values into the parameters in "
+                "place (load_state_dict without assign=True, or with torch.no_grad(): "
+                "p.copy_(t)), or build a new optimizer and Step over the new parameters: "
+                "step.close(), then nt.Step(model, optimizer, ...) again. Nothing was run for "
+                "this call.")
+
+    def replaced_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
+        """(module, name, tensor the graphs read, tensor now) for each buffer replaced since
+        capture; refused, before anything changes, when one cannot go back there."""
+        out = []
+        for i, key, read, now in self._changed("buffer"):
+            if read is None or now is None or (now.shape, now.dtype, now.device) != (
+                    read.shape, read.dtype, read.device):
+                seen = "removed" if now is None else f"now {describe(now)}"
+                captured = "none" if read is None else describe(read)
+                refuse_replaced(f"the buffer {self._name(i, key)}",
+                                f"it is {seen} where the graphs read {captured}")
+            out.append((self.modules[i], key, read, now))
+        return out
+
+    @staticmethod
+    def put_back(buffers) -> None:
+        """Each replaced buffer's new values go into the tensor the graphs read, which goes
+        back in its module."""
+        with torch.no_grad():
+            for module, key, read, now in buffers:
+                read.copy_(now)
+                module._buffers[key] = read

@@ -1,0 +1,140 @@
+"""The model as a captured step's graphs hold it: modules' modes, child modules, parameter
+objects and buffers (ModelWatch over _C.EntryWatch). User code that assigns new ones between
+calls changes a module's dicts, not what the graphs read: a mode, a module or a parameter is
+refused, naming it; a buffer's new values go where the graphs read them. The GPU tests train
+through these against the eager loop; these check the mechanics."""
+
+import pytest
+import torch
+from torch import nn
+
+from nimble_train import NimbleError, _C
+from nimble_train._model_watch import ModelWatch
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 5))
+
+
+def test_an_untouched_model_and_values_changed_in_place_are_intact():
+    model = _model()
+    watch = ModelWatch(model)
+    assert watch.first_changed() == -1 and not watch.objects_changed()
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+        model[1].running_mean.add_(1)
+    model[4].weight.data = torch.randn(5, 144)  # the same Parameter: ParamWatch's to see
+    model.train()  # the same mode again
+    assert watch.first_changed() == -1
+    watch.check_modes()
+    watch.refuse_replaced_objects()
+    assert watch.replaced_buffers() == []
+
+
+def test_a_mode_changed_is_seen_and_refused_naming_the_module():
+    model = _model()
+    watch = ModelWatch(model)
+    model[1].eval()
+    assert watch.first_changed() >= 0 and not watch.objects_changed()
+    with pytest.raises(NimbleError, match=r"module '1' \(BatchNorm2d\) is in eval mode.*captured "
+                                          r"with it in training mode \(1 module\(s\) changed\)"):
+        watch.check_modes()
+    model.eval()
+    with pytest.raises(NimbleError, match=r"the model is in eval mode.*\(6 module\(s\) changed\)"
+                                          r".*call model.train\(\)"):
+        watch.check_modes()
+    model.train()
+    assert watch.first_changed() == -1
+
+
+def test_a_replaced_buffer_goes_back_with_its_new_values():
+    model = _model()
+    watch = ModelWatch(model)
+    read = model[1].running_var
+    new = torch.rand(4) + 0.5
+    model[1].running_var = new.clone()  # assigned: the module's _buffers entry
+    assert watch.objects_changed()
+    watch.refuse_replaced_objects()  # buffers are not refused
+    buffers = watch.replaced_buffers()
+    assert [(m, name) for m, name, _, _ in buffers] == [(model[1], "running_var")]
+    watch.put_back(buffers)
+    assert model[1].running_var is read and torch.equal(read, new)
+    assert watch.first_changed() == -1
+
+
+@pytest.mark.parametrize("key, change, said", [
+    ("running_mean", lambda m: setattr(m[1], "running_mean", torch.zeros(5)),
+     r"the buffer '1.running_mean' was replaced.*now torch.float32 \[5\] on cpu where the "
+     r"graphs read torch.float32 \[4\] on cpu"),
+    ("num_batches_tracked", lambda m: setattr(m[1], "num_batches_tracked", None),
+     r"the buffer '1.num_batches_tracked' was replaced.*it is removed where the graphs read "
+     r"torch.int64 \[\]"),
+], ids=["other-shape", "removed"])
+def test_a_buffer_that_cannot_go_back_is_refused_and_nothing_changes(key, change, said):
+    model = _model()
+    watch = ModelWatch(model)
+    read = model[1]._buffers[key]
+    before = read.clone()
+    change(model)
+    with pytest.raises(NimbleError, match=said):
+        watch.replaced_buffers()
+    assert torch.equal(read, before) and model[1]._buffers[key] is not read
+
+
+def test_a_replaced_module_is_refused_naming_it_and_its_type():
+    model = _model()
+    watch = ModelWatch(model)
+    old = model[4]
+    model[4] = nn.Linear(144, 5)
+    with pytest.raises(NimbleError, match=r"module '4' \(Linear\) was replaced by another Linear "
+                                          r"after capture.*build a new Step"):
+        watch.refuse_replaced_objects()
+    model[4] = nn.Identity()
+    with pytest.raises(NimbleError, match=r"replaced by a Identity"):
+        watch.refuse_replaced_objects()
+    model[4] = old
+    assert watch.first_changed() == -1
+
+
+def test_parameters_loaded_by_assignment_are_refused_naming_the_first():
+    model = _model()
+    watch = ModelWatch(model)
+    originals = dict(model.named_parameters())
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with pytest.raises(NimbleError, match=r"parameter '0.weight' was replaced by another tensor "
+                                          r"after capture \(load_state_dict\(\.\.\., "
+                                          r"assign=True\).*load_state_dict without assign=True"):
+        watch.refuse_replaced_objects()
+    for name, p in originals.items():
+        module_name, key = name.rsplit(".", 1)
+        setattr(model.get_submodule(module_name), key, p)
+    watch.refuse_replaced_objects()  # the parameters are the captured ones again
+    assert len(watch.replaced_buffers()) == 3  # the BatchNorm's three, loaded anew
+
+
+def test_a_parameter_set_where_the_graphs_read_none_is_refused():
+    model = _model()
+    watch = ModelWatch(model)
+    model[0].bias = nn.Parameter(torch.zeros(4))
+    with pytest.raises(NimbleError, match=r"parameter '0.bias' was set where the graphs read none"):
+        watch.refuse_replaced_objects()
+
+
+def test_entry_watch_compares_by_identity_from_a_start():
+    a, b = {"x": object()}, {"y": 1.5}
+    watch = _C.EntryWatch([(a, "x", a["x"]), (b, "y", b["y"])])
+    assert len(watch) == 2 and watch.first_changed() == -1 and watch.changed() == []
+    a["x"] = object()
+    b["y"] = 1.5 + 0.0 * len(a)  # equal, but another object
+    assert watch.first_changed() == 0 and watch.first_changed(1) == 1
+    assert watch.changed() == [0, 1] and watch.changed(2) == []
+    del a["x"]
+    assert watch.first_changed() == 0
+    with pytest.raises(IndexError, match=r"start must be in \[0, 2\]; got 3"):
+        watch.first_changed(3)
+    with pytest.raises(TypeError, match=r"entry 0 must hold a dict first; got list"):
+        _C.EntryWatch([([], "x", 1)])
+    with pytest.raises(TypeError, match=r"entry 1 must be a \(dict, key, value\) tuple; got int"):
+        _C.EntryWatch([(a, "x", 1), 3])
