@@ -1,13 +1,17 @@
-"""What a captured step's graphs hold of the model: each module's training mode, its child
-modules, parameters and buffers, as they were when the graphs were first captured.
+"""What a captured step's graphs hold of the model: each module's training mode, its constants,
+child modules, parameters and buffers, as they were when the graphs were first captured.
 
 A graph runs the modules, parameters and buffers it was captured with. User code that assigns
 new ones between calls (``model.fc = nn.Linear(...)``, ``load_state_dict(sd, assign=True)``,
 ``model.bn.running_mean = t``, ``model.eval()``) changes an entry of a module's dicts, not what
 the graph reads. ModelWatch holds those entries and checks them all in one C++ pass
-(``_C.EntryWatch``, about 20 ns an entry) on every call; the slow path says what changed:
+(``_C.EntryWatch``, about 16 ns an entry) on every call; the slow path says what changed:
 
 - a training mode: refused (check_modes);
+- a constant (an attribute the module's class lists in ``__constants__``: a dropout's ``p``,
+  BatchNorm's ``momentum`` and ``eps``, a loss module's ``label_smoothing``): the graphs run
+  the Python number they were captured with, so another value is refused; an equal one in a
+  new object is taken as it is;
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
 - a buffer: its values copied into the tensor the graphs read, which goes back in the module
@@ -38,22 +42,37 @@ def refuse_replaced(what: str, why: str) -> None:
         "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
 
 
-class ModelWatch:
-    """`model`'s modules (modules()'s order), their modes and their dicts' entries, as now."""
+_MISSING = object()
 
-    def __init__(self, model: torch.nn.Module):
+
+class ModelWatch:
+    """`model`'s modules (modules()'s order), their modes and their dicts' entries, as now; and
+    those of `loss_fn` when it is a module of its own (its constants and buffers: a loss's
+    ``label_smoothing``, its class ``weight``), named from ``loss_fn``."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn: object = None):
         named = list(model.named_modules())
+        modes_end = len(named)
+        if isinstance(loss_fn, torch.nn.Module):
+            seen = {id(module) for _, module in named}
+            named += [(name, module) for name, module in loss_fn.named_modules(prefix="loss_fn")
+                      if id(module) not in seen]
         self.names = [name for name, _ in named]
         self.modules = [module for _, module in named]
-        self.modes = [module.training for module in self.modules]
+        self.modes = [module.training for module in self.modules[:modes_end]]
         entries, self._what = [], []  # per entry (kind, module index, key)
-        for i, module in enumerate(self.modules):
+        for i, module in enumerate(self.modules[:modes_end]):
             attributes = vars(module)
             if "training" in attributes:
                 entries.append((attributes, "training", attributes["training"]))
                 self._what.append(("mode", i, "training"))
         self._modes_end = len(entries)
         for i, module in enumerate(self.modules):
+            attributes = vars(module)
+            for key in getattr(type(module), "__constants__", ()):
+                if key in attributes:
+                    entries.append((attributes, key, attributes[key]))
+                    self._what.append(("constant", i, key))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key, value in table.items():
@@ -76,7 +95,7 @@ class ModelWatch:
         """The modules' training modes are those the graphs were captured with: a graph runs
         BatchNorm's batch statistics and dropout as it was captured, whatever the flags say
         now. Raised before anything runs."""
-        now = [module.training for module in self.modules]
+        now = [module.training for module in self.modules[:len(self.modes)]]
         if now == self.modes:
             return
         i = next(k for k, (a, b) in enumerate(zip(now, self.modes)) if a != b)
@@ -97,21 +116,44 @@ class ModelWatch:
             f"captured graph runs the modes it was captured with. To train as the modes say, "
             f"{fix}. Nothing was run for this call.")
 
-    def _changed(self, kind: str) -> list[tuple[int, str, object, object]]:
-        """(module index, key, value captured, value now or None) per changed entry of kind."""
+    def _changed(self, kind: str) -> list[tuple[int, int, str, object, object]]:
+        """(entry, module index, key, value captured, value now or _MISSING) per changed entry
+        of kind."""
         out = []
         for e in self._watch.changed(self._modes_end):
             what, i, key = self._what[e]
             if what == kind:
                 table, _, value = self._entries[e]
-                out.append((i, key, value, table.get(key)))
+                out.append((e, i, key, value, table.get(key, _MISSING)))
         return out
 
+    def check_constants(self) -> None:
+        """A module constant other than the one captured is refused (the graphs run the number
+        they were captured with); an equal value in a new object is taken as the captured one.
+        Raised before anything runs."""
+        for e, i, key, old, now in self._changed("constant"):
+            if now is not _MISSING and type(now) is type(old) and _equal(now, old):
+                self._watch.update(e)
+                table = self._entries[e][0]
+                self._entries[e] = (table, key, now)
+                continue
+            seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+            raise NimbleError(
+                f"nimble_train.Step: {self._name(i, key)} ({type(self.modules[i]).__name__}) "
+                f"{seen} after capture; the step's graphs run the value they were captured "
+                "with (the Python numbers a forward reads are baked into a CUDA graph). Set it "
+                "before the Step's first call, or build a new Step to train with the new value: "
+                "step.close(), then nt.Step(model, optimizer, ...) again (the optimizer's state "
+                "carries over). Nothing was run for this call.")
+
     def refuse_replaced_objects(self) -> None:
-        """A child module or a parameter object other than the one captured is refused: the
-        graphs run the old one and the optimizer updates it, so the new one would never train
-        (an eager loop would train nothing of it either). Raised before anything runs."""
-        for i, key, old, now in self._changed("module"):
+        """A changed constant, and a child module or a parameter object other than the one
+        captured, are refused: the graphs run the old one and the optimizer updates it, so
+        the new one would never train (an eager loop would train nothing of it either).
+        Raised before anything runs."""
+        self.check_constants()
+        for _, i, key, old, now in self._changed("module"):
+            now = None if now is _MISSING else now
             seen = ("removed" if now is None else
                     f"replaced by another {type(now).__name__}" if type(now) is type(old) else
                     f"replaced by a {type(now).__name__}")
@@ -122,7 +164,8 @@ class ModelWatch:
                 "Step's first call, or build a new Step (and an optimizer over the new "
                 "parameters): step.close(), then nt.Step(model, optimizer, ...) again. Nothing "
                 "was run for this call.")
-        for i, key, old, now in self._changed("parameter"):
+        for _, i, key, old, now in self._changed("parameter"):
+            now = None if now is _MISSING else now
             seen = ("removed" if now is None else "set where the graphs read none" if old is None
                     else "replaced by another tensor")
             raise NimbleError(
@@ -139,7 +182,8 @@ class ModelWatch:
         """(module, name, tensor the graphs read, tensor now) for each buffer replaced since
         capture; refused, before anything changes, when one cannot go back there."""
         out = []
-        for i, key, read, now in self._changed("buffer"):
+        for _, i, key, read, now in self._changed("buffer"):
+            now = None if now is _MISSING else now
             if read is None or now is None or (now.shape, now.dtype, now.device) != (
                     read.shape, read.dtype, read.device):
                 seen = "removed" if now is None else f"now {describe(now)}"
@@ -157,3 +201,10 @@ class ModelWatch:
             for module, key, read, now in buffers:
                 read.copy_(now)
                 module._buffers[key] = read
+
+
+def _equal(a: object, b: object) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- a value whose == is not a truth (an array): not equal
+        return False

@@ -574,7 +574,7 @@ class Step:
         """The graphs about to be captured run every module in its training mode of now, and
         read each parameter's data, each buffer and each module where they are now."""
         self._watch.fix_storage()
-        self._model = ModelWatch(self.model)
+        self._model = ModelWatch(self.model, self.loss_fn)
 
     def _settle_model(self, *, training: bool = True) -> None:
         """Before anything runs (a training call, or an evaluator's with training=False): a

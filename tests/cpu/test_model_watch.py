@@ -138,3 +138,57 @@ def test_entry_watch_compares_by_identity_from_a_start():
         _C.EntryWatch([([], "x", 1)])
     with pytest.raises(TypeError, match=r"entry 1 must be a \(dict, key, value\) tuple; got int"):
         _C.EntryWatch([(a, "x", 1), 3])
+
+
+def test_a_constant_changed_is_refused_and_an_equal_one_in_a_new_object_is_taken():
+    model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.LayerNorm(8, eps=1e-5))
+    watch = ModelWatch(model)
+    model[1].p = 0.25  # a dropout schedule: the graphs would run 0.1
+    assert watch.first_changed() >= 0 and watch.objects_changed()
+    with pytest.raises(NimbleError, match=r"'1.p' \(Dropout\) changed from 0.1 to 0.25 after "
+                                          r"capture; the step's graphs run the value they were "
+                                          r"captured with.*build a new Step"):
+        watch.refuse_replaced_objects()
+    model[1].p = float("0.1")  # equal, another object
+    assert watch.first_changed() >= 0
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1  # taken as the captured value: the fast path again
+    model[2].eps = 1  # an int where the graphs read a float 1e-5
+    with pytest.raises(NimbleError, match=r"'2.eps' \(LayerNorm\) changed from 1e-05 to 1"):
+        watch.refuse_replaced_objects()
+    del model[2].eps
+    with pytest.raises(NimbleError, match=r"'2.eps' \(LayerNorm\) was deleted after capture"):
+        watch.refuse_replaced_objects()
+
+
+def test_a_loss_module_is_watched_under_its_own_name_and_not_for_its_mode():
+    model = _model()
+    loss_fn = nn.CrossEntropyLoss(weight=torch.rand(5), label_smoothing=0.1)
+    watch = ModelWatch(model, loss_fn)
+    loss_fn.eval()  # a loss's mode changes nothing it computes
+    assert watch.first_changed() == -1
+    read = loss_fn.weight
+    loss_fn.weight = torch.rand(5)  # class weights replaced: they go where the graphs read them
+    buffers = watch.replaced_buffers()
+    assert [name for _, name, _, _ in buffers] == ["weight"]
+    watch.put_back(buffers)
+    assert loss_fn.weight is read and watch.first_changed() == -1
+    loss_fn.label_smoothing = 0.0
+    with pytest.raises(NimbleError, match=r"'loss_fn.label_smoothing' \(CrossEntropyLoss\) "
+                                          r"changed from 0.1 to 0.0"):
+        watch.refuse_replaced_objects()
+    assert ModelWatch(model, lambda out, y: out.sum()).names == watch.names[:-1]
+
+
+def test_entry_watch_update_takes_the_value_now():
+    a = {"x": 1.5}
+    watch = _C.EntryWatch([(a, "x", a["x"])])
+    a["x"] = float("1.5")
+    assert watch.first_changed() == 0
+    watch.update(0)
+    assert watch.first_changed() == -1
+    del a["x"]
+    with pytest.raises(KeyError, match=r"entry 0's dict holds no 'x'"):
+        watch.update(0)
+    with pytest.raises(IndexError, match=r"no entry 1 of 1"):
+        watch.update(1)

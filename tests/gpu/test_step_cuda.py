@@ -568,3 +568,36 @@ def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_run
     run.train(batches[4:])
     assert run.step.stats()["replays"] == 6
     run.assert_same()
+
+
+def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
+    """BatchNorm's momentum or a loss module's label_smoothing changed after capture: the
+    graphs run the Python numbers they were captured with, so the call is refused, naming the
+    attribute, before anything runs; with the value back the step trains on as the eager loop
+    does."""
+    torch.manual_seed(13)
+    loss_fn = torch.nn.CrossEntropyLoss(reduction="none", label_smoothing=0.1)
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05,
+                                                                          momentum=0.9))
+    step = nt.Step(m1, o1, loss_fn, warmup=2)
+    batches = classification_batches(8, 16, image=True, device="cuda")
+    for b in batches[:4]:
+        step(b)
+    before = copy.deepcopy(m1.state_dict())
+    m1.bn2.momentum = 0.5
+    with pytest.raises(nt.NimbleError, match=r"'bn2.momentum' \(BatchNorm2d\) changed from 0.1 "
+                                             r"to 0.5 after capture.*Nothing was run"):
+        step(batches[4])
+    m1.bn2.momentum = 0.1
+    loss_fn.label_smoothing = 0.2
+    with pytest.raises(nt.NimbleError, match=r"'loss_fn.label_smoothing' \(CrossEntropyLoss\) "
+                                             r"changed from 0.1 to 0.2"):
+        step(batches[4])
+    for name, value in m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    loss_fn.label_smoothing = 0.1
+    for b in batches[4:]:
+        step(b)
+    eager_loop(m2, o2, loss_fn, batches)
+    assert step.stats()["replays"] == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)
