@@ -84,7 +84,8 @@ class ModelWatch:
         self.first_changed = self._watch.first_changed
 
     def objects_changed(self) -> bool:
-        """A child module, parameter or buffer is not the one captured (modes aside)."""
+        """A constant, child module, parameter or buffer is not the one captured (modes
+        aside: an evaluator's graphs run in eval mode whatever the flags say)."""
         return self._watch.first_changed(self._modes_end) >= 0
 
     def _name(self, i: int, key: str | None = None) -> str:
