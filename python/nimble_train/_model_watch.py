@@ -59,11 +59,10 @@ class ModelWatch:
                       if id(module) not in seen]
         self.names = [name for name, _ in named]
         self.modules = [module for _, module in named]
-        self.modes = [module.training for module in self.modules[:modes_end]]
         entries, self._what = [], []  # per entry (kind, module index, key)
         for i, module in enumerate(self.modules[:modes_end]):
             attributes = vars(module)
-            if "training" in attributes:
+            if "training" in attributes:  # not a property (torch.compile's wrapper: its model's)
                 entries.append((attributes, "training", attributes["training"]))
                 self._what.append(("mode", i, "training"))
         self._modes_end = len(entries)
@@ -96,48 +95,52 @@ class ModelWatch:
         """The modules' training modes are those the graphs were captured with: a graph runs
         BatchNorm's batch statistics and dropout as it was captured, whatever the flags say
         now. Raised before anything runs."""
-        now = [module.training for module in self.modules[:len(self.modes)]]
-        if now == self.modes:
+        changed = self._unequal("mode")
+        if not changed:
             return
-        i = next(k for k, (a, b) in enumerate(zip(now, self.modes)) if a != b)
+        i, _, was, now = changed[0]
         module = self.modules[i]
         where = (f"module {self._name(i)} ({type(module).__name__})" if self.names[i]
                  else "the model")
         mode = lambda training: "training" if training else "eval"  # noqa: E731
-        changed = sum(a != b for a, b in zip(now, self.modes))
-        if not now[0] and self.modes[0]:
+        if i == 0 and was and not now:  # the model itself: modules() lists it first
             fix = ("call model.train() before the next step (after an evaluation; "
                    "step.evaluator(fn) switches to eval mode and back by itself)")
         else:
             fix = ("put the modes back, or, to train on with the new ones (BatchNorm's "
                    "statistics frozen, say), step.close() and build a new nt.Step")
         raise NimbleError(
-            f"nimble_train.Step: {where} is in {mode(now[i])} mode, and the step's graphs were "
-            f"captured with it in {mode(self.modes[i])} mode ({changed} module(s) changed); a "
+            f"nimble_train.Step: {where} is in {mode(now)} mode, and the step's graphs were "
+            f"captured with it in {mode(was)} mode ({len(changed)} module(s) changed); a "
             f"captured graph runs the modes it was captured with. To train as the modes say, "
             f"{fix}. Nothing was run for this call.")
 
-    def _changed(self, kind: str) -> list[tuple[int, int, str, object, object]]:
-        """(entry, module index, key, value captured, value now or _MISSING) per changed entry
-        of kind."""
+    def _unequal(self, kind: str) -> list[tuple[int, str, object, object]]:
+        """(module index, key, value captured, value now or _MISSING) per entry of kind that
+        changed. A mode or constant equal to the captured one in a new object (a mode set to
+        1, a float parsed again) is taken as the captured one, so that the fast path holds
+        again; a module, parameter or buffer must be the very object the graphs read."""
+        by_value = kind in ("mode", "constant")
         out = []
-        for e in self._watch.changed(self._modes_end):
+        for e in self._watch.changed():
             what, i, key = self._what[e]
-            if what == kind:
-                table, _, value = self._entries[e]
-                out.append((e, i, key, value, table.get(key, _MISSING)))
+            if what != kind:
+                continue
+            table, _, old = self._entries[e]
+            now = table.get(key, _MISSING)
+            if by_value and now is not _MISSING and _equal(now, old) and (
+                    kind == "mode" or type(now) is type(old)):
+                self._watch.update(e)
+                self._entries[e] = (table, key, now)
+            else:
+                out.append((i, key, old, now))
         return out
 
     def check_constants(self) -> None:
         """A module constant other than the one captured is refused (the graphs run the number
         they were captured with); an equal value in a new object is taken as the captured one.
         Raised before anything runs."""
-        for e, i, key, old, now in self._changed("constant"):
-            if now is not _MISSING and type(now) is type(old) and _equal(now, old):
-                self._watch.update(e)
-                table = self._entries[e][0]
-                self._entries[e] = (table, key, now)
-                continue
+        for i, key, old, now in self._unequal("constant"):
             seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
             raise NimbleError(
                 f"nimble_train.Step: {self._name(i, key)} ({type(self.modules[i]).__name__}) "
@@ -153,7 +156,7 @@ class ModelWatch:
         the new one would never train (an eager loop would train nothing of it either).
         Raised before anything runs."""
         self.check_constants()
-        for _, i, key, old, now in self._changed("module"):
+        for i, key, old, now in self._unequal("module"):
             now = None if now is _MISSING else now
             seen = ("removed" if now is None else
                     f"replaced by another {type(now).__name__}" if type(now) is type(old) else
@@ -165,7 +168,7 @@ class ModelWatch:
                 "Step's first call, or build a new Step (and an optimizer over the new "
                 "parameters): step.close(), then nt.Step(model, optimizer, ...) again. Nothing "
                 "was run for this call.")
-        for _, i, key, old, now in self._changed("parameter"):
+        for i, key, old, now in self._unequal("parameter"):
             now = None if now is _MISSING else now
             seen = ("removed" if now is None else "set where the graphs read none" if old is None
                     else "replaced by another tensor")
@@ -183,7 +186,7 @@ class ModelWatch:
         """(module, name, tensor the graphs read, tensor now) for each buffer replaced since
         capture; refused, before anything changes, when one cannot go back there."""
         out = []
-        for _, i, key, read, now in self._changed("buffer"):
+        for i, key, read, now in self._unequal("buffer"):
             now = None if now is _MISSING else now
             if read is None or now is None or (now.shape, now.dtype, now.device) != (
                     read.shape, read.dtype, read.device):

@@ -1,9 +1,12 @@
 // The hand-written LibTorch loop the C++ Step is compared with, and the comparisons.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <initializer_list>
+#include <string>
 #include <vector>
 
 #include "nimble_train/step.h"
@@ -71,6 +74,19 @@ inline double reference_step(torch::nn::Sequential& net, torch::optim::Optimizer
 
 inline void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
+}
+
+// The call is refused: a nimble_train::Error whose message says each of `said`.
+inline void expect_refused(Step& step, const Batch& batch,
+                           std::initializer_list<const char*> said) {
+  try {
+    step(batch);
+    ADD_FAILURE() << "the call ran; expected a nimble_train::Error saying \""
+                  << *said.begin() << "\"";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    for (const char* part : said) EXPECT_NE(what.find(part), std::string::npos) << what;
+  }
 }
 
 }  // namespace nimble_train::testing

@@ -47,6 +47,10 @@ def test_a_mode_changed_is_seen_and_refused_naming_the_module():
         watch.check_modes()
     model.train()
     assert watch.first_changed() == -1
+    model[2].training = 1  # equal to True: taken as the captured mode, the fast path again
+    assert watch.first_changed() >= 0
+    watch.check_modes()
+    assert watch.first_changed() == -1
 
 
 def test_a_replaced_buffer_goes_back_with_its_new_values():
