@@ -30,6 +30,10 @@
 //    new capture. The optimizer's state stays its own: state() holds views of the flat
 //    buffers and the step counts advance on the host too, so torch::save(optimizer, ...) and
 //    torch::load keep working (a load between calls is copied into the flat buffers).
+//  - The model's tensors changed between calls: values changed in place are what the graph
+//    reads; a parameter's or buffer's data replaced (p.set_data(t), torch::load(module, ...))
+//    is copied where the graph reads it, or refused when it no longer fits there (another
+//    shape, dtype or device). A module switched to another training mode is refused.
 //  - A batch with fewer samples than the first: padded and masked in the graph when
 //    `forward_loss` returns one loss per sample and no layer sees the whole batch (BatchNorm);
 //    otherwise it runs eagerly, or raises ShapeError (PartialBatch).

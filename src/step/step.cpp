@@ -355,15 +355,18 @@ class Step::Impl {
   void fuse();
   void check_structure() const;
   void fix_trainable();  // from here on, which parameters train is fixed
-  // ... and a parameter frozen or unfrozen since is refused; from capture on, a parameter's
-  // data replaced since (`p.set_data(t)`) goes back where the graph reads it, values kept.
+  // ... and a parameter frozen or unfrozen since is refused; from capture on, a parameter's or
+  // a buffer's data replaced since (`p.set_data(t)`; torch::load(module, ...), which sets each
+  // tensor's storage) goes back where the graph reads it, values kept.
   void check_params();
-  std::vector<at::Tensor> watched_params() const;  // the optimizer's, then the module's others
+  // The optimizer's parameters, then the module's others, then its buffers (a BatchNorm's
+  // running statistics): every tensor of the model the graph reads.
+  std::vector<at::Tensor> watched_params() const;
   // The graph runs every module in its training mode at capture; a module switched since (a
   // module left in eval() after an evaluation) is refused.
   void fix_modes();
   void check_modes() const;
-  std::string param_name(int64_t i) const;         // the watch's i-th parameter, for an error
+  std::string param_name(int64_t i) const;  // the watch's i-th tensor, for an error
   std::vector<float> staged_values() const;
   void bind_state();       // optimizer.state() -> flat buffers, then views of them
   void keep_state_bound(); // a torch::load since the last call: bind again
@@ -646,6 +649,9 @@ std::vector<at::Tensor> Step::Impl::watched_params() const {
       params.push_back(p);
     }
   }
+  for (const at::Tensor& b : module_->buffers()) {
+    if (b.defined()) params.push_back(b);
+  }
   return params;
 }
 
@@ -661,6 +667,9 @@ std::string Step::Impl::param_name(int64_t i) const {
   std::string name;
   for (const auto& named : module_->named_parameters()) {
     if (named.value().is_same(p)) name = "the module's " + named.key();
+  }
+  for (const auto& named : module_->named_buffers()) {
+    if (named.value().is_same(p)) name = "the module's buffer " + named.key();
   }
   if (i >= watch_->trained()) return name;
   size_t g = 0;

@@ -2,7 +2,8 @@
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
-// a module left in eval mode is refused, and a parameter given new data trains on from it.
+// a module left in eval mode is refused, and a parameter given new data, or a checkpoint
+// loaded with torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/torch.h>
 
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -236,6 +238,50 @@ TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
   train_both(step, ref, ref_opt, batches, 5, batches.size());
   EXPECT_EQ(weight.const_data_ptr(), where);  // back in the storage the graph reads
   EXPECT_LT(max_diff(net, ref), 1e-5);
+  EXPECT_EQ(step.stats().captures, 1);
+}
+
+// torch::load(module, ...) after capture sets every parameter's and buffer's storage (a
+// checkpoint loaded into a running step): the next call copies the loaded values where the
+// graph reads them, BatchNorm's running statistics included, and the step trains on from them
+// as the loop does.
+TEST_F(StepCuda, AModelLoadedWithTorchLoadAfterCaptureTrainsOnFromTheCheckpoint) {
+  auto batches = make_batches(10, 32, 18, device);
+  auto net = make_model(19, device, /*batch_norm=*/true);
+  auto ref = make_model(19, device, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  train_both(step, ref, ref_opt, batches, 0, 5);
+  ASSERT_EQ(step.stats().phase, nt::Phase::kReplay);
+  auto other = make_model(20, device, /*batch_norm=*/true);
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& b : other->buffers()) {
+      if (b.is_floating_point()) b.uniform_(0.5, 1.5);  // statistics unlike net's
+    }
+  }
+  std::vector<const void*> where;
+  for (const auto& t : net->parameters()) where.push_back(t.const_data_ptr());
+  for (const auto& t : net->buffers()) where.push_back(t.const_data_ptr());
+  std::stringstream checkpoint;
+  torch::save(other, checkpoint);
+  for (auto* model : {&net, &ref}) {
+    checkpoint.seekg(0);
+    torch::load(*model, checkpoint);
+  }
+  ASSERT_NE(net->buffers()[0].const_data_ptr(), where[net->parameters().size()]);
+  train_both(step, ref, ref_opt, batches, 5, batches.size());
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+  const auto buffers = net->buffers(), ref_buffers = ref->buffers();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    EXPECT_TRUE(torch::allclose(buffers[i].to(torch::kDouble), ref_buffers[i].to(torch::kDouble),
+                                1e-4, 1e-5)) << "buffer " << i;
+  }
+  std::vector<const void*> now;
+  for (const auto& t : net->parameters()) now.push_back(t.const_data_ptr());
+  for (const auto& t : net->buffers()) now.push_back(t.const_data_ptr());
+  EXPECT_EQ(now, where);  // back in the storage the graph reads
   EXPECT_EQ(step.stats().captures, 1);
 }
 
