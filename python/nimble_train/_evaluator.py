@@ -20,7 +20,6 @@ compiler meets its shapes) and is captured again; failing then, it stays eager, 
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Any, Callable
 
 import torch
@@ -29,6 +28,7 @@ from . import _options
 from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
+from ._sync import warn_at_user
 from .errors import NimbleError
 
 
@@ -54,6 +54,14 @@ class Evaluator:
         step._require_open("evaluator")
         # Data replaced since capture goes where the graphs (this one's too) read it first.
         step._settle_model(training=False)
+        try:
+            return self._call(batch)
+        finally:  # what fn's forwards changed themselves is not the user's change
+            if step._model is not None:
+                step._model.after_forward()
+
+    def _call(self, batch: Any) -> Any:
+        step = self._step
         if self._template is None:
             self._start(batch)
         template = self._template
@@ -145,12 +153,11 @@ class Evaluator:
                 self._deferred.discard(bucket)
                 self._eager_only[bucket] = cause
                 size = self._layout.sizes[bucket]
-                warnings.warn(
+                warn_at_user(
                     "step.evaluator: capturing fn failed" + (f" for bucket {size}" if size
                                                              else "") +
                     f", so it runs eagerly (correct, at eager speed). Keep fn free of host "
-                    f"synchronisations (.item(), printing) to have it captured. {cause}",
-                    stacklevel=4)
+                    f"synchronisations (.item(), printing) to have it captured. {cause}")
             else:
                 self._deferred.add(bucket)
             return

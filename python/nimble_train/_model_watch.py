@@ -9,9 +9,12 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
 
 - a training mode: refused (check_modes);
 - a constant (an attribute the module's class lists in ``__constants__``: a dropout's ``p``,
-  BatchNorm's ``momentum`` and ``eps``, a loss module's ``label_smoothing``): the graphs run
-  the Python number they were captured with, so another value is refused; an equal one in a
-  new object is taken as it is;
+  BatchNorm's ``momentum`` and ``eps``, a loss module's ``label_smoothing``), or a number of a
+  leaf module's (a public bool, int, float or str attribute of a module without children:
+  timm's ``DropPath.drop_prob``, torchvision's ``StochasticDepth.p``, a focal loss's
+  ``gamma``): the graphs run the Python value they were captured with, so another value is
+  refused; an equal one in a new object is taken as it is. A value the step's own forwards
+  change (a module counting its calls) is taken after each call (after_forward);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
 - a buffer: its values copied into the tensor the graphs read, which goes back in the module
@@ -43,6 +46,7 @@ def refuse_replaced(what: str, why: str) -> None:
 
 
 _MISSING = object()
+_NUMBERS = (bool, int, float, str)
 
 
 class ModelWatch:
@@ -68,10 +72,17 @@ class ModelWatch:
         self._modes_end = len(entries)
         for i, module in enumerate(self.modules):
             attributes = vars(module)
-            for key in getattr(type(module), "__constants__", ()):
+            constants = getattr(type(module), "__constants__", ())
+            for key in constants:
                 if key in attributes:
                     entries.append((attributes, key, attributes[key]))
                     self._what.append(("constant", i, key))
+            if not module._modules:  # a leaf: its public numbers are what its forward reads
+                for key, value in attributes.items():
+                    if (type(value) in _NUMBERS and not key.startswith("_")
+                            and key != "training" and key not in constants):
+                        entries.append((attributes, key, value))
+                        self._what.append(("number", i, key))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key, value in table.items():
@@ -83,9 +94,21 @@ class ModelWatch:
         self.first_changed = self._watch.first_changed
 
     def objects_changed(self) -> bool:
-        """A constant, child module, parameter or buffer is not the one captured (modes
-        aside: an evaluator's graphs run in eval mode whatever the flags say)."""
+        """A constant or number, child module, parameter or buffer is not the one captured
+        (modes aside: an evaluator's graphs run in eval mode whatever the flags say)."""
         return self._watch.first_changed(self._modes_end) >= 0
+
+    def after_forward(self) -> None:
+        """The constants and numbers as the step's own forwards left them (a capture's, an
+        eager step's, an evaluator's; a module that counts its calls changes one) become the
+        watched values: called at the end of each call whose checks passed, so that what is
+        refused is what user code changed between calls."""
+        for e in self._watch.changed(self._modes_end):
+            what, i, key = self._what[e]
+            table = self._entries[e][0]
+            if what in ("constant", "number") and key in table:
+                self._watch.update(e)
+                self._entries[e] = (table, key, table[key])
 
     def _name(self, i: int, key: str | None = None) -> str:
         name = ".".join(part for part in (self.names[i], key) if part)
@@ -120,7 +143,7 @@ class ModelWatch:
         changed. A mode or constant equal to the captured one in a new object (a mode set to
         1, a float parsed again) is taken as the captured one, so that the fast path holds
         again; a module, parameter or buffer must be the very object the graphs read."""
-        by_value = kind in ("mode", "constant")
+        by_value = kind in ("mode", "constant", "number")
         out = []
         for e in self._watch.changed():
             what, i, key = self._what[e]
@@ -137,18 +160,22 @@ class ModelWatch:
         return out
 
     def check_constants(self) -> None:
-        """A module constant other than the one captured is refused (the graphs run the number
-        they were captured with); an equal value in a new object is taken as the captured one.
-        Raised before anything runs."""
-        for i, key, old, now in self._unequal("constant"):
-            seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
-            raise NimbleError(
-                f"nimble_train.Step: {self._name(i, key)} ({type(self.modules[i]).__name__}) "
-                f"{seen} after capture; the step's graphs run the value they were captured "
-                "with (the Python numbers a forward reads are baked into a CUDA graph). Set it "
-                "before the Step's first call, or build a new Step to train with the new value: "
-                "step.close(), then nt.Step(model, optimizer, ...) again (the optimizer's state "
-                "carries over). Nothing was run for this call.")
+        """A module constant, or a leaf module's number, other than the one captured is
+        refused (the graphs run the value they were captured with); an equal value in a new
+        object is taken as the captured one. Raised before anything runs."""
+        for kind in ("constant", "number"):
+            for i, key, old, now in self._unequal(kind):
+                seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+                unread = ("" if kind == "constant" else
+                          f" An attribute the forward does not read can be named with a leading "
+                          f"underscore (_{key}): those are not watched.")
+                raise NimbleError(
+                    f"nimble_train.Step: {self._name(i, key)} ({type(self.modules[i]).__name__})"
+                    f" {seen} after capture; the step's graphs run the value they were captured "
+                    "with (the Python numbers a forward reads are baked into a CUDA graph). Set "
+                    "it before the Step's first call, or build a new Step to train with the new "
+                    "value: step.close(), then nt.Step(model, optimizer, ...) again (the "
+                    "optimizer's state carries over). Nothing was run for this call." + unread)
 
     def refuse_replaced_objects(self) -> None:
         """A changed constant, and a child module or a parameter object other than the one

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -41,6 +40,7 @@ from torch import nn
 from . import _torch_private
 from ._batch_norm_act import BatchNormAct, fuse_batch_norm_act
 from ._extension import _C
+from ._sync import warn_at_user
 from ._torch_private import pytree
 from .errors import one_line
 
@@ -463,8 +463,5 @@ def warn_single_stream(reason: str, backward_planned: bool = False) -> None:
                 f"stream); the forward runs on one stream: {reason}")
     else:
         what = f"nimble_train.Step runs on one stream: {reason}"
-    warnings.warn(
-        f"{what}. The step is still captured; only independent operators will not overlap. "
-        "Pass streams=1 to silence this.",
-        # The user's step(batch): here, CapturedStep, Step._capture, Step._call, Step.__call__.
-        stacklevel=6)
+    warn_at_user(f"{what}. The step is still captured; only independent operators will not "
+                 "overlap. Pass streams=1 to silence this.")

@@ -46,6 +46,16 @@ def _user_frame(frame: types.FrameType | None) -> types.FrameType | None:
     return last
 
 
+def warn_at_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """warnings.warn attributed to the user's line (_user_frame: their step(batch), Step(...) or
+    evaluate(batch)), however deep in nimble_train the warning is raised."""
+    frame, level = sys._getframe(1), 2
+    target = _user_frame(frame)
+    while frame is not None and frame is not target:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 def expression(frame: types.FrameType) -> str:
     """The source of the expression `frame` is running, e.g. "x.abs().max().item()" in
     "scale = x.abs().max().item()", from the columns of its current instruction; "an

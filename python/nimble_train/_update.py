@@ -11,11 +11,11 @@ optimizer as it is.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 
 from . import _capturable
+from ._sync import warn_at_user
 from .errors import NimbleError
 
 
@@ -54,10 +54,10 @@ class Update:
                 'amp="fp16" in a captured step needs a fused optimizer for its device-side loss '
                 f"scale, and this one cannot be fused: {self.fuse_reason}. Use amp=\"bf16\", SGD, "
                 "Adam, AdamW or nimble_train.optim.LAMB, or capture=False.")
-        warnings.warn(
+        warn_at_user(
             f"nimble_train.Step captures the optimizer's own step(), which is slower than the "
             f"fused update (one kernel per tensor group, hyper-parameters other than lr baked "
-            f"into the graph): {self.fuse_reason}.", stacklevel=3)
+            f"into the graph): {self.fuse_reason}.")
         self.staged_lr = _capturable.make_capturable(optimizer)
 
     @property
@@ -198,12 +198,12 @@ class Update:
 
     def warn_if_recapturing_often(self, recaptures: int, steps: int, warmup: int) -> None:
         if recaptures == 3 and steps < 4 * (warmup + 20):
-            warnings.warn(
+            warn_at_user(
                 f"Step has captured its graph {recaptures + 1} times in {steps} steps: optimizer "
                 "hyper-parameters other than lr (momentum, betas, weight decay, ...) changed "
                 f"between steps, and {type(self.optimizer).__name__} bakes them into the graph. "
                 "Keep them fixed (e.g. OneCycleLR(cycle_momentum=False)); each change costs a "
-                "capture.", stacklevel=7)
+                "capture.")
 
     def close(self) -> None:
         if self.fused is not None:

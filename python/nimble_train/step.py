@@ -307,6 +307,13 @@ class Step:
             self._model.check_modes()
         self._settle_model()
         self._update.settle_state()
+        try:
+            return self._run_settled(batch)
+        finally:  # what this call's forwards changed themselves is not the user's change
+            if self._model is not None:
+                self._model.after_forward()
+
+    def _run_settled(self, batch: Any) -> torch.Tensor:
         tensors = self._template.tensors(batch)
         bucket = self._layout.bucket(tensors)
         samples = self._samples(tensors, bucket)

@@ -196,3 +196,69 @@ def test_entry_watch_update_takes_the_value_now():
         watch.update(0)
     with pytest.raises(IndexError, match=r"no entry 1 of 1"):
         watch.update(1)
+
+
+class DropPath(nn.Module):
+    """timm's stochastic depth: a leaf whose rate is a plain attribute, not a constant."""
+
+    def __init__(self, drop_prob: float):
+        super().__init__()
+        self.drop_prob, self.scale_by_keep, self._calls = drop_prob, True, 0
+
+    def forward(self, x):
+        self._calls += 1
+        if self.drop_prob == 0.0 or not self.training:
+            return x
+        keep = x.new_empty(x.shape[0], 1).bernoulli_(1 - self.drop_prob)
+        return x * keep / (1 - self.drop_prob)
+
+
+class Counting(nn.Linear):
+    """A leaf that counts its calls in a public attribute: its own forwards change it."""
+
+    def __init__(self):
+        super().__init__(4, 4)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_a_leaf_modules_number_changed_is_refused_and_a_parents_or_private_one_is_not():
+    model = nn.Sequential(nn.Linear(4, 4), DropPath(0.1))
+    model.epoch = 0  # the model's own, not a leaf's: user code keeps counters there
+    watch = ModelWatch(model)
+    model[1].drop_prob = 0.2  # a stochastic-depth schedule: the graphs would run 0.1
+    assert watch.first_changed() >= 0 and watch.objects_changed()
+    with pytest.raises(NimbleError, match=r"'1.drop_prob' \(DropPath\) changed from 0.1 to 0.2 "
+                                          r"after capture.*build a new Step.*can be named with a "
+                                          r"leading underscore \(_drop_prob\)"):
+        watch.refuse_replaced_objects()
+    model[1].drop_prob = float("0.1")  # equal, another object: taken
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    model[1].scale_by_keep = False
+    with pytest.raises(NimbleError, match=r"'1.scale_by_keep' \(DropPath\) changed from True "
+                                          r"to False"):
+        watch.refuse_replaced_objects()
+    model[1].scale_by_keep = True
+    model.epoch, model[1]._calls = 3, 7  # neither a leaf's number nor public
+    model[1].note = "added later"  # not there when captured: nothing the graphs read
+    assert watch.first_changed() == -1
+
+
+def test_what_the_steps_own_forwards_change_is_taken_and_a_change_of_the_users_is_not():
+    model = nn.Sequential(Counting(), nn.ReLU())
+    watch = ModelWatch(model)
+    model(torch.randn(2, 4))  # a capture's or an eager step's forward
+    assert model[0].calls == 1 and watch.first_changed() >= 0
+    watch.after_forward()
+    assert watch.first_changed() == -1
+    model[0].calls = 5  # the user's, between calls: refused before the next call runs
+    with pytest.raises(NimbleError, match=r"'0.calls' \(Counting\) changed from 1 to 5"):
+        watch.refuse_replaced_objects()
+    model[0].weight = nn.Parameter(torch.randn(4, 4))  # after_forward takes numbers only
+    watch.after_forward()
+    with pytest.raises(NimbleError, match=r"parameter '0.weight' was replaced"):
+        watch.refuse_replaced_objects()

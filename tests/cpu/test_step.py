@@ -253,6 +253,26 @@ def test_host_syncs_are_named_by_the_expression_that_ran():
     assert found == "an operation"  # the call spans two lines
 
 
+def test_a_warning_raised_deep_in_nimble_train_names_the_users_line():
+    # Step's warnings (one stream, an optimizer captured as it is, an evaluator left eager) are
+    # raised several calls deep; they name the line that called into nimble_train.
+    import os
+    import sys
+    import warnings
+
+    import nimble_train._sync as sync
+    inner = os.path.join(os.path.dirname(sync.__file__), "_deep.py")  # frames inside the package
+    code = compile("def deep(warn):\n    return warn('deep')\n"
+                   "def outer(warn):\n    return deep(warn)\n", inner, "exec")
+    scope = {}
+    exec(code, scope)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        scope["outer"](sync.warn_at_user)
+    assert [(w.filename, w.lineno, str(w.message)) for w in caught] == [(__file__, line, "deep")]
+
+
 def test_static_inputs_keep_the_first_batch_layout():
     # A captured graph reads the static buffers: channels_last inputs stay channels_last (as
     # warm-up saw them), a non-dense first batch gets contiguous buffers, short batches fill

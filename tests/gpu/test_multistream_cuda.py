@@ -209,8 +209,10 @@ class Untraceable(torch.nn.Module):
 def test_untraceable_model_runs_on_one_stream_with_a_warning():
     torch.manual_seed(3)
     batches = classification_batches(5, 16, features=16, device="cuda")
-    with pytest.warns(UserWarning, match="runs on one stream: torch.fx could not trace"):
+    with pytest.warns(UserWarning,
+                      match="runs on one stream: torch.fx could not trace") as record:
         stats = three_ways(Untraceable(), lambda p: torch.optim.SGD(p, lr=0.1), batches)
+    assert record[0].filename == __file__  # the step(batch) line, however deep it was raised
     assert stats["captured"] and stats["streams"] == 1
     assert "torch.fx" in stats["single_stream_reason"]
 

@@ -87,8 +87,9 @@ def test_an_optimizer_that_cannot_be_fused_is_captured_as_is_and_recaptured_on_c
     make = lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9)  # noqa: E731
     (m1, o1), (m2, o2) = cuda_twin(MLP(), make)
     batches = classification_batches(8, 16, device="cuda")
-    with pytest.warns(UserWarning, match="captures the optimizer's own step"):
+    with pytest.warns(UserWarning, match="captures the optimizer's own step") as record:
         step = nt.Step(m1, o1, per_sample, warmup=1, streams=1)
+    assert record[0].filename == __file__  # the user's line, not nimble_train's
     for i, b in enumerate(batches):
         if i == 5:  # RMSprop's lr is baked into the graph: a change recaptures
             o1.param_groups[0]["lr"] = o2.param_groups[0]["lr"] = 5e-4
@@ -601,3 +602,45 @@ def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
     eager_loop(m2, o2, loss_fn, batches)
     assert step.stats()["replays"] == 6
     assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+class ScaledInput(torch.nn.Module):
+    """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
+    its forward changes itself (a call counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.factor, self.calls = 1.0, 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.factor
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_leaf_modules_number_changed_after_capture_is_refused_and_its_own_counting_is_not(
+        streams):
+    """A leaf module's public number (a stochastic-depth rate) changed after capture is
+    refused before anything runs, as a constant is; a number the module's forward changes
+    itself (its capture's, an evaluator's, an eager call's) is not the user's change: the
+    step replays on."""
+    torch.manual_seed(17)
+    run = SideBySide(cuda_twin(torch.nn.Sequential(ScaledInput(), SmallCNN()),
+                               lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    batches = classification_batches(10, 16, image=True, device="cuda")
+    run.train(batches[:4])
+    evaluate = run.step.evaluator(lambda m, b: m(b[0]))
+    evaluate(batches[0])  # captured: the forward counted once more
+    run.train(batches[4:6])
+    before = copy.deepcopy(run.m1.state_dict())
+    run.m1[0].factor = 0.5
+    with pytest.raises(nt.NimbleError, match=r"'0.factor' \(ScaledInput\) changed from 1.0 to "
+                                             r"0.5 after capture.*Nothing was run"):
+        run.step(batches[6])
+    for name, value in run.m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    run.m1[0].factor = 1.0
+    run.train(batches[6:])
+    assert run.step.stats()["replays"] == 8
+    run.assert_same()
