@@ -272,6 +272,14 @@ def overlap(info):
     step.close()
 
 
+def say(line: str) -> None:
+    """One write of the whole line: the ranks share the launcher's stdout, and print() writes
+    the text and its newline apart when Python runs unbuffered (PYTHONUNBUFFERED), so two
+    ranks' lines could run together."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def mismatch(info):
     """Rank 1 builds a wider model: every rank fails at its first step with the reason."""
     model = MLP(hidden=32 + info.rank).to(info.device)
@@ -289,9 +297,9 @@ def main():
                  "sharded": sharded, "accumulating": accumulating,
                  "syncbn": syncbn, "overlap": overlap, "mismatch": mismatch}
         cases[case](info)
-        print(f"{prefix} ok {time.time():.3f}", flush=True)
+        say(f"{prefix} ok {time.time():.3f}")
     except nt.DistributedError as exc:
-        print(f"{prefix} error: {exc} {time.time():.3f}", flush=True)
+        say(f"{prefix} error: {exc} {time.time():.3f}")
     finally:
         dist.destroy_process_group()
 

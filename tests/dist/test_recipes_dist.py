@@ -2,11 +2,17 @@
 unsharded job's does, checkpoints hold the whole optimizer state (gathered from both ranks),
 a sharded job takes a checkpoint back into its shards, and a resumed job captures and goes on.
 
-Two runs of the same recipe command on GPUs do not end bit for bit alike (after one step of
-this small network on 8 samples per GPU, some weights differed by 4e-4), so a sharded job is
-held to differ from the unsharded one by no more than the unsharded one differs from itself,
-run again, plus a thousandth of each tensor's largest value. A part of a tensor left out,
-stale or gathered into the wrong place differs by the whole of its values."""
+Two runs of the same recipe command on GPUs do not end bit for bit alike: the recipe lets
+cuDNN pick its convolution algorithms by timing them, and with TF32 each choice rounds
+differently (after one step of this small network on 8 samples per GPU, some momenta differed
+by 5% of their tensor's largest value between two runs, and by 20% in another pair). The jobs
+here run with TF32 off (NVIDIA_TF32_OVERRIDE=0), which shrinks that noise a hundredfold (BatchNorm
+over 8 samples still amplifies float32's last bits to about 1% of a small tensor's largest
+value: a bias's momentum differed by 0.3% between two unsharded runs and by 1.1% from the
+sharded run). A sharded job is held to differ from the unsharded one by no more than three
+times the unsharded one differs from itself, run again, plus 2% of each tensor's largest
+value. A part of a tensor left out, stale or gathered into the wrong place differs by the
+whole of its values."""
 
 import os
 import re
@@ -29,7 +35,8 @@ def recipe(tmp_path, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
          os.path.abspath(RECIPE), *TINY, *args],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "NVIDIA_TF32_OVERRIDE": "0"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("summary: cifar10 mode=step") == 1, result.stdout
     return result.stdout
@@ -66,7 +73,7 @@ def assert_within_noise(ours: dict, theirs: dict, again: dict) -> None:
     a, b, c = tensors(ours), tensors(theirs), tensors(again)
     for name, value in b.items():
         noise = (c[name] - value).abs().max().item()
-        allowed = 3 * noise + 1e-3 * value.abs().max().item() + 1e-7
+        allowed = 3 * noise + 2e-2 * value.abs().max().item() + 1e-7
         seen = (a[name] - value).abs().max().item()
         assert seen <= allowed, (f"{name}: differs by {seen:.3g} from the unsharded job's, which "
                                  f"differs from itself by {noise:.3g} (allowed {allowed:.3g})")
