@@ -46,7 +46,8 @@ def refuse_replaced(what: str, why: str) -> None:
 
 
 _MISSING = object()
-_NUMBERS = (bool, int, float, str)
+_NUMBERS = (bool, int, float, str)  # a leaf module's attributes watched as numbers
+_BY_VALUE = ("mode", "constant", "number")  # entries compared by value, not identity
 
 
 class ModelWatch:
@@ -64,30 +65,31 @@ class ModelWatch:
         self.names = [name for name, _ in named]
         self.modules = [module for _, module in named]
         entries, self._what = [], []  # per entry (kind, module index, key)
+
+        def watch(kind: str, i: int, table: dict, key: str) -> None:
+            entries.append((table, key, table[key]))
+            self._what.append((kind, i, key))
+
         for i, module in enumerate(self.modules[:modes_end]):
             attributes = vars(module)
             if "training" in attributes:  # not a property (torch.compile's wrapper: its model's)
-                entries.append((attributes, "training", attributes["training"]))
-                self._what.append(("mode", i, "training"))
+                watch("mode", i, attributes, "training")
         self._modes_end = len(entries)
         for i, module in enumerate(self.modules):
             attributes = vars(module)
             constants = getattr(type(module), "__constants__", ())
             for key in constants:
                 if key in attributes:
-                    entries.append((attributes, key, attributes[key]))
-                    self._what.append(("constant", i, key))
+                    watch("constant", i, attributes, key)
             if not module._modules:  # a leaf: its public numbers are what its forward reads
                 for key, value in attributes.items():
                     if (type(value) in _NUMBERS and not key.startswith("_")
                             and key != "training" and key not in constants):
-                        entries.append((attributes, key, value))
-                        self._what.append(("number", i, key))
+                        watch("number", i, attributes, key)
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
-                for key, value in table.items():
-                    entries.append((table, key, value))
-                    self._what.append((kind, i, key))
+                for key in table:
+                    watch(kind, i, table, key)
         self._entries = entries
         self._watch = _C.EntryWatch(entries)
         # The whole check on a step's fast path: -1 when nothing changed.
@@ -104,11 +106,15 @@ class ModelWatch:
         watched values: called at the end of each call whose checks passed, so that what is
         refused is what user code changed between calls."""
         for e in self._watch.changed(self._modes_end):
-            what, i, key = self._what[e]
-            table = self._entries[e][0]
-            if what in ("constant", "number") and key in table:
-                self._watch.update(e)
-                self._entries[e] = (table, key, table[key])
+            what, _, key = self._what[e]
+            if what in _BY_VALUE and key in self._entries[e][0]:
+                self._take(e)
+
+    def _take(self, e: int) -> None:
+        """Entry e's value becomes what its dict holds now."""
+        table, key, _ = self._entries[e]
+        self._watch.update(e)
+        self._entries[e] = (table, key, table[key])
 
     def _name(self, i: int, key: str | None = None) -> str:
         name = ".".join(part for part in (self.names[i], key) if part)
@@ -140,10 +146,10 @@ class ModelWatch:
 
     def _unequal(self, kind: str) -> list[tuple[int, str, object, object]]:
         """(module index, key, value captured, value now or _MISSING) per entry of kind that
-        changed. A mode or constant equal to the captured one in a new object (a mode set to
-        1, a float parsed again) is taken as the captured one, so that the fast path holds
-        again; a module, parameter or buffer must be the very object the graphs read."""
-        by_value = kind in ("mode", "constant", "number")
+        changed. A mode, constant or number equal to the captured one in a new object (a mode
+        set to 1, a float parsed again) is taken as the captured one, so that the fast path
+        holds again; a module, parameter or buffer must be the very object the graphs read."""
+        by_value = kind in _BY_VALUE
         out = []
         for e in self._watch.changed():
             what, i, key = self._what[e]
@@ -153,8 +159,7 @@ class ModelWatch:
             now = table.get(key, _MISSING)
             if by_value and now is not _MISSING and _equal(now, old) and (
                     kind == "mode" or type(now) is type(old)):
-                self._watch.update(e)
-                self._entries[e] = (table, key, now)
+                self._take(e)
             else:
                 out.append((i, key, old, now))
         return out

@@ -361,7 +361,7 @@ class Step::Impl {
   void check_params();
   // The optimizer's parameters, then the module's others, then its buffers (a BatchNorm's
   // running statistics): every tensor of the model the graph reads.
-  std::vector<at::Tensor> watched_params() const;
+  std::vector<at::Tensor> watched_tensors() const;
   // The graph runs every module in its training mode at capture; a module switched since (a
   // module left in eval() after an evaluation) is refused.
   void fix_modes();
@@ -637,7 +637,7 @@ void Step::Impl::check_structure() const {
   }
 }
 
-std::vector<at::Tensor> Step::Impl::watched_params() const {
+std::vector<at::Tensor> Step::Impl::watched_tensors() const {
   std::vector<at::Tensor> params;
   for (auto& group : optimizer_.param_groups()) {
     for (const at::Tensor& p : group.params()) params.push_back(p);
@@ -659,11 +659,11 @@ void Step::Impl::fix_trainable() {
   if (watch_.has_value()) return;
   int64_t trained = 0;
   for (const size_t n : group_sizes_) trained += int64_t(n);
-  watch_.emplace(watched_params(), trained);
+  watch_.emplace(watched_tensors(), trained);
 }
 
 std::string Step::Impl::param_name(int64_t i) const {
-  const at::Tensor p = watched_params().at(size_t(i));
+  const at::Tensor p = watched_tensors().at(size_t(i));
   std::string name;
   for (const auto& named : module_->named_parameters()) {
     if (named.value().is_same(p)) name = "the module's " + named.key();
@@ -727,7 +727,7 @@ void Step::Impl::check_params() {
     }
     if (!why.empty()) {
       throw Error("nimble_train::Step: the data of " + param_name(i) + " was replaced after "
-                  "capture, and " + why + ". Change a parameter's values in place "
+                  "capture, and " + why + ". Change a parameter's or buffer's values in place "
                   "(torch::NoGradGuard, p.copy_(t)), or build a new Step for the new model "
                   "(close() this one). Nothing was run for this call.");
     }
