@@ -21,8 +21,8 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   (replaced_buffers, then put_back), or refused when it no longer fits (another shape, dtype
   or device).
 
-A parameter's data replaced in place of its object (``p.data = t``) is ParamWatch's
-(src/optim/fused_step.h) to see.
+A parameter's or buffer's data replaced in place of its object (``p.data = t``,
+``bn.running_mean.data = t``) is ParamWatch's (src/optim/fused_step.h) to see.
 """
 
 from __future__ import annotations

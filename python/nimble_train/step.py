@@ -197,7 +197,7 @@ class Step:
         # step trains (the end of warm-up): a change since is refused (_refuse_trainable_change);
         # and from capture on where the graphs read their data (_settle_model).
         self._watch = None
-        self._watched: list[torch.Tensor] = []  # the optimizer's parameters, the model's others
+        self._watched: list[torch.Tensor] = []  # the optimizer's parameters, then other tensors
         # Each module's training mode, children, parameters and buffers when the graphs were
         # first captured (ModelWatch.check_modes, _settle_model).
         self._model: ModelWatch | None = None
@@ -567,26 +567,43 @@ class Step:
     def _fix_trainable(self) -> None:
         """From here on the flat buffers and the graphs hold which parameters train."""
         if self._watch is None:
-            known = {id(p) for p in self._params}
-            others = [p for p in self.model.parameters() if id(p) not in known]
-            self._watched = [*self._params, *others]  # frozen ones the forward reads too
+            self._watched = [*self._params, *self._read_besides()]
             self._watch = _C.ParamWatch(self._watched, len(self._params))
 
+    def _read_besides(self) -> list[torch.Tensor]:
+        """The tensors the graphs read besides the optimizer's parameters: the model's frozen
+        parameters and its buffers, and the loss module's buffers (a class weight)."""
+        held = [*self.model.parameters(), *self.model.buffers()]
+        if isinstance(self.loss_fn, torch.nn.Module):
+            held += list(self.loss_fn.buffers())
+        known = {id(p) for p in self._params}
+        return [t for t in unique_tensors(held) if id(t) not in known]
+
     def _param_name(self, i: int) -> str:
-        p = self._watched[i]
+        t = self._watched[i]
         names = {id(q): name for name, q in self.model.named_parameters()}
-        return names.get(id(p), f"optimizer parameter {i} (shape {tuple(p.shape)})")
+        if id(t) in names:
+            return names[id(t)]
+        buffers = list(self.model.named_buffers())
+        if isinstance(self.loss_fn, torch.nn.Module):
+            buffers += self.loss_fn.named_buffers(prefix="loss_fn")
+        names = {id(b): name for name, b in buffers}
+        if id(t) in names:
+            return f"the buffer {names[id(t)]}"
+        return f"optimizer parameter {i} (shape {tuple(t.shape)})"
 
     def _fix_model(self) -> None:
         """The graphs about to be captured run every module in its training mode of now, and
         read each parameter's data, each buffer and each module where they are now."""
-        self._watch.fix_storage()
+        others = self._read_besides()  # a buffer assigned anew since warm-up: where it is now
+        self._watched = [*self._params, *others]
+        self._watch.fix_storage(others)
         self._model = ModelWatch(self.model, self.loss_fn)
 
     def _settle_model(self, *, training: bool = True) -> None:
         """Before anything runs (a training call, or an evaluator's with training=False): a
         parameter frozen or unfrozen since warm-up is refused, and so is a module or a
-        parameter object replaced since capture; a parameter whose data was replaced
+        parameter object replaced since capture; a parameter or buffer whose data was replaced
         (``p.data = t``) goes back where the graphs read it, its new values copied there, and
         so does a replaced buffer, or the call is refused when they cannot (ModelWatch)."""
         watch, model = self._watch, self._model

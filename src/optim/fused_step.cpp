@@ -134,7 +134,11 @@ ParamWatch::ParamWatch(std::vector<at::Tensor> params, int64_t trained)
   for (int64_t i = 0; i < trained; ++i) flags_.push_back(params_[size_t(i)].requires_grad());
 }
 
-void ParamWatch::fix_storage() {
+void ParamWatch::fix_storage(std::optional<std::vector<at::Tensor>> others) {
+  if (others) {
+    params_.resize(flags_.size());
+    params_.insert(params_.end(), others->begin(), others->end());
+  }
   captured_.clear();
   captured_.reserve(params_.size());
   for (const at::Tensor& p : params_) captured_.push_back(p.detach());

@@ -79,7 +79,10 @@ class ParamWatch {
   // read (the model's parameters outside the optimizer: only their storage is watched).
   ParamWatch(std::vector<at::Tensor> params, int64_t trained);
   // From here on the graphs read each parameter's data where it is now (kept alive with them).
-  void fix_storage();
+  // others, when given, first take the place of the parameters after the trained ones: what the
+  // graphs about to be captured read besides, as it is then (a buffer a module assigned anew
+  // since construction, model.float()'s BatchNorm statistics, is watched where it is now).
+  void fix_storage(std::optional<std::vector<at::Tensor>> others = std::nullopt);
   // A flag changed or a parameter's data moved since.
   bool changed() const;
   // The index of the first optimizer parameter whose requires_grad differs from then, or -1.

@@ -163,8 +163,9 @@ void bind_optim(py::module_& m) {
       .def(py::init<std::vector<at::Tensor>, int64_t>(), py::arg("params"), py::arg("trained"),
            "params: the optimizer's `trained` parameters (flags watched), then others the graphs "
            "read (storage only).")
-      .def("fix_storage", &optim::ParamWatch::fix_storage,
-           "From here on the graphs read each parameter's data where it is now.")
+      .def("fix_storage", &optim::ParamWatch::fix_storage, py::arg("others") = py::none(),
+           "From here on the graphs read each parameter's data where it is now; others, when "
+           "given, first take the place of the parameters after the trained ones.")
       .def("changed", &optim::ParamWatch::changed,
            "Whether a flag changed or a parameter's data moved since.")
       .def("first_flag_changed", &optim::ParamWatch::first_flag_changed,

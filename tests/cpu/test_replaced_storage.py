@@ -54,6 +54,26 @@ def test_replaced_data_goes_back_where_the_graphs_read_it_with_the_new_values(in
             assert torch.equal(q.detach(), before)
 
 
+def test_tensors_given_at_fix_storage_take_the_place_of_the_untrained_ones():
+    # Warm-up fixed the trained parameters (and a frozen one); capture reads a buffer too, and
+    # the frozen one's replacement: those are watched from then on, the one they replace not.
+    params = _params(4)
+    stale, buffer = params[2], torch.randn(5)
+    frozen = torch.nn.Parameter(torch.randn(3, 3), requires_grad=False)
+    watch = _C.ParamWatch(params, 2)
+    watch.fix_storage([frozen, buffer])
+    stale.data = torch.zeros(3, 3)
+    assert not watch.changed()  # no longer the graphs'
+    new = torch.randn(5)
+    where = buffer.data_ptr()
+    buffer.data = new
+    assert watch.moved() == [3] and watch.first_flag_changed() == -1
+    watch.restore()
+    assert buffer.data_ptr() == where and torch.equal(buffer, new) and not watch.changed()
+    params[1].requires_grad_(False)  # the trained ones' flags are still watched
+    assert watch.first_flag_changed() == 1
+
+
 def test_views_of_one_flat_buffer_get_their_segment_back():
     # The fused optimizer's parameters are views of one buffer; one of them reassigned gets its
     # values copied into its segment, and the others' segments stay as they were.

@@ -540,6 +540,62 @@ def test_buffers_and_data_replaced_after_capture_are_what_the_step_and_its_evalu
     run.assert_same()  # the running statistics included
 
 
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_buffers_data_replaced_after_capture_is_what_the_step_and_its_evaluator_read(streams):
+    """`bn.running_mean.data = t` after capture (the same buffer object, new storage) and a
+    class weight of the loss module's given new data: the step's graphs and a captured evaluator
+    read the new values, as the eager model does, where they read before; a buffer given data
+    of another dtype is refused, naming it, before anything runs."""
+    torch.manual_seed(13)
+    models = [SmallCNN().cuda()]
+    models.append(copy.deepcopy(models[0]))
+    losses = [torch.nn.CrossEntropyLoss(weight=torch.rand(5, device="cuda") + 0.5)
+              for _ in range(2)]
+    losses[1].weight.copy_(losses[0].weight)
+    pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)) for m in models]
+    (m1, o1), (m2, o2) = pairs
+    step = nt.Step(m1, o1, losses[0], warmup=2, streams=streams)
+    batches = classification_batches(10, 16, image=True, device="cuda")
+
+    def train(part):
+        for b in part:
+            step(b)
+        eager_loop(m2, o2, losses[1], part)
+
+    train(batches[:4])
+    logits = lambda m, b: m(b[0])  # noqa: E731
+    evaluate = step.evaluator(logits)
+    evaluate(batches[0])  # captured
+    read, weight_read = m1.bn1.running_mean.data_ptr(), losses[0].weight.data_ptr()
+    mean = torch.randn_like(m1.bn1.running_mean) * 0.1
+    class_weight = torch.rand(5, device="cuda") + 0.5
+    for m, loss in zip(models, losses):
+        m.bn1.running_mean.data = mean.clone()
+        loss.weight.data = class_weight.clone()
+    out = evaluate(batches[1])
+    m2.eval()
+    with torch.no_grad():
+        expected = logits(m2, batches[1])
+    m2.train()
+    torch.testing.assert_close(out, expected, **TOL)  # not the statistics the graph captured
+    assert m1.bn1.running_mean.data_ptr() == read
+    assert losses[0].weight.data_ptr() == weight_read
+    kept = m1.bn2.running_var.data
+    m1.bn2.running_var.data = kept.half()
+    before = copy.deepcopy(m1.state_dict())
+    with pytest.raises(nt.NimbleError, match=r"the data of the buffer bn2\.running_var was "
+                                             r"replaced after capture.*Half \[16\] on cuda:0 "
+                                             r"where the graphs read Float \[16\]"):
+        step(batches[4])
+    for name, value in m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    m1.bn2.running_var.data = kept
+    train(batches[4:])
+    assert step.stats()["replays"] == 8
+    assert losses[0].weight.data_ptr() == weight_read
+    assert_same_training(m1, o1, m2, o2, **TOL)  # the running statistics included
+
+
 def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_runs():
     """model.head = nn.Linear(...) or load_state_dict(..., assign=True) after capture: the
     graphs run the old module and the optimizer holds the old parameters, so the new ones would
