@@ -15,6 +15,8 @@ batch with fewer samples than the evaluator's first (the last one of a validatio
 calls before the Step replays, and the CPU run eagerly with the same semantics (with buckets,
 on the batch padded to its bucket). A bucket whose capture fails runs eagerly once (cuDNN or a
 compiler meets its shapes) and is captured again; failing then, it stays eager, with a warning.
+With a compiled model each bucket runs eagerly once before its capture (dynamo compiles the
+model anew for eval mode), on static inputs like the graph's.
 """
 
 from __future__ import annotations
@@ -105,11 +107,14 @@ class Evaluator:
             raise
 
     def _eager(self, batch: Any, tensors: list, bucket: int, samples: int) -> Any:
-        if self._step.buckets is not None:  # the padded batch the bucket's graph sees
-            inputs = self._inputs[bucket]
-            inputs.copy_in(tensors, samples)
-            batch = self._template.unflatten_rows(inputs.buffers, samples)
-        out = self._run(batch)
+        """fn on the batch copied into static inputs like the graph's (with buckets, padded to
+        its bucket): a compiled model compiles here for tensors the capture's will match.
+        Given the user's own (a slice of a held-out set, v[i:i + b], a view), dynamo may guard
+        on the view's base, which the graph's inputs lack, and would compile again inside the
+        capture, which cannot be done."""
+        inputs = self._inputs[bucket]
+        inputs.copy_in(tensors, samples)
+        out = self._run(self._template.unflatten_rows(inputs.buffers, samples))
         self.counts["eager"] += 1
         self._met.add(bucket)
         return out
@@ -128,10 +133,14 @@ class Evaluator:
         if entry is not None and graph.graph.captured(entry):
             return entry
         sizes = self._layout.sizes
+        # A compiled model compiles for eval mode at its first call in it, which cannot be
+        # inside a capture: an eager call on each bucket first.
+        compiled = self._step._compiled_masks is not None
         for b in sorted(range(len(sizes)), key=lambda b: -(sizes[b] or 0)):
             e = self._entries[b]
             captured = e is not None and graph.graph.captured(e)
-            waiting = b in self._deferred and (b != bucket or b not in self._met)
+            unmet = b not in self._met
+            waiting = (b in self._deferred and (b != bucket or unmet)) or (compiled and unmet)
             if captured or waiting or b in self._eager_only:
                 continue
             self._capture(graph, b)

@@ -145,6 +145,39 @@ def test_the_evaluator_takes_a_tensor_result_and_no_gradient_flows():
     assert not logits.requires_grad
 
 
+def test_eager_evaluator_calls_see_the_batch_copied_into_static_inputs():
+    """fn sees the batch in the evaluator's static inputs, laid out as the captured graph's
+    are: the values given, in tensors that are not views of the caller's (slices of one
+    held-out tensor here, whose base a compiled model's guards may read), the same tensors
+    every call; a short batch their first rows."""
+    torch.manual_seed(0)
+    model = MaskedPool()
+    step = nt.Step(model, adamw(model.parameters()), sample_losses)
+    whole = lengths_batch([16] * 14, generator=torch.Generator().manual_seed(8))
+    held_out = [{k: v[i:j] for k, v in whole.items()} for i, j in ((0, 4), (4, 8), (8, 12),
+                                                                   (12, 14))]
+    seen = []
+
+    def logits(m, b):
+        ids = b["input_ids"]
+        seen.append((ids.clone(), ids.data_ptr(), ids._is_view() and ids._base.data_ptr()))
+        return m(ids, b["attention_mask"])
+
+    ev = step.evaluator(logits)
+    outs = [ev(b) for b in held_out]
+    model.eval()
+    with torch.no_grad():
+        for out, b, (given, _, _) in zip(outs, held_out, seen):
+            assert torch.equal(given, b["input_ids"])
+            torch.testing.assert_close(out, model(b["input_ids"], b["attention_mask"]),
+                                       rtol=1e-5, atol=1e-6)
+    model.train()
+    where = {ptr for _, ptr, _ in seen}
+    assert len(where) == 1 and where.isdisjoint({b["input_ids"].data_ptr() for b in held_out})
+    assert [base for _, _, base in seen[:3]] == [False] * 3  # the short one: a narrowed view
+    assert seen[3][0].shape == (2, 16)
+
+
 def test_a_bert_evaluator_equals_eager():
     pytest.importorskip("transformers")
     model = tiny_bert("classify", seed=1)

@@ -61,6 +61,8 @@ def test_bert_recipe_compiled_inside_step_is_captured(capsys):
     out = capsys.readouterr().out
     assert "model compiled" in out and "nt.Step: captured" in out, out
     assert summary_of(out)["steps"] == "24"
+    # 4 held-out batches: one eager call (dynamo compiles for eval mode), then replays.
+    assert "step.evaluator: 1 graph(s), 3 replays, 1 eager calls" in out, out
 
 
 @needs_transformers

@@ -266,6 +266,40 @@ def test_a_compiled_channels_last_model_is_captured_with_its_compiled_code(exact
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_a_compiled_models_evaluator_given_slices_of_a_held_out_set_is_captured(dynamic):
+    """The evaluator of a compiled model: dynamo compiles the model anew for eval mode at the
+    evaluator's first call, which runs eagerly, never inside a capture (whether inductor can
+    compile there depends on its caches: a cold one copies constants from the host, which a
+    capture refuses), and on static inputs like the graph's. Held-out batches given as slices
+    of one tensor (views, whose base dynamo guards on once it traces their sizes symbolically)
+    are then captured at the second call and replayed, with the eager model's outputs."""
+    torch._dynamo.reset()
+    torch.manual_seed(5)
+    model = SmallCNN().cuda()
+    reference = copy.deepcopy(model)
+    batches = classification_batches(6, 16, device="cuda", image=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    step, _ = run_step(torch.compile(model, dynamic=dynamic), opt, per_sample, batches,
+                       streams=1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    eager_loop(reference, ref_opt, per_sample, batches)
+    images = torch.randn(80, 3, 8, 8, device="cuda")
+    labels = torch.randint(0, 5, (80,), device="cuda")
+    held_out = [(images[i:i + 16], labels[i:i + 16]) for i in range(0, 80, 16)]
+    evaluate = step.evaluator(lambda m, b: m(b[0]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "capturing fn failed": not here
+        outs = [evaluate(b) for b in held_out]
+    assert evaluate.counts == {"replays": 4, "eager": 1, "captures": 1}
+    reference.eval()
+    with torch.no_grad():
+        for out, (x, _) in zip(outs, held_out):
+            # Inductor fuses the batch-norm arithmetic: other rounding than eager's.
+            torch.testing.assert_close(out, reference(x), rtol=1e-3, atol=1e-4)
+    torch._dynamo.reset()
+
+
 class SyncsInForward(MLP):
     def forward(self, x):
         scale = x.abs().max().item()  # a host sync
