@@ -145,10 +145,12 @@ void ParamWatch::fix_storage(std::optional<std::vector<at::Tensor>> others) {
 }
 
 bool ParamWatch::is_moved(size_t i) const {
-  const at::Tensor& p = params_[i];
-  const at::Tensor& c = captured_[i];
-  return p.const_data_ptr() != c.const_data_ptr() || p.scalar_type() != c.scalar_type() ||
-         p.sizes() != c.sizes() || p.strides() != c.strides();
+  // On every call, for every tensor the graphs read: the TensorImpls' fields, read directly
+  // (data_ptr() would check the storage first), a few nanoseconds a tensor.
+  const c10::TensorImpl& p = *params_[i].unsafeGetTensorImpl();
+  const c10::TensorImpl& c = *captured_[i].unsafeGetTensorImpl();
+  return p.storage().data() != c.storage().data() || p.storage_offset() != c.storage_offset() ||
+         p.dtype() != c.dtype() || p.sizes() != c.sizes() || p.strides() != c.strides();
 }
 
 bool ParamWatch::changed() const {
