@@ -567,7 +567,7 @@ class Step:
     def _fix_trainable(self) -> None:
         """From here on the flat buffers and the graphs hold which parameters train."""
         if self._watch is None:
-            self._watched = [*self._params, *self._read_besides()]
+            self._watched = list(self._params)  # what the graphs read besides: at capture
             self._watch = _C.ParamWatch(self._watched, len(self._params))
 
     def _read_besides(self) -> list[torch.Tensor]:
