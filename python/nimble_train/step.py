@@ -512,7 +512,11 @@ class Step:
 
     def _eager_step(self, batch: Any, tensors: list, bucket: int, samples: int,
                     warmup: bool = False) -> torch.Tensor:
-        if self.buckets is not None:
+        # A compiled model compiles for the batch it is given, and a capture cannot compile:
+        # given the user's (a slice x[i:i + b], a view), dynamo may guard on the view's base,
+        # which the static inputs the capture reads lack. It meets those inputs from the start.
+        if self.buckets is not None or (self._graph is not None
+                                        and self._compiled_masks is not None):
             batch = self._static_batch(tensors, bucket, samples)
         with (self._sync.recording_on(self._stream) if warmup and self._stream is not None
               else contextlib.nullcontext()):

@@ -31,6 +31,9 @@ def run_step(model, optimizer, loss_fn, batches, warmup=2, **options):
 # Where bitwise equality is impossible: the captured step uses fused SGD / capturable Adam
 # (same math, other rounding), and learning rates reach the graph as float32.
 TOL = {"rtol": 2e-4, "atol": 2e-5}
+# The warnings Step and its evaluator give (not torch's: inductor warns once a process that
+# TF32 is off, so erroring on every UserWarning would depend on the tests run before).
+STEP_WARNINGS = r"(nimble_train|Step |step\.evaluator)"
 
 
 @pytest.mark.parametrize("make_opt", [
@@ -267,6 +270,37 @@ def test_a_compiled_channels_last_model_is_captured_with_its_compiled_code(exact
 
 
 @pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_compiled_model_trained_on_slices_of_one_tensor_is_captured(dynamic, streams,
+                                                                    exact_convolutions):
+    """Batches given as slices of one GPU-resident tensor (x[i:i + b], views, as speed runs
+    feed them): the warm-up steps of a compiled model run on the batch copied into the static
+    inputs the capture reads, so dynamo's guards (on a view's base, once sizes are traced
+    symbolically) hold at the capture and nothing compiles inside it."""
+    torch._dynamo.reset()
+    torch.manual_seed(11)
+    model = SmallCNN().cuda()
+    reference = copy.deepcopy(model)
+    images = torch.randn(96, 3, 8, 8, device="cuda")
+    labels = torch.randint(0, 5, (96,), device="cuda")
+    batches = [(images[i:i + 16], labels[i:i + 16]) for i in range(0, 96, 16)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # The warm-up's code serves the capture: a second compile (inside it) is an error here,
+    # and so is the Step's warning that it fell back to fewer streams.
+    with warnings.catch_warnings(), torch._dynamo.config.patch(error_on_recompile=True):
+        warnings.filterwarnings("error", message=STEP_WARNINGS)
+        step, _ = run_step(torch.compile(model, dynamic=dynamic), opt, per_sample, batches,
+                           streams=streams)
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 4 and stats["captures"] == 1, stats
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    eager_loop(reference, ref_opt, per_sample, batches)
+    # Inductor fuses the batch-norm arithmetic: other rounding than eager's.
+    assert_same_training(model, opt, reference, ref_opt, rtol=1e-3, atol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
 def test_a_compiled_models_evaluator_given_slices_of_a_held_out_set_is_captured(dynamic):
     """The evaluator of a compiled model: dynamo compiles the model anew for eval mode at the
     evaluator's first call, which runs eagerly, never inside a capture (whether inductor can
@@ -289,7 +323,7 @@ def test_a_compiled_models_evaluator_given_slices_of_a_held_out_set_is_captured(
     held_out = [(images[i:i + 16], labels[i:i + 16]) for i in range(0, 80, 16)]
     evaluate = step.evaluator(lambda m, b: m(b[0]))
     with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # "capturing fn failed": not here
+        warnings.filterwarnings("error", message=STEP_WARNINGS)  # "capturing fn failed": not here
         outs = [evaluate(b) for b in held_out]
     assert evaluate.counts == {"replays": 4, "eager": 1, "captures": 1}
     reference.eval()
