@@ -56,14 +56,6 @@ class Evaluator:
         step._require_open("evaluator")
         # Data replaced since capture goes where the graphs (this one's too) read it first.
         step._settle_model(training=False)
-        try:
-            return self._call(batch)
-        finally:  # what fn's forwards changed themselves is not the user's change
-            if step._model is not None:
-                step._model.after_forward()
-
-    def _call(self, batch: Any) -> Any:
-        step = self._step
         if self._template is None:
             self._start(batch)
         template = self._template
@@ -120,10 +112,15 @@ class Evaluator:
         return out
 
     def _run(self, batch: Any) -> Any:
+        """fn, eagerly or captured (a replay runs no forward)."""
         step = self._step
-        with step._compiling(), evaluating(step.model), torch.no_grad(), \
-                step._iteration._autocast():
-            out = self.fn(step.model, batch)
+        try:
+            with step._compiling(), evaluating(step.model), torch.no_grad(), \
+                    step._iteration._autocast():
+                out = self.fn(step.model, batch)
+        finally:  # what fn's forwards changed themselves is not the user's change
+            if step._model is not None:
+                step._model.after_forward()
         return _checked(out)
 
     def _captured_entry(self, graph, bucket: int) -> int | None:

@@ -261,9 +261,13 @@ TEST_F(StepCuda, AModelLoadedWithTorchLoadAfterCaptureTrainsOnFromTheCheckpoint)
       if (b.is_floating_point()) b.uniform_(0.5, 1.5);  // statistics unlike net's
     }
   }
-  std::vector<const void*> where;
-  for (const auto& t : net->parameters()) where.push_back(t.const_data_ptr());
-  for (const auto& t : net->buffers()) where.push_back(t.const_data_ptr());
+  auto storages = [&net] {  // where each parameter's, then each buffer's data lies
+    std::vector<const void*> at;
+    for (const auto& t : net->parameters()) at.push_back(t.const_data_ptr());
+    for (const auto& t : net->buffers()) at.push_back(t.const_data_ptr());
+    return at;
+  };
+  const std::vector<const void*> where = storages();
   std::stringstream checkpoint;
   torch::save(other, checkpoint);
   for (auto* model : {&net, &ref}) {
@@ -278,10 +282,7 @@ TEST_F(StepCuda, AModelLoadedWithTorchLoadAfterCaptureTrainsOnFromTheCheckpoint)
     EXPECT_TRUE(torch::allclose(buffers[i].to(torch::kDouble), ref_buffers[i].to(torch::kDouble),
                                 1e-4, 1e-5)) << "buffer " << i;
   }
-  std::vector<const void*> now;
-  for (const auto& t : net->parameters()) now.push_back(t.const_data_ptr());
-  for (const auto& t : net->buffers()) now.push_back(t.const_data_ptr());
-  EXPECT_EQ(now, where);  // back in the storage the graph reads
+  EXPECT_EQ(storages(), where);  // back in the storage the graph reads
   EXPECT_EQ(step.stats().captures, 1);
 }
 
