@@ -33,7 +33,12 @@
 //  - The model's tensors changed between calls: values changed in place are what the graph
 //    reads; a parameter's or buffer's data replaced (p.set_data(t), torch::load(module, ...))
 //    is copied where the graph reads it, or refused when it no longer fits there (another
-//    shape, dtype or device). A module switched to another training mode is refused.
+//    shape, dtype or device). A torch::nn module's buffer member assigned anew
+//    (bn->running_mean = t) is copied where the graph reads it in the same way. A child module
+//    replaced, added or removed, a torch::nn module's parameter member assigned anew
+//    (fc->weight = t: the optimizer updates the one the graph reads) and a module switched to
+//    another training mode are refused. A module of one's own: its tensor members are its own
+//    code's, and only its children are seen; change their values in place.
 //  - A batch with fewer samples than the first: padded and masked in the graph when
 //    `forward_loss` returns one loss per sample and no layer sees the whole batch (BatchNorm);
 //    otherwise it runs eagerly, or raises ShapeError (PartialBatch).

@@ -34,6 +34,7 @@
 #include "optim/device_tables.h"
 #include "optim/fused_step.h"
 #include "optim/fused_update.h"
+#include "step/module_watch.h"
 
 #if NT_HAVE_CUDA
 #include <c10/cuda/CUDAFunctions.h>
@@ -362,10 +363,6 @@ class Step::Impl {
   // The optimizer's parameters, then the module's others, then its buffers (a BatchNorm's
   // running statistics): every tensor of the model the graph reads.
   std::vector<at::Tensor> watched_tensors() const;
-  // The graph runs every module in its training mode at capture; a module switched since (a
-  // module left in eval() after an evaluation) is refused.
-  void fix_modes();
-  void check_modes() const;
   std::string param_name(int64_t i) const;  // the watch's i-th tensor, for an error
   std::vector<float> staged_values() const;
   void bind_state();       // optimizer.state() -> flat buffers, then views of them
@@ -413,9 +410,10 @@ class Step::Impl {
   // Which parameters required gradients when the flat buffers (or the graph) fixed what the
   // step trains, and from capture on the storage the graph reads.
   std::optional<optim::ParamWatch> watch_;
-  // Every module (module_->modules()'s order) and its training flag when the graph is captured.
-  std::vector<std::shared_ptr<torch::nn::Module>> module_list_;
-  std::vector<bool> modes_;
+  // The modules, their training modes and torch::nn's tensor members as the graph is captured
+  // (a module replaced or switched to eval() since is refused; a buffer assigned anew is
+  // copied back where the graph reads it).
+  std::optional<ModuleWatch> modules_;
 
   // The fused update.
   bool fused_ = false;
@@ -677,32 +675,6 @@ std::string Step::Impl::param_name(int64_t i) const {
   const std::string place =
       "param_groups()[" + std::to_string(g) + "].params()[" + std::to_string(i) + "]";
   return name.empty() ? place : name + " (" + place + ")";
-}
-
-void Step::Impl::fix_modes() {
-  module_list_ = module_->modules();
-  modes_.clear();
-  for (const auto& m : module_list_) modes_.push_back(m->is_training());
-}
-
-void Step::Impl::check_modes() const {
-  size_t i = 0;
-  while (i < module_list_.size() && module_list_[i]->is_training() == modes_[i]) ++i;
-  if (i == module_list_.size()) return;
-  const auto named = module_->named_modules();
-  const std::string name = i < named.size() ? named[i].key() : "";
-  const std::string where =
-      name.empty() ? "the module" : "module '" + name + "' (" + module_list_[i]->name() + ")";
-  const auto mode = [](bool training) { return training ? "training" : "eval"; };
-  const std::string fix =
-      !module_->is_training() && modes_[0]
-          ? "call train() on the module before the next step (after an evaluation)"
-          : "put the modes back, or, to train on with the new ones, close() this Step and build "
-            "a new one";
-  throw Error("nimble_train::Step: " + where + " is in " + mode(!modes_[i]) +
-              " mode, and the step's graph was captured with it in " + mode(modes_[i]) +
-              " mode; a captured graph runs the modes it was captured with. To train as the "
-              "modes say, " + fix + ". Nothing was run for this call.");
 }
 
 void Step::Impl::check_params() {
@@ -1034,7 +1006,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
     make_template(batch);
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
   }
-  if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) check_modes();
+  if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) modules_->check();
   check_params();
   const int64_t samples = check_batch(batch);
   const bool short_batch = samples < batch_size_;
@@ -1051,7 +1023,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
       if (eager_steps_ >= options_.warmup) {
         fix_trainable();  // an optimizer captured as it is: from here on
         watch_->fix_storage();  // the graph reads the data where the warm-up left it
-        fix_modes();
+        modules_.emplace(module_);
         phase_ = Phase::kCapture;
       }
       break;

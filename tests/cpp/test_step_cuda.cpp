@@ -2,8 +2,9 @@
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
-// a module left in eval mode is refused, and a parameter given new data, or a checkpoint
-// loaded with torch::load, trains on from it.
+// a module left in eval mode, a child replaced or a parameter member assigned anew is refused,
+// and a parameter given new data, BatchNorm's statistics assigned anew, or a checkpoint loaded
+// with torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/torch.h>
 
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -58,6 +60,26 @@ void train_both(nt::Step& step, torch::nn::Sequential& ref, torch::optim::Optimi
     reference_step(ref, ref_opt, batches[i]);
   }
 }
+
+// Twin models, the Step over one (SGD, momentum 0.9) and the hand-written loop over the other,
+// trained on batches [0, 5) of 10: the Step replays its graph from here.
+struct Replaying {
+  Replaying(int64_t seed, torch::Device device, bool batch_norm = false)
+      : batches(make_batches(10, 32, seed, device)),
+        net(make_model(seed + 1, device, batch_norm)),
+        ref(make_model(seed + 1, device, batch_norm)),
+        opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+        ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9)),
+        step(net, opt, per_sample(net)) {
+    train_both(step, ref, ref_opt, batches, 0, 5);
+  }
+  void train(size_t from, size_t to) { train_both(step, ref, ref_opt, batches, from, to); }
+
+  std::vector<nt::Batch> batches;
+  torch::nn::Sequential net, ref;
+  torch::optim::SGD opt, ref_opt;
+  nt::Step step;
+};
 
 }  // namespace
 
@@ -213,32 +235,27 @@ TEST_F(StepCuda, Bf16AutocastTrainsInTheGraph) {
 // copies the new values where the graph reads them (the parameter views that again), and the
 // step trains on from them as the loop does; data of another dtype is refused, running nothing.
 TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
-  auto batches = make_batches(10, 32, 14, device);
-  auto net = make_model(15, device), ref = make_model(15, device);
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  nt::Step step(net, opt, per_sample(net));
-  train_both(step, ref, ref_opt, batches, 0, 5);
-  ASSERT_EQ(step.stats().phase, nt::Phase::kReplay);
-  torch::Tensor weight = net->parameters()[0];
+  Replaying r(14, device);
+  ASSERT_EQ(r.step.stats().phase, nt::Phase::kReplay);
+  torch::Tensor weight = r.net->parameters()[0];
   const void* where = weight.const_data_ptr();
   const torch::Tensor fresh = torch::randn_like(weight) * 0.1;
   const torch::Tensor halved = fresh.to(torch::kHalf);
   {
     torch::NoGradGuard no_grad;
     weight.set_data(halved);
-    ref->parameters()[0].set_data(fresh.clone());
+    r.ref->parameters()[0].set_data(fresh.clone());
   }
-  expect_refused(step, batches[5], {"replaced after capture", "Half"});
+  expect_refused(r.step, r.batches[5], {"replaced after capture", "Half"});
   EXPECT_TRUE(torch::equal(weight.detach(), halved));  // nothing ran
   {
     torch::NoGradGuard no_grad;
     weight.set_data(fresh.clone());
   }
-  train_both(step, ref, ref_opt, batches, 5, batches.size());
+  r.train(5, r.batches.size());
   EXPECT_EQ(weight.const_data_ptr(), where);  // back in the storage the graph reads
-  EXPECT_LT(max_diff(net, ref), 1e-5);
-  EXPECT_EQ(step.stats().captures, 1);
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
+  EXPECT_EQ(r.step.stats().captures, 1);
 }
 
 // torch::load(module, ...) after capture sets every parameter's and buffer's storage (a
@@ -246,14 +263,9 @@ TEST_F(StepCuda, AParameterGivenNewDataAfterCaptureTrainsOnFromItOrIsRefused) {
 // graph reads them, BatchNorm's running statistics included, and the step trains on from them
 // as the loop does.
 TEST_F(StepCuda, AModelLoadedWithTorchLoadAfterCaptureTrainsOnFromTheCheckpoint) {
-  auto batches = make_batches(10, 32, 18, device);
-  auto net = make_model(19, device, /*batch_norm=*/true);
-  auto ref = make_model(19, device, /*batch_norm=*/true);
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  nt::Step step(net, opt, per_sample(net));
-  train_both(step, ref, ref_opt, batches, 0, 5);
-  ASSERT_EQ(step.stats().phase, nt::Phase::kReplay);
+  Replaying r(18, device, /*batch_norm=*/true);
+  auto& net = r.net;
+  ASSERT_EQ(r.step.stats().phase, nt::Phase::kReplay);
   auto other = make_model(20, device, /*batch_norm=*/true);
   {
     torch::NoGradGuard no_grad;
@@ -270,39 +282,84 @@ TEST_F(StepCuda, AModelLoadedWithTorchLoadAfterCaptureTrainsOnFromTheCheckpoint)
   const std::vector<const void*> where = storages();
   std::stringstream checkpoint;
   torch::save(other, checkpoint);
-  for (auto* model : {&net, &ref}) {
+  for (auto* model : {&r.net, &r.ref}) {
     checkpoint.seekg(0);
     torch::load(*model, checkpoint);
   }
   ASSERT_NE(net->buffers()[0].const_data_ptr(), where[net->parameters().size()]);
-  train_both(step, ref, ref_opt, batches, 5, batches.size());
-  EXPECT_LT(max_diff(net, ref), 1e-5);
-  const auto buffers = net->buffers(), ref_buffers = ref->buffers();
+  r.train(5, r.batches.size());
+  EXPECT_LT(max_diff(net, r.ref), 1e-5);
+  const auto buffers = net->buffers(), ref_buffers = r.ref->buffers();
   for (size_t i = 0; i < buffers.size(); ++i) {
     EXPECT_TRUE(torch::allclose(buffers[i].to(torch::kDouble), ref_buffers[i].to(torch::kDouble),
                                 1e-4, 1e-5)) << "buffer " << i;
   }
   EXPECT_EQ(storages(), where);  // back in the storage the graph reads
+  EXPECT_EQ(r.step.stats().captures, 1);
+}
+
+// After capture, BatchNorm's running statistics given new tensors (bn->running_mean = t, which
+// the loop's forward reads from then on) are copied where the graph reads them, and the step
+// trains on as the loop does (a launch that fails after that leaves them as assigned); a
+// parameter member given a new tensor, or a child module replaced, is refused with nothing run.
+TEST_F(StepCuda, AModuleMemberOrChildAssignedAfterCaptureIsTakenOrRefused) {
+  Replaying r(21, device, /*batch_norm=*/true);
+  auto &net = r.net, &ref = r.ref;
+  auto& step = r.step;
+  ASSERT_EQ(step.stats().phase, nt::Phase::kReplay);
+  auto bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(net->ptr(3));
+  auto ref_bn = std::dynamic_pointer_cast<torch::nn::BatchNorm1dImpl>(ref->ptr(3));
+  ASSERT_TRUE(bn && ref_bn);
+  const torch::Tensor read_mean = bn->running_mean, read_var = bn->running_var;
+  torch::manual_seed(23);
+  const torch::Tensor mean = torch::randn({kShape.classes}, device);
+  const torch::Tensor var = torch::rand({kShape.classes}, device) + 0.5;
+  bn->running_mean = mean.clone();
+  bn->running_var = var.clone();
+  ref_bn->running_mean = mean.clone();
+  ref_bn->running_var = var.clone();
+  for (const int point : {1, 2}) {  // launches that fail once the statistics went back
+    step.inject_failure_for_testing(point);
+    EXPECT_ANY_THROW(step(r.batches[5])) << "point " << point;
+    EXPECT_TRUE(torch::equal(bn->running_mean, mean)) << "point " << point;  // as assigned
+    EXPECT_TRUE(torch::equal(bn->running_var, var)) << "point " << point;
+    EXPECT_LT(max_diff(net, ref), 1e-5) << "point " << point;
+  }
+  r.train(5, 7);
+  EXPECT_TRUE(bn->running_mean.is_same(read_mean));  // back where the graph reads it
+  EXPECT_TRUE(bn->running_var.is_same(read_var));
+  EXPECT_TRUE(torch::allclose(bn->running_mean, ref_bn->running_mean, 1e-4, 1e-5));
+  EXPECT_TRUE(torch::allclose(bn->running_var, ref_bn->running_var, 1e-4, 1e-5));
+  EXPECT_FALSE(torch::allclose(bn->running_mean, mean));  // the two steps moved them
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+
+  auto fc = std::dynamic_pointer_cast<torch::nn::LinearImpl>(net->ptr(0));
+  const torch::Tensor weight = fc->weight;
+  fc->weight = weight.detach().clone().requires_grad_();
+  expect_refused(step, r.batches[7], {"0.weight", "would never train", "Nothing was run"});
+  fc->weight = weight;
+  const auto relu = net->ptr(1);
+  net->replace_module("1", torch::nn::ReLU().ptr());
+  expect_refused(step, r.batches[7], {"module '1'", "was replaced by a", "Nothing was run"});
+  net->replace_module("1", relu);
+  EXPECT_LT(max_diff(net, ref), 1e-5);  // nothing ran
+  r.train(7, r.batches.size());
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+  EXPECT_TRUE(torch::allclose(bn->running_mean, ref_bn->running_mean, 1e-4, 1e-5));
   EXPECT_EQ(step.stats().captures, 1);
 }
 
 // The graph runs BatchNorm's batch statistics as it was captured: a module left in eval() after
 // an evaluation is refused before anything runs, and train() resumes the graph.
 TEST_F(StepCuda, AModuleLeftInEvalAfterCaptureIsRefusedAndTrainResumesTheGraph) {
-  auto batches = make_batches(9, 32, 16, device);
-  auto net = make_model(17, device, /*batch_norm=*/true);
-  auto ref = make_model(17, device, /*batch_norm=*/true);
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-  nt::Step step(net, opt, per_sample(net));
-  train_both(step, ref, ref_opt, batches, 0, 5);
-  net->eval();
-  expect_refused(step, batches[5], {"is in eval mode", "call train()"});
-  EXPECT_LT(max_diff(net, ref), 1e-5);  // nothing ran
-  net->train();
-  train_both(step, ref, ref_opt, batches, 5, batches.size());
-  EXPECT_LT(max_diff(net, ref), 1e-5);
-  EXPECT_EQ(step.stats().captures, 1);
+  Replaying r(16, device, /*batch_norm=*/true);
+  r.net->eval();
+  expect_refused(r.step, r.batches[5], {"is in eval mode", "call train()"});
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);  // nothing ran
+  r.net->train();
+  r.train(5, r.batches.size());
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
+  EXPECT_EQ(r.step.stats().captures, 1);
 }
 
 #else
