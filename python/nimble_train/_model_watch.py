@@ -17,6 +17,12 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   change (a module counting its calls) is taken after each call (after_forward);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
+- a module or parameter added to a container (``model.blocks.append(block)`` on an
+  ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``; an ``nn.ParameterList`` or
+  ``nn.ParameterDict``): refused the same way, since a forward that runs the container's
+  contents would run it, the graphs do not. Anywhere else an attribute added after capture
+  (a metric module made in a validation step) is not something the forward's code reads, and
+  is left alone. What the step's own forwards add is taken (after_forward);
 - a buffer: its values copied into the tensor the graphs read, which goes back in the module
   (replaced_buffers, then put_back), or refused when it no longer fits (another shape, dtype
   or device).
@@ -48,6 +54,11 @@ def refuse_replaced(what: str, why: str) -> None:
 _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # a leaf module's attributes watched as numbers
 _BY_VALUE = ("mode", "constant", "number")  # entries compared by value, not identity
+# The modules whose forward, or their parent's, runs whatever the table holds: their tables
+# keep their keys.
+_CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict),
+               "parameter": (torch.nn.ParameterList, torch.nn.ParameterDict),
+               "buffer": ()}
 
 
 class ModelWatch:
@@ -65,6 +76,8 @@ class ModelWatch:
         self.names = [name for name, _ in named]
         self.modules = [module for _, module in named]
         entries, self._what = [], []  # per entry (kind, module index, key)
+        # per container's table (kind, module index, the table, its keys): a key added is refused
+        self._tables: list[tuple[str, int, dict, frozenset]] = []
 
         def watch(kind: str, i: int, table: dict, key: str) -> None:
             entries.append((table, key, table[key]))
@@ -90,14 +103,17 @@ class ModelWatch:
                                 ("buffer", module._buffers)):
                 for key in table:
                     watch(kind, i, table, key)
+                if isinstance(module, _CONTAINERS[kind]):
+                    self._tables.append((kind, i, table, frozenset(table)))
         self._entries = entries
-        self._watch = _C.EntryWatch(entries)
+        self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
         # The whole check on a step's fast path: -1 when nothing changed.
         self.first_changed = self._watch.first_changed
 
     def objects_changed(self) -> bool:
-        """A constant or number, child module, parameter or buffer is not the one captured
-        (modes aside: an evaluator's graphs run in eval mode whatever the flags say)."""
+        """A constant or number, child module, parameter or buffer is not the one captured,
+        or one was added (modes aside: an evaluator's graphs run in eval mode whatever the flags
+        say)."""
         return self._watch.first_changed(self._modes_end) >= 0
 
     def after_forward(self) -> None:
@@ -109,6 +125,10 @@ class ModelWatch:
             what, _, key = self._what[e]
             if what in _BY_VALUE and key in self._entries[e][0]:
                 self._take(e)
+        if self._watch.resized():
+            for k, (kind, i, table, _) in enumerate(self._tables):
+                self._tables[k] = (kind, i, table, frozenset(table))
+            self._watch.take_sizes()
 
     def _take(self, e: int) -> None:
         """Entry e's value becomes what its dict holds now."""
@@ -188,6 +208,7 @@ class ModelWatch:
         the new one would never train (an eager loop would train nothing of it either).
         Raised before anything runs."""
         self.check_constants()
+        self._refuse_added()
         for i, key, old, now in self._unequal("module"):
             now = None if now is _MISSING else now
             seen = ("removed" if now is None else
@@ -213,6 +234,28 @@ class ModelWatch:
                 "p.copy_(t)), or build a new optimizer and Step over the new parameters: "
                 "step.close(), then nt.Step(model, optimizer, ...) again. Nothing was run for "
                 "this call.")
+
+    def _refuse_added(self) -> None:
+        """A module or parameter added to a container since capture (keys replaced or removed
+        are the entries' to name). Raised before anything runs."""
+        for k in self._watch.resized():
+            kind, i, table, keys = self._tables[k]
+            added = [key for key in table if key not in keys]
+            if not added:
+                continue  # keys removed: the entries name them
+            key = added[0]
+            value = table[key]
+            what = (f"a {type(value).__name__}" if kind == "module" else
+                    "none" if value is None else describe(value))
+            raise NimbleError(
+                f"nimble_train.Step: {kind} {self._name(i, key)} ({what}) was added to "
+                f"{self._name(i)} ({type(self.modules[i]).__name__}) after capture "
+                f"({len(added)} {kind}(s) added); a forward that runs the container's contents "
+                "would run it, the step's graphs run the model as it was captured, and the "
+                "optimizer does not hold it. Add modules and parameters to containers before "
+                "the Step's first call, or build a new Step (and "
+                "an optimizer over the new model's parameters): step.close(), then "
+                "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
 
     def replaced_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
         """(module, name, tensor the graphs read, tensor now) for each buffer replaced since

@@ -5,9 +5,11 @@
 // A captured graph runs the modules, parameters and buffers it was captured with; user code
 // that assigns new ones between calls (model.fc = nn.Linear(...), load_state_dict(assign=True),
 // model.bn.running_mean = t, model.eval()) changes an entry of a module's dicts, not anything the
-// graph reads. One identity check per entry costs about 16 ns (the CIFAR ResNet-18: 545
-// entries, about 8.5 us a call on a slow host), so the step checks them all on its fast path
-// and leaves naming what changed to Python's slow path.
+// graph reads; one that adds a module, parameter or buffer (Sequential.append, register_buffer)
+// adds an entry the graph never reads, which the sizes of the dicts whose keys are closed catch.
+// One identity check per entry costs about 16 ns (the CIFAR ResNet-18: 545 entries, about 8.5 us
+// a call on a slow host), so the step checks them all on its fast path and leaves naming what
+// changed to Python's slow path.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -24,7 +26,8 @@ namespace {
 class EntryWatch {
  public:
   // entries: (dict, key, value) triples; value is what dict[key] must be, by identity.
-  explicit EntryWatch(const py::list& entries) {
+  // closed: dicts that must keep as many keys as they hold now (those not in entries, too).
+  EntryWatch(const py::list& entries, const py::list& closed) {
     entries_.reserve(entries.size());
     for (size_t i = 0; i < entries.size(); ++i) {
       const py::handle item = entries[i];
@@ -41,10 +44,19 @@ class EntryWatch {
       }
       entries_.push_back({t[0], t[1], t[2]});
     }
+    for (size_t i = 0; i < closed.size(); ++i) {
+      const py::handle d = closed[i];
+      if (!PyDict_Check(d.ptr())) {
+        throw py::type_error("EntryWatch: closed dict " + std::to_string(i) + " must be a dict; "
+                             "got " + std::string(py::str(py::type::of(d).attr("__name__"))));
+      }
+      closed_.push_back({py::reinterpret_borrow<py::object>(d), PyDict_Size(d.ptr())});
+    }
   }
 
   // The index of the first entry from `start` on whose dict no longer holds its value under
-  // its key (another object, or none), or -1.
+  // its key (another object, or none); else size() + k for the first closed dict k whose number
+  // of keys changed; else -1.
   int64_t first_changed(int64_t start) const {
     for (size_t i = first(start); i < entries_.size(); ++i) {
       const Entry& e = entries_[i];
@@ -52,7 +64,26 @@ class EntryWatch {
       if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
       if (now != e.value.ptr()) return int64_t(i);
     }
+    for (size_t k = 0; k < closed_.size(); ++k) {
+      if (PyDict_Size(closed_[k].dict.ptr()) != closed_[k].size) {
+        return int64_t(entries_.size() + k);
+      }
+    }
     return -1;
+  }
+
+  // Every closed dict whose number of keys changed, in order.
+  std::vector<int64_t> resized() const {
+    std::vector<int64_t> out;
+    for (size_t k = 0; k < closed_.size(); ++k) {
+      if (PyDict_Size(closed_[k].dict.ptr()) != closed_[k].size) out.push_back(int64_t(k));
+    }
+    return out;
+  }
+
+  // Each closed dict's number of keys becomes what it holds now.
+  void take_sizes() {
+    for (Closed& c : closed_) c.size = PyDict_Size(c.dict.ptr());
   }
 
   // Every entry from `start` on that changed, in order.
@@ -99,7 +130,12 @@ class EntryWatch {
     py::object key;
     py::object value;  // kept alive: identity is what is compared
   };
+  struct Closed {
+    py::object dict;
+    Py_ssize_t size;
+  };
   std::vector<Entry> entries_;
+  std::vector<Closed> closed_;
 };
 
 }  // namespace
@@ -107,11 +143,17 @@ class EntryWatch {
 void bind_watch(py::module_& m) {
   py::class_<EntryWatch>(m, "EntryWatch",
                          "Entries of Python dicts as they were: (dict, key, value) triples, "
-                         "each compared by identity.")
-      .def(py::init<const py::list&>(), py::arg("entries"))
+                         "each compared by identity, and the numbers of keys of closed dicts.")
+      .def(py::init<const py::list&, const py::list&>(), py::arg("entries"),
+           py::arg("closed") = py::list())
       .def("first_changed", &EntryWatch::first_changed, py::arg("start") = 0,
-           "The index of the first entry from start on whose dict no longer holds its value, "
-           "or -1.")
+           "The index of the first entry from start on whose dict no longer holds its value; "
+           "else len(self) + k for the first closed dict k with another number of keys; else "
+           "-1.")
+      .def("resized", &EntryWatch::resized,
+           "Every closed dict (its index in closed) with another number of keys, in order.")
+      .def("take_sizes", &EntryWatch::take_sizes,
+           "Each closed dict's number of keys becomes what it holds now.")
       .def("changed", &EntryWatch::changed, py::arg("start") = 0,
            "Every entry from start on that changed, in order.")
       .def("update", &EntryWatch::update, py::arg("i"),

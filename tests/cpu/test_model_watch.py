@@ -126,6 +126,81 @@ def test_a_parameter_set_where_the_graphs_read_none_is_refused():
         watch.refuse_replaced_objects()
 
 
+class Blocks(nn.Module):
+    """A model that runs whatever its ModuleList and ParameterList hold, with a plain child."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.scales = nn.ParameterList([nn.Parameter(torch.ones(4))])
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        for block, scale in zip(self.blocks, self.scales):
+            x = block(x) * scale
+        return self.head(x)
+
+
+def test_a_module_or_parameter_added_to_a_container_is_refused_naming_it():
+    model = Blocks()
+    watch = ModelWatch(model)
+    model.blocks.append(nn.Linear(4, 4))  # the forward would run it; the graphs do not
+    assert watch.first_changed() >= 0 and watch.objects_changed()
+    with pytest.raises(NimbleError, match=r"module 'blocks.2' \(a Linear\) was added to 'blocks' "
+                                          r"\(ModuleList\) after capture \(1 module\(s\) added\)"
+                                          r".*Nothing was run"):
+        watch.refuse_replaced_objects()
+    del model.blocks[2]
+    assert watch.first_changed() == -1
+    model.scales.append(nn.Parameter(torch.ones(4)))
+    with pytest.raises(NimbleError, match=r"parameter 'scales.1' \(torch.float32 \[4\] on cpu\) "
+                                          r"was added to 'scales' \(ParameterList\)"):
+        watch.refuse_replaced_objects()
+    seq = _model()
+    seq_watch = ModelWatch(seq)
+    seq.append(nn.ReLU())
+    with pytest.raises(NimbleError, match=r"module '5' \(a ReLU\) was added to the model "
+                                          r"\(Sequential\)"):
+        seq_watch.refuse_replaced_objects()
+
+
+def test_an_attribute_added_outside_a_container_is_left_alone():
+    """A module made after capture outside a container (a metric made in a validation step),
+    or a buffer registered on a module, is nothing the forward's code reads."""
+    model = Blocks()
+    watch = ModelWatch(model)
+    model.metric = nn.Linear(2, 2)
+    model.head.register_buffer("seen", torch.zeros(2))
+    assert watch.first_changed() == -1 and not watch.objects_changed()
+    watch.refuse_replaced_objects()
+
+
+def test_what_the_steps_own_forwards_add_to_a_container_is_taken():
+    model = Blocks()
+    watch = ModelWatch(model)
+    model.blocks.append(nn.Linear(4, 4))  # as a forward that grows its container would
+    watch.after_forward()
+    assert watch.first_changed() == -1
+    model.blocks.append(nn.Linear(4, 4))  # user code's, between calls: refused again
+    with pytest.raises(NimbleError, match=r"module 'blocks.3' \(a Linear\) was added"):
+        watch.refuse_replaced_objects()
+
+
+def test_entry_watch_counts_the_keys_of_closed_dicts():
+    a, closed = {"x": 1}, {"y": 2}
+    watch = _C.EntryWatch([(a, "x", a["x"])], [closed])
+    assert watch.first_changed() == -1 and watch.resized() == []
+    a["z"] = 3  # not closed: left alone
+    assert watch.first_changed() == -1
+    closed["w"] = 4
+    assert watch.first_changed() == 1 and watch.first_changed(1) == 1 and watch.resized() == [0]
+    assert watch.changed() == []  # the entries themselves are intact
+    watch.take_sizes()
+    assert watch.first_changed() == -1
+    with pytest.raises(TypeError, match=r"closed dict 0 must be a dict; got list"):
+        _C.EntryWatch([], [[]])
+
+
 def test_entry_watch_compares_by_identity_from_a_start():
     a, b = {"x": object()}, {"y": 1.5}
     watch = _C.EntryWatch([(a, "x", a["x"]), (b, "y", b["y"])])

@@ -695,6 +695,28 @@ def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_run
     run.assert_same()
 
 
+def test_a_module_appended_to_a_container_after_capture_is_refused_and_nothing_runs():
+    """model.append(layer) on an nn.Sequential after capture: its forward would run the new
+    layer, the graphs run the model as captured. Refused, naming it, before anything runs;
+    with the layer gone again, the step trains on as the eager loop does."""
+    torch.manual_seed(13)
+    mlp = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.ReLU(), torch.nn.Linear(16, 5))
+    run = SideBySide(cuda_twin(mlp, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))
+    batches = classification_batches(8, 16, device="cuda", seed=13)
+    run.train(batches[:4])
+    before = copy.deepcopy(run.m1.state_dict())
+    run.m1.append(torch.nn.Linear(5, 5).cuda())
+    with pytest.raises(nt.NimbleError, match=r"module '3' \(a Linear\) was added to the model "
+                                             r"\(Sequential\) after capture.*Nothing was run"):
+        run.step(batches[4])
+    del run.m1[3]
+    for name, value in run.m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    run.train(batches[4:])
+    assert run.step.stats()["replays"] == 6
+    run.assert_same()
+
+
 def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
     """BatchNorm's momentum or a loss module's label_smoothing changed after capture: the
     graphs run the Python numbers they were captured with, so the call is refused, naming the
