@@ -150,10 +150,15 @@ class Evaluator:
             self._entries[bucket] = graph.add_unplanned_entry(self._layout.specs(bucket))
         entry = self._entries[bucket]
         static = self._template.unflatten(graph.graph.inputs(entry))
+        def captured():
+            out = self._run(static)
+            step._model.keep_assigned_buffers()  # a forward's `self.avg = ...`: read by the next
+            return out
+
         try:
-            graph.capture_unplanned(entry, lambda: self._run(static), step._stream,
-                                    step._sync.records)
+            graph.capture_unplanned(entry, captured, step._stream, step._sync.records)
         except NimbleError as failure:
+            step._model.put_back_assigned_buffers()
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too
                 self._deferred.discard(bucket)

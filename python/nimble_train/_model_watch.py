@@ -27,6 +27,15 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   (replaced_buffers, then put_back), or refused when it no longer fits (another shape, dtype
   or device).
 
+A forward may assign its buffers anew itself (``self.avg = 0.9 * self.avg + 0.1 * m``, an
+out-of-place running average): a graph captured from it reads the buffer the call began with
+and writes a new tensor that the next replay never reads. Inside each capture the new values
+are copied back into the buffer the graph reads, which goes back in the module
+(keep_assigned_buffers), so that every replay leaves them where the next one reads them, as
+eager steps leave them in the module; a capture that fails puts the buffers back untouched
+(put_back_assigned_buffers: the one the forward assigned holds no values, a capture runs
+nothing).
+
 A parameter's or buffer's data replaced in place of its object (``p.data = t``,
 ``bn.running_mean.data = t``) is ParamWatch's (src/optim/fused_step.h) to see.
 """
@@ -271,6 +280,49 @@ class ModelWatch:
                                 f"it is {seen} where the graphs read {captured}")
             out.append((self.modules[i], key, read, now))
         return out
+
+    def _assigned_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, object]]:
+        """(module, name, tensor the graphs read, what the module holds now) per buffer whose
+        entry changed since the watch took it; no entry is taken as the captured value."""
+        out = []
+        for e in self._watch.changed(self._modes_end):
+            what, i, key = self._what[e]
+            if what == "buffer":
+                table, _, read = self._entries[e]
+                out.append((self.modules[i], key, read, table.get(key, _MISSING)))
+        return out
+
+    def keep_assigned_buffers(self) -> None:
+        """Inside a capture, after the step's forwards: each buffer they assigned anew has its
+        new values copied into the tensor the graphs read (the copy is part of the graph), which
+        goes back in its module. A new value that cannot go there is an error (the capture
+        fails, and put_back_assigned_buffers undoes the assignments)."""
+        assigned = self._assigned_buffers()
+        for module, key, read, now in assigned:
+            if read is None or now is _MISSING or now is None or not isinstance(
+                    now, torch.Tensor) or (now.shape, now.dtype, now.device) != (
+                    read.shape, read.dtype, read.device):
+                seen = ("removed" if now is _MISSING or now is None else
+                        describe(now) if isinstance(now, torch.Tensor) else type(now).__name__)
+                raise NimbleError(
+                    f"nimble_train.Step: the forward assigned buffer {self._name_of(module, key)}"
+                    f" anew ({seen}) where the graph reads "
+                    f"{'none' if read is None else describe(read)}; a captured graph can keep a "
+                    "buffer a forward assigns anew only in the same shape, dtype and device. "
+                    "Update it in place (self.avg.mul_(0.9).add_(...)), or keep its shape.")
+        with torch.no_grad():
+            for module, key, read, now in assigned:
+                read.copy_(now)
+                module._buffers[key] = read
+
+    def put_back_assigned_buffers(self) -> None:
+        """After a failed capture: each buffer its forwards assigned anew (a tensor with no
+        values: a capture runs nothing) goes back to the one the graphs read, untouched."""
+        for module, key, read, _ in self._assigned_buffers():
+            module._buffers[key] = read
+
+    def _name_of(self, module: torch.nn.Module, key: str) -> str:
+        return self._name(next(i for i, m in enumerate(self.modules) if m is module), key)
 
     @staticmethod
     def put_back(buffers) -> None:

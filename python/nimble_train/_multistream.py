@@ -88,14 +88,64 @@ class OperatorGraph:
     fused: int = 0  # batch norms fused with their activation (fuse_norms)
 
 
+class AssignsModuleState(Exception):
+    """The forward assigns module state that a traced graph would not keep."""
+
+
+class _ModelState:
+    """Every module's attributes and its tables of children, parameters and buffers, as before
+    a trace. fx runs the forward's Python on proxies: what it assigns (``self.avg = 0.9 *
+    self.avg + ...``, an out-of-place running average) lands in the model as a proxy, and the
+    traced graph computes the value without assigning it."""
+
+    def __init__(self, model: nn.Module):
+        self._saved = [(name, m, [(table, dict(table)) for table in _tables(m)])
+                       for name, m in model.named_modules()]
+
+    def changed(self) -> list[str]:
+        """What the trace assigned, added or deleted: 'name.attribute' each."""
+        out = []
+        for name, _, tables in self._saved:
+            for table, old in tables:
+                out += [".".join(part for part in (name, str(k)) if part)
+                        for k in {**old, **table} if table.get(k, _GONE) is not old.get(k, _GONE)]
+        return out
+
+    def restore(self) -> None:
+        for _, _, tables in self._saved:
+            for table, old in tables:
+                if len(table) != len(old) or any(table.get(k, _GONE) is not v
+                                                 for k, v in old.items()):
+                    table.clear()
+                    table.update(old)
+
+
+_GONE = object()
+
+
+def _tables(module: nn.Module) -> list[dict]:
+    return [vars(module), module._modules, module._parameters, module._buffers]
+
+
 def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> OperatorGraph:
-    """Traces `model` with torch.fx; raises what fx raises when the model is not traceable.
-    Buffers are read when the forward runs (a batch norm's running mean read by the model's
-    own code), not folded into constants of the trace. `fuse_norms`: batch norms and the ReLUs
-    after them become single operators (_batch_norm_act)."""
+    """Traces `model` with torch.fx; raises what fx raises when the model is not traceable,
+    and AssignsModuleState when its forward assigns module state (the model is left as it was
+    either way). Buffers are read when the forward runs (a batch norm's running mean read by
+    the model's own code), not folded into constants of the trace. `fuse_norms`: batch norms
+    and the ReLUs after them become single operators (_batch_norm_act)."""
     tracer = torch.fx.Tracer()
     tracer.proxy_buffer_attributes = True
-    traced = tracer.trace(model)
+    state = _ModelState(model)
+    try:
+        traced = tracer.trace(model)
+    finally:
+        assigned = state.changed()
+        state.restore()
+    if assigned:
+        raise AssignsModuleState(
+            f"the forward assigns {', '.join(assigned[:3])}"
+            f"{f' and {len(assigned) - 3} more' if len(assigned) > 3 else ''}, which a traced "
+            "graph computes without assigning; the model's own forward runs it")
     module = torch.fx.GraphModule(tracer.root, traced, type(model).__name__)
     fused = fuse_batch_norm_act(module) if fuse_norms else 0
     nodes = [n for n in module.graph.nodes if n.op in _OPS]

@@ -747,6 +747,7 @@ class Step:
                 graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
                               self._stream, self._sync.records)
         except NimbleError:
+            self._model.put_back_assigned_buffers()
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             self._iteration.window_grads = saved_window  # not the abandoned graph's tensors
@@ -773,6 +774,7 @@ class Step:
         loss = self._iteration.loss(self._graph.batches[bucket], self._template.batch_size,
                                     self._graph.valid, forward)
         self._iteration.backward_and_update(loss, call)
+        self._model.keep_assigned_buffers()  # a forward's `self.avg = ...`: read by the next
         return loss
 
     # ------------------------------------------------------------------ the rest of the API

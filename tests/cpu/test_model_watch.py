@@ -201,6 +201,32 @@ def test_entry_watch_counts_the_keys_of_closed_dicts():
         _C.EntryWatch([], [[]])
 
 
+def test_buffers_a_forward_assigned_in_a_capture_go_where_the_graphs_read_them():
+    """Inside a capture the forward's `self.avg = ...` gets a copy into the buffer the graphs
+    read; after a failed capture the assignment is undone with the values untouched."""
+    from step_reference import RunningMean
+    model = nn.Sequential(RunningMean(), nn.ReLU())
+    watch = ModelWatch(model)
+    avg, calls = model[0].avg, model[0].calls
+    model(torch.randn(4, 12))  # as the forward runs in a capture
+    new_avg = model[0].avg
+    assert new_avg is not avg and watch.objects_changed()
+    watch.keep_assigned_buffers()
+    assert model[0].avg is avg and torch.equal(avg, new_avg) and model[0].calls is calls
+    assert calls.item() == 1 and watch.first_changed() == -1
+    before = avg.clone()
+    model(torch.randn(4, 12))  # a capture that fails after its forward
+    watch.put_back_assigned_buffers()
+    assert model[0].avg is avg and torch.equal(avg, before) and calls.item() == 1
+    fits = torch.randn(12)
+    model[0].avg, model[0].calls = fits, torch.zeros(3)
+    with pytest.raises(NimbleError, match=r"the forward assigned buffer '0.calls' anew "
+                                          r"\(torch.float32 \[3\] on cpu\) where the graph reads "
+                                          r"torch.int64 \[\] on cpu.*Update it in place"):
+        watch.keep_assigned_buffers()
+    assert model[0].avg is fits and torch.equal(avg, before)  # refused before any copy
+
+
 def test_entry_watch_compares_by_identity_from_a_start():
     a, b = {"x": object()}, {"y": 1.5}
     watch = _C.EntryWatch([(a, "x", a["x"]), (b, "y", b["y"])])

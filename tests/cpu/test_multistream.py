@@ -10,7 +10,8 @@ from nimble_train._multistream import (SMALL_OPERATOR_BYTES, build_multistream, 
                                        plan_forward, plan_operators, small_operators,
                                        trace_operators)
 from nimble_train.errors import one_line
-from step_reference import MLP, InceptionNet, RandomDagNet, SmallSideOperators, TransformerBlock
+from step_reference import (MLP, InceptionNet, RandomDagNet, RunningMean, SmallSideOperators,
+                            TransformerBlock)
 
 
 def test_inception_cells_plan_four_streams():
@@ -44,6 +45,23 @@ def test_untraceable_model_falls_back_with_the_reason():
     forward, reason = build_multistream(Untraceable(), "auto", torch.device("cpu"))
     assert forward is None
     assert reason.startswith("torch.fx could not trace the model (")
+
+
+def test_a_forward_that_assigns_module_state_falls_back_and_leaves_the_model_as_it_was():
+    """fx runs `self.avg = 0.9 * self.avg + ...` on proxies: the proxy would land in the model,
+    and the traced graph would compute the average without assigning it."""
+    model = torch.nn.Sequential(RunningMean(), torch.nn.ReLU())
+    avg, calls, attributes = model[0].avg, model[0].calls, dict(vars(model[0]))
+    forward, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert forward is None
+    assert reason == ("torch.fx could not trace the model (AssignsModuleState: the forward "
+                      "assigns 0.avg, 0.calls, which a traced graph computes without assigning; "
+                      "the model's own forward runs it)")
+    assert model[0].avg is avg and model[0].calls is calls
+    assert vars(model[0]) == attributes and list(model[0]._buffers) == ["avg", "calls"]
+    model.eval()  # the average is not assigned in eval mode; the counter still is
+    _, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert "assigns 0.calls, which" in reason and model[0].calls is calls
 
 
 class CallsTheExtension(torch.nn.Module):

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import nimble_train as nt
-from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
-                            eager_loop, grad_scaler_loop, twin)
+from step_reference import (MLP, RunningMean, SmallCNN, assert_same_training,
+                            classification_batches, eager_loop, grad_scaler_loop, twin)
 
 pytestmark = pytest.mark.cuda
 
@@ -714,6 +714,41 @@ def test_a_module_appended_to_a_container_after_capture_is_refused_and_nothing_r
         assert torch.equal(value, before[name]), name  # nothing ran
     run.train(batches[4:])
     assert run.step.stats()["replays"] == 6
+    run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(streams):
+    """A running mean kept by assigning the buffer anew (self.avg = 0.9 * self.avg + ...), and
+    a call counter kept the same way: each replay leaves the new values where the next one
+    reads them, as eager steps leave them in the module, and so does a captured evaluator's.
+    On several streams the traced graph would compute the average without assigning it, so
+    the forward runs as the model's own code, on one stream, saying why."""
+    torch.manual_seed(14)
+    model = torch.nn.Sequential(RunningMean(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    run = SideBySide(cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    batches = classification_batches(8, 16, device="cuda", seed=14)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run.train(batches)
+    stats = run.step.stats()
+    assert stats["replays"] == 6
+    run.assert_same()  # the running mean and the counter among the buffers
+    assert run.m1[0].calls.item() == 8
+    if streams == "auto":
+        assert "the forward assigns 0.avg, 0.calls" in stats["single_stream_reason"]
+        assert any("runs on one stream" in str(w.message) for w in seen)
+    ev = run.step.evaluator(lambda m, b: m(b[0]))
+    outs = [ev(b).clone() for b in batches[:4]]
+    with torch.no_grad():
+        run.m2.eval()
+        expected = [run.m2(b[0]) for b in batches[:4]]
+        run.m2.train()
+    assert ev.stats()["replays"] >= 2
+    for out, logits in zip(outs, expected):
+        torch.testing.assert_close(out, logits, **TOL)
+    assert run.m1[0].calls.item() == run.m2[0].calls.item() == 12
     run.assert_same()
 
 
