@@ -27,6 +27,11 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   (replaced_buffers, then put_back), or refused when it no longer fits (another shape, dtype
   or device).
 
+A loss function given as a function reads numbers from the scope it was made in: a closure
+variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
+function) or a global of its module. Those it names directly are watched as numbers are: the
+graphs run the value captured, so another value is refused (check_constants).
+
 A forward may assign its buffers anew itself (``self.avg = 0.9 * self.avg + 0.1 * m``, an
 out-of-place running average): a graph captured from it reads the buffer the call began with
 and writes a new tensor that the next replay never reads. Inside each capture the new values
@@ -41,6 +46,9 @@ A parameter's or buffer's data replaced in place of its object (``p.data = t``,
 """
 
 from __future__ import annotations
+
+import functools
+import types
 
 import torch
 
@@ -62,7 +70,8 @@ def refuse_replaced(what: str, why: str) -> None:
 
 _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # a leaf module's attributes watched as numbers
-_BY_VALUE = ("mode", "constant", "number")  # entries compared by value, not identity
+# entries compared by value, not identity
+_BY_VALUE = ("mode", "constant", "number", "closure", "global")
 # The modules whose forward, or their parent's, runs whatever the table holds: their tables
 # keep their keys.
 _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict),
@@ -114,6 +123,9 @@ class ModelWatch:
                     watch(kind, i, table, key)
                 if isinstance(module, _CONTAINERS[kind]):
                     self._tables.append((kind, i, table, frozenset(table)))
+        for kind, table, key in _loss_numbers(loss_fn):
+            entries.append((table, None if kind == "closure" else key, _now(table, key)))
+            self._what.append((kind, -1, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
         # The whole check on a step's fast path: -1 when nothing changed.
@@ -132,7 +144,7 @@ class ModelWatch:
         refused is what user code changed between calls."""
         for e in self._watch.changed(self._modes_end):
             what, _, key = self._what[e]
-            if what in _BY_VALUE and key in self._entries[e][0]:
+            if what in _BY_VALUE and _now(self._entries[e][0], key) is not _MISSING:
                 self._take(e)
         if self._watch.resized():
             for k, (kind, i, table, _) in enumerate(self._tables):
@@ -143,7 +155,7 @@ class ModelWatch:
         """Entry e's value becomes what its dict holds now."""
         table, key, _ = self._entries[e]
         self._watch.update(e)
-        self._entries[e] = (table, key, table[key])
+        self._entries[e] = (table, key, _now(table, key))
 
     def _name(self, i: int, key: str | None = None) -> str:
         name = ".".join(part for part in (self.names[i], key) if part)
@@ -185,7 +197,7 @@ class ModelWatch:
             if what != kind:
                 continue
             table, _, old = self._entries[e]
-            now = table.get(key, _MISSING)
+            now = _now(table, key)
             if by_value and now is not _MISSING and _equal(now, old) and (
                     kind == "mode" or type(now) is type(old)):
                 self._take(e)
@@ -197,6 +209,19 @@ class ModelWatch:
         """A module constant, or a leaf module's number, other than the one captured is
         refused (the graphs run the value they were captured with); an equal value in a new
         object is taken as the captured one. Raised before anything runs."""
+        for kind in ("closure", "global"):
+            for _, key, old, now in self._unequal(kind):
+                where = (f"loss_fn's closure variable {key!r}" if kind == "closure" else
+                         f"the global {key!r} that loss_fn reads")
+                seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+                raise NimbleError(
+                    f"nimble_train.Step: {where} {seen} after capture; the step's graphs run "
+                    "the value they were captured with (the Python numbers a loss function "
+                    "reads are baked into a CUDA graph). To change it as training goes (a "
+                    "schedule), keep it in a tensor the loss reads and update that in place "
+                    "(t.fill_(v)), or build a new Step for each new value: step.close(), then "
+                    "nt.Step(model, optimizer, loss_fn) again (the optimizer's state carries "
+                    "over). Nothing was run for this call.")
         for kind in ("constant", "number"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -332,6 +357,34 @@ class ModelWatch:
             for module, key, read, now in buffers:
                 read.copy_(now)
                 module._buffers[key] = read
+
+
+def _now(table, key):
+    """What a dict holds under key, or a closure cell holds; _MISSING when none."""
+    if isinstance(table, types.CellType):
+        try:
+            return table.cell_contents
+        except ValueError:  # an empty cell: the variable was deleted
+            return _MISSING
+    return table.get(key, _MISSING)
+
+
+def _loss_numbers(loss_fn: object) -> list[tuple[str, object, str]]:
+    """("closure", cell, name) and ("global", globals, name) for each number (bool, int,
+    float, str) a loss function reads by name from its closure or its module's globals; none
+    for a module (watched as one) or any other callable."""
+    fn = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    if not isinstance(fn, types.FunctionType):
+        return []
+    code, out = fn.__code__, []
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        if type(_now(cell, name)) in _NUMBERS:
+            out.append(("closure", cell, name))
+    for name in dict.fromkeys(code.co_names):
+        if type(fn.__globals__.get(name)) in _NUMBERS:
+            out.append(("global", fn.__globals__, name))
+    return out
 
 
 def _equal(a: object, b: object) -> bool:

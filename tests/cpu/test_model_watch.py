@@ -4,8 +4,11 @@ calls changes a module's dicts, not what the graphs read: a mode, a module or a 
 refused, naming it; a buffer's new values go where the graphs read them. The GPU tests train
 through these against the eager loop; these check the mechanics."""
 
+import functools
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
@@ -227,6 +230,67 @@ def test_buffers_a_forward_assigned_in_a_capture_go_where_the_graphs_read_them()
     assert model[0].avg is fits and torch.equal(avg, before)  # refused before any copy
 
 
+RATE = 0.5  # a global the loss function below reads
+
+
+def _scheduled_loss():
+    smoothing, weights = 0.1, torch.ones(5)  # a tensor in the closure is not a number
+
+    def loss_fn(out, y):
+        return RATE * F.cross_entropy(out, y, weight=weights, label_smoothing=smoothing)
+
+    def set_smoothing(value):
+        nonlocal smoothing
+        smoothing = value
+    return loss_fn, set_smoothing
+
+
+def test_numbers_a_loss_function_reads_from_its_scope_are_watched_as_numbers():
+    global RATE
+    loss_fn, set_smoothing = _scheduled_loss()
+    watch = ModelWatch(_model(), loss_fn)
+    assert [w for w in watch._what if w[0] in ("closure", "global")] == [
+        ("closure", -1, "smoothing"), ("global", -1, "RATE")]
+    set_smoothing(0.05)
+    assert watch.first_changed() >= 0 and watch.objects_changed()
+    with pytest.raises(NimbleError, match=r"loss_fn's closure variable 'smoothing' changed from "
+                                          r"0.1 to 0.05 after capture.*t.fill_\(v\)"):
+        watch.refuse_replaced_objects()
+    set_smoothing(float("0.1"))  # equal, another object: taken
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    RATE = 0.25
+    try:
+        with pytest.raises(NimbleError, match=r"the global 'RATE' that loss_fn reads changed "
+                                              r"from 0.5 to 0.25"):
+            watch.refuse_replaced_objects()
+        watch.after_forward()  # as if loss_fn had changed it itself during a call: taken
+        assert watch.first_changed() == -1
+    finally:
+        RATE = 0.5
+    bound = functools.partial(loss_fn)  # through a partial, the same function's scope
+    assert len([w for w in ModelWatch(_model(), bound)._what if w[1] == -1]) == 2
+    assert [w for w in ModelWatch(_model(), F.cross_entropy)._what if w[1] == -1] == []
+
+
+def test_entry_watch_reads_a_closure_cell():
+    def make():
+        x = 1.5
+        return lambda: x
+    fn = make()
+    cell = fn.__closure__[0]
+    watch = _C.EntryWatch([(cell, None, cell.cell_contents)])
+    assert watch.first_changed() == -1
+    cell.cell_contents = 2.5
+    assert watch.first_changed() == 0
+    watch.update(0)
+    assert watch.first_changed() == -1
+    del cell.cell_contents
+    assert watch.first_changed() == 0
+    with pytest.raises(KeyError, match=r"entry 0's cell is empty"):
+        watch.update(0)
+
+
 def test_entry_watch_compares_by_identity_from_a_start():
     a, b = {"x": object()}, {"y": 1.5}
     watch = _C.EntryWatch([(a, "x", a["x"]), (b, "y", b["y"])])
@@ -239,7 +303,7 @@ def test_entry_watch_compares_by_identity_from_a_start():
     assert watch.first_changed() == 0
     with pytest.raises(IndexError, match=r"start must be in \[0, 2\]; got 3"):
         watch.first_changed(3)
-    with pytest.raises(TypeError, match=r"entry 0 must hold a dict first; got list"):
+    with pytest.raises(TypeError, match=r"entry 0 must hold a dict or a cell first; got list"):
         _C.EntryWatch([([], "x", 1)])
     with pytest.raises(TypeError, match=r"entry 1 must be a \(dict, key, value\) tuple; got int"):
         _C.EntryWatch([(a, "x", 1), 3])

@@ -785,6 +785,49 @@ def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
+LOSS_SCALE = 1.0  # a global the loss function below reads
+
+
+def test_a_number_a_loss_function_reads_from_its_scope_changed_after_capture_is_refused():
+    """A loss function made in a scope reads a number from it (label smoothing in a closure,
+    a scale in a global): changed after capture, the graphs would run the captured value, so
+    the call is refused, naming it, before anything runs; with the value back the step trains
+    on as the eager loop does."""
+    global LOSS_SCALE
+    torch.manual_seed(15)
+    smoothing = 0.1
+
+    def loss_fn(out, y):
+        return LOSS_SCALE * F.cross_entropy(out, y, reduction="none", label_smoothing=smoothing)
+
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05,
+                                                                          momentum=0.9))
+    step = nt.Step(m1, o1, loss_fn, warmup=2)
+    batches = classification_batches(8, 16, image=True, device="cuda", seed=15)
+    for b in batches[:4]:
+        step(b)
+    before = copy.deepcopy(m1.state_dict())
+    smoothing = 0.2  # noqa: F841 -- read by loss_fn through its closure
+    with pytest.raises(nt.NimbleError, match=r"loss_fn's closure variable 'smoothing' changed "
+                                             r"from 0.1 to 0.2 after capture.*Nothing was run"):
+        step(batches[4])
+    smoothing = 0.1
+    LOSS_SCALE = 2.0
+    try:
+        with pytest.raises(nt.NimbleError, match=r"the global 'LOSS_SCALE' that loss_fn reads "
+                                                 r"changed from 1.0 to 2.0"):
+            step(batches[4])
+    finally:
+        LOSS_SCALE = 1.0
+    for name, value in m1.state_dict().items():
+        assert torch.equal(value, before[name]), name  # nothing ran
+    for b in batches[4:]:
+        step(b)
+    eager_loop(m2, o2, loss_fn, batches)
+    assert step.stats()["replays"] == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
 class ScaledInput(torch.nn.Module):
     """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
     its forward changes itself (a call counter)."""
