@@ -39,6 +39,10 @@
 //    (fc->weight = t: the optimizer updates the one the graph reads) and a module switched to
 //    another training mode are refused. A module of one's own: its tensor members are its own
 //    code's, and only its children are seen; change their values in place.
+//  - Host numbers that forward_loss or a forward reads (a label smoothing the lambda captures
+//    by reference, a module's options) are baked into the graph when it is captured, as in any
+//    CUDA graph, and C++ gives no way to see them change: keep a value that changes during
+//    training in a tensor (updated in place), or build a new Step for it.
 //  - A batch with fewer samples than the first: padded and masked in the graph when
 //    `forward_loss` returns one loss per sample and no layer sees the whole batch (BatchNorm);
 //    otherwise it runs eagerly, or raises ShapeError (PartialBatch).
