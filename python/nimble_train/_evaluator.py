@@ -16,7 +16,9 @@ calls before the Step replays, and the CPU run eagerly with the same semantics (
 on the batch padded to its bucket). A bucket whose capture fails runs eagerly once (cuDNN or a
 compiler meets its shapes) and is captured again; failing then, it stays eager, with a warning.
 With a compiled model each bucket runs eagerly once before its capture (dynamo compiles the
-model anew for eval mode), on static inputs like the graph's.
+model anew for eval mode), on static inputs like the graph's. The numbers ``fn`` reads by name
+from its closure or its module's globals (a threshold) are baked into its graphs: from its
+first capture on, another value is refused (_model_watch.ScopeWatch).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from . import _options
 from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
+from ._model_watch import ScopeWatch
 from ._sync import warn_at_user
 from .errors import NimbleError
 
@@ -50,12 +53,15 @@ class Evaluator:
         self._deferred: set[int] = set()     # capture failed unmet: an eager call, then again
         self._eager_only: dict[int, str] = {}  # capture failed once met too: why
         self.counts = {"replays": 0, "eager": 0, "captures": 0}
+        self._scope: ScopeWatch | None = None  # fn's numbers, from its first capture on
 
     def __call__(self, batch: Any) -> Any:
         step = self._step
         step._require_open("evaluator")
         # Data replaced since capture goes where the graphs (this one's too) read it first.
         step._settle_model(training=False)
+        if self._scope is not None:
+            self._scope.check()
         if self._template is None:
             self._start(batch)
         template = self._template
@@ -121,6 +127,8 @@ class Evaluator:
         finally:  # what fn's forwards changed themselves is not the user's change
             if step._model is not None:
                 step._model.after_forward()
+            if self._scope is not None:
+                self._scope.after_call()
         return _checked(out)
 
     def _captured_entry(self, graph, bucket: int) -> int | None:
@@ -174,6 +182,10 @@ class Evaluator:
             return
         self._deferred.discard(bucket)
         self.counts["captures"] += 1
+        if self._scope is None:
+            self._scope = ScopeWatch(self.fn, "the evaluator's fn",
+                                     "make a new evaluator for each new value "
+                                     "(step.evaluator(fn); its graphs join the Step's pool)")
 
 
 @contextlib.contextmanager

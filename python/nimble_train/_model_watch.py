@@ -123,8 +123,8 @@ class ModelWatch:
                     watch(kind, i, table, key)
                 if isinstance(module, _CONTAINERS[kind]):
                     self._tables.append((kind, i, table, frozenset(table)))
-        for kind, table, key in _loss_numbers(loss_fn):
-            entries.append((table, None if kind == "closure" else key, _now(table, key)))
+        for kind, table, key in scope_numbers(loss_fn):
+            entries.append(scope_entry(kind, table, key))
             self._what.append((kind, -1, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
@@ -211,17 +211,10 @@ class ModelWatch:
         object is taken as the captured one. Raised before anything runs."""
         for kind in ("closure", "global"):
             for _, key, old, now in self._unequal(kind):
-                where = (f"loss_fn's closure variable {key!r}" if kind == "closure" else
-                         f"the global {key!r} that loss_fn reads")
-                seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
-                raise NimbleError(
-                    f"nimble_train.Step: {where} {seen} after capture; the step's graphs run "
-                    "the value they were captured with (the Python numbers a loss function "
-                    "reads are baked into a CUDA graph). To change it as training goes (a "
-                    "schedule), keep it in a tensor the loss reads and update that in place "
-                    "(t.fill_(v)), or build a new Step for each new value: step.close(), then "
-                    "nt.Step(model, optimizer, loss_fn) again (the optimizer's state carries "
-                    "over). Nothing was run for this call.")
+                refuse_scope_change("loss_fn", kind, key, old, now,
+                                    "build a new Step for each new value: step.close(), then "
+                                    "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
+                                    "state carries over)")
         for kind in ("constant", "number"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -369,11 +362,11 @@ def _now(table, key):
     return table.get(key, _MISSING)
 
 
-def _loss_numbers(loss_fn: object) -> list[tuple[str, object, str]]:
+def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
     """("closure", cell, name) and ("global", globals, name) for each number (bool, int,
-    float, str) a loss function reads by name from its closure or its module's globals; none
-    for a module (watched as one) or any other callable."""
-    fn = loss_fn.func if isinstance(loss_fn, functools.partial) else loss_fn
+    float, str) a function (a loss function, an evaluator's fn) reads by name from its closure
+    or its module's globals; none for a module (watched as one) or any other callable."""
+    fn = fn.func if isinstance(fn, functools.partial) else fn
     fn = getattr(fn, "__func__", fn)  # a bound method: its function
     if not isinstance(fn, types.FunctionType):
         return []
@@ -385,6 +378,55 @@ def _loss_numbers(loss_fn: object) -> list[tuple[str, object, str]]:
         if type(fn.__globals__.get(name)) in _NUMBERS:
             out.append(("global", fn.__globals__, name))
     return out
+
+
+def scope_entry(kind: str, table: object, key: str) -> tuple:
+    """The EntryWatch entry of one of scope_numbers: (cell, None, value) or (globals, name,
+    value)."""
+    return (table, None if kind == "closure" else key, _now(table, key))
+
+
+def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: object,
+                        rebuild: str) -> None:
+    """Raises the error for a number `owner` reads from its scope that changed after capture."""
+    where = (f"{owner}'s closure variable {key!r}" if kind == "closure" else
+             f"the global {key!r} that {owner} reads")
+    seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+    raise NimbleError(
+        f"nimble_train.Step: {where} {seen} after capture; the graphs run the value they were "
+        "captured with (the Python numbers a function reads are baked into a CUDA graph). To "
+        "change it as training goes (a schedule), keep it in a tensor the function reads and "
+        f"update that in place (t.fill_(v)), or {rebuild}. Nothing was run for this call.")
+
+
+class ScopeWatch:
+    """The numbers a function reads from its scope (scope_numbers), as when its graphs were
+    captured: another value is refused, an equal one taken, one the function changes itself
+    taken after each call (after_call)."""
+
+    def __init__(self, fn: object, owner: str, rebuild: str):
+        self._owner, self._rebuild = owner, rebuild
+        self._what = scope_numbers(fn)
+        self._entries = [scope_entry(*w) for w in self._what]
+        self._watch = _C.EntryWatch(self._entries)
+
+    def check(self) -> None:
+        """Raised before anything runs."""
+        if self._watch.first_changed() < 0:
+            return
+        for e in self._watch.changed():
+            kind, table, key = self._what[e]
+            old, now = self._entries[e][2], _now(table, key)
+            if now is _MISSING or type(now) is not type(old) or not _equal(now, old):
+                refuse_scope_change(self._owner, kind, key, old, now, self._rebuild)
+        self.after_call()  # equal values in new objects: the fast path again
+
+    def after_call(self) -> None:
+        for e in self._watch.changed():
+            kind, table, key = self._what[e]
+            if _now(table, key) is not _MISSING:
+                self._watch.update(e)
+                self._entries[e] = scope_entry(kind, table, key)
 
 
 def _equal(a: object, b: object) -> bool:

@@ -273,6 +273,28 @@ def test_numbers_a_loss_function_reads_from_its_scope_are_watched_as_numbers():
     assert [w for w in ModelWatch(_model(), F.cross_entropy)._what if w[1] == -1] == []
 
 
+def test_a_scope_watch_refuses_another_number_and_takes_an_equal_one():
+    from nimble_train._model_watch import ScopeWatch
+    threshold = 0.5
+
+    def fn(model, batch):
+        return (model(batch[0]) > threshold).sum()
+
+    watch = ScopeWatch(fn, "the evaluator's fn", "make a new evaluator")
+    watch.check()
+    threshold = 0.75
+    with pytest.raises(NimbleError, match=r"the evaluator's fn's closure variable 'threshold' "
+                                          r"changed from 0.5 to 0.75 after capture.*or make a "
+                                          r"new evaluator. Nothing was run"):
+        watch.check()
+    threshold = float("0.5")  # equal, another object: taken
+    watch.check()
+    threshold = 2.0
+    watch.after_call()  # as fn would change it itself: taken
+    watch.check()
+    assert threshold == 2.0
+
+
 def test_entry_watch_reads_a_closure_cell():
     def make():
         x = 1.5

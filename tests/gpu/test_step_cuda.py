@@ -828,6 +828,40 @@ def test_a_number_a_loss_function_reads_from_its_scope_changed_after_capture_is_
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
+def test_a_number_an_evaluators_fn_reads_changed_after_capture_is_refused():
+    """An evaluator's fn reads a temperature from its closure: baked into its graphs at
+    capture, so another value is refused before anything runs, and the old one evaluates on,
+    as an eager evaluation does."""
+    torch.manual_seed(16)
+    model = SmallCNN().cuda()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05), per_sample, warmup=2)
+    batches = classification_batches(6, 16, image=True, device="cuda", seed=16)
+    for b in batches[:4]:
+        step(b)
+    temperature = 2.0
+
+    def scaled(m, b):
+        return m(b[0]) / temperature
+
+    ev = step.evaluator(scaled)
+    outs = [ev(b) for b in batches[4:]]
+    assert ev.stats()["captures"] == 1
+    temperature = 4.0  # noqa: F841 -- read by scaled through its closure
+    with pytest.raises(nt.NimbleError, match=r"the evaluator's fn's closure variable "
+                                             r"'temperature' changed from 2.0 to 4.0 after "
+                                             r"capture.*Nothing was run"):
+        ev(batches[4])
+    temperature = 2.0
+    again = [ev(b) for b in batches[4:]]
+    with torch.no_grad():
+        model.eval()
+        expected = [model(b[0]) / 2.0 for b in batches[4:]]
+        model.train()
+    for out, same, logits in zip(outs, again, expected):
+        assert torch.equal(out, same)
+        torch.testing.assert_close(out, logits, **TOL)
+
+
 class ScaledInput(torch.nn.Module):
     """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
     its forward changes itself (a call counter)."""
