@@ -38,7 +38,10 @@
 //    replaced, added or removed, a torch::nn module's parameter member assigned anew
 //    (fc->weight = t: the optimizer updates the one the graph reads) and a module switched to
 //    another training mode are refused. A module of one's own: its tensor members are its own
-//    code's, and only its children are seen; change their values in place.
+//    code's, and only its children are seen; change their values in place, and have its
+//    forward update them in place too (avg_.mul_(0.9).add_(m, 0.1)): a forward that assigns a
+//    member anew (avg_ = 0.9 * avg_ + ...) leaves the graph reading the tensor it was captured
+//    with on every replay.
 //  - Host numbers that forward_loss or a forward reads (a label smoothing the lambda captures
 //    by reference, a module's options) are baked into the graph when it is captured, as in any
 //    CUDA graph, and C++ gives no way to see them change: keep a value that changes during
