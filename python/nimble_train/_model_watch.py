@@ -198,8 +198,7 @@ class ModelWatch:
                 continue
             table, _, old = self._entries[e]
             now = _now(table, key)
-            if by_value and now is not _MISSING and _equal(now, old) and (
-                    kind == "mode" or type(now) is type(old)):
+            if by_value and _same_value(now, old, same_type=kind != "mode"):
                 self._take(e)
             else:
                 out.append((i, key, old, now))
@@ -299,15 +298,15 @@ class ModelWatch:
             out.append((self.modules[i], key, read, now))
         return out
 
-    def _assigned_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, object]]:
-        """(module, name, tensor the graphs read, what the module holds now) per buffer whose
-        entry changed since the watch took it; no entry is taken as the captured value."""
+    def _assigned_buffers(self) -> list[tuple[int, str, torch.Tensor, object]]:
+        """(module index, name, tensor the graphs read, what the module holds now) per buffer
+        whose entry changed since the watch took it; no entry is taken as the captured value."""
         out = []
         for e in self._watch.changed(self._modes_end):
             what, i, key = self._what[e]
             if what == "buffer":
                 table, _, read = self._entries[e]
-                out.append((self.modules[i], key, read, table.get(key, _MISSING)))
+                out.append((i, key, read, table.get(key, _MISSING)))
         return out
 
     def keep_assigned_buffers(self) -> None:
@@ -316,31 +315,28 @@ class ModelWatch:
         goes back in its module. A new value that cannot go there is an error (the capture
         fails, and put_back_assigned_buffers undoes the assignments)."""
         assigned = self._assigned_buffers()
-        for module, key, read, now in assigned:
+        for i, key, read, now in assigned:
             if read is None or now is _MISSING or now is None or not isinstance(
                     now, torch.Tensor) or (now.shape, now.dtype, now.device) != (
                     read.shape, read.dtype, read.device):
                 seen = ("removed" if now is _MISSING or now is None else
                         describe(now) if isinstance(now, torch.Tensor) else type(now).__name__)
                 raise NimbleError(
-                    f"nimble_train.Step: the forward assigned buffer {self._name_of(module, key)}"
+                    f"nimble_train.Step: the forward assigned buffer {self._name(i, key)}"
                     f" anew ({seen}) where the graph reads "
                     f"{'none' if read is None else describe(read)}; a captured graph can keep a "
                     "buffer a forward assigns anew only in the same shape, dtype and device. "
                     "Update it in place (self.avg.mul_(0.9).add_(...)), or keep its shape.")
         with torch.no_grad():
-            for module, key, read, now in assigned:
+            for i, key, read, now in assigned:
                 read.copy_(now)
-                module._buffers[key] = read
+                self.modules[i]._buffers[key] = read
 
     def put_back_assigned_buffers(self) -> None:
         """After a failed capture: each buffer its forwards assigned anew (a tensor with no
         values: a capture runs nothing) goes back to the one the graphs read, untouched."""
-        for module, key, read, _ in self._assigned_buffers():
-            module._buffers[key] = read
-
-    def _name_of(self, module: torch.nn.Module, key: str) -> str:
-        return self._name(next(i for i, m in enumerate(self.modules) if m is module), key)
+        for i, key, read, _ in self._assigned_buffers():
+            self.modules[i]._buffers[key] = read
 
     @staticmethod
     def put_back(buffers) -> None:
@@ -417,7 +413,7 @@ class ScopeWatch:
         for e in self._watch.changed():
             kind, table, key = self._what[e]
             old, now = self._entries[e][2], _now(table, key)
-            if now is _MISSING or type(now) is not type(old) or not _equal(now, old):
+            if not _same_value(now, old):
                 refuse_scope_change(self._owner, kind, key, old, now, self._rebuild)
         self.after_call()  # equal values in new objects: the fast path again
 
@@ -427,6 +423,14 @@ class ScopeWatch:
             if _now(table, key) is not _MISSING:
                 self._watch.update(e)
                 self._entries[e] = scope_entry(kind, table, key)
+
+
+def _same_value(now: object, old: object, same_type: bool = True) -> bool:
+    """A watched number (or mode) set again to an equal value in a new object: taken as the
+    captured one. A number must keep its type too (an int where a float was is another value
+    for the graphs' kernels); a mode need not (training = 1)."""
+    return (now is not _MISSING and _equal(now, old)
+            and (not same_type or type(now) is type(old)))
 
 
 def _equal(a: object, b: object) -> bool:

@@ -181,6 +181,7 @@ std::vector<int64_t> ParamWatch::moved() const {
 namespace {
 
 std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "an undefined tensor";
   std::ostringstream s;
   s << t.scalar_type() << " " << t.sizes() << " on " << t.device();
   return s.str();
@@ -200,6 +201,14 @@ bool overlaps(const at::Tensor& a, const at::Tensor& b) {
 
 }  // namespace
 
+std::string layout_mismatch(const at::Tensor& now, const at::Tensor& then) {
+  if (now.defined() && then.defined() && now.scalar_type() == then.scalar_type() &&
+      now.sizes() == then.sizes() && now.device() == then.device()) {
+    return "";
+  }
+  return describe(now) + " where the graphs read " + describe(then);
+}
+
 int64_t ParamWatch::shares_memory_with(int64_t i) const {
   NT_CHECK(i >= 0 && size_t(i) < params_.size(), "ParamWatch: no parameter ", i);
   for (size_t j = 0; j < params_.size(); ++j) {
@@ -212,8 +221,8 @@ std::string ParamWatch::why_not_restorable(int64_t i) const {
   NT_CHECK(i >= 0 && size_t(i) < captured_.size(), "ParamWatch: no fixed parameter ", i);
   const at::Tensor& p = params_[size_t(i)];
   const at::Tensor& c = captured_[size_t(i)];
-  if (p.scalar_type() != c.scalar_type() || p.sizes() != c.sizes() || p.device() != c.device()) {
-    return "its data is now " + describe(p) + " where the graphs read " + describe(c);
+  if (std::string mismatch = layout_mismatch(p, c); !mismatch.empty()) {
+    return "its data is now " + mismatch;
   }
   const int64_t j = shares_memory_with(i);
   if (j >= 0) {

@@ -66,6 +66,11 @@ void attach_grads(std::vector<FlatTensors>& flats);
 // One memset per flat gradient buffer (capturable); undefined gradients go back to their views.
 void zero_grads(std::vector<FlatTensors>& flats);
 
+// "" when `now` can stand where the graphs read `then` (the same dtype, shape and device:
+// their kernels were made for those), else both described: "Half [16] on cuda:0 where the
+// graphs read Float [16] on cuda:0". An undefined tensor fits nowhere.
+std::string layout_mismatch(const at::Tensor& now, const at::Tensor& then);
+
 // A step's parameters as it fixed them. Which required gradients when it fixed what it trains
 // (its flat buffers, its graphs): a parameter frozen since (requires_grad_(false)) would go on
 // being updated by them, one unfrozen never would. And, from capture on, the storage the graphs

@@ -2,13 +2,13 @@
 #include "step/module_watch.h"
 
 #include <c10/core/GradMode.h>
-#include <c10/util/StringUtil.h>
 #include <torch/nn/modules.h>
 
 #include <algorithm>
 #include <utility>
 
 #include "nimble_train/step.h"
+#include "optim/fused_step.h"
 
 namespace nimble_train {
 namespace {
@@ -88,12 +88,6 @@ std::vector<Found> members_of(nn::Module& module) {
   return out;
 }
 
-std::string describe(const at::Tensor& t) {
-  if (!t.defined()) return "an undefined tensor";
-  return std::string(c10::toString(t.scalar_type())) + " " + c10::str(t.sizes()) + " on " +
-         t.device().str();
-}
-
 const char* mode(bool training) { return training ? "training" : "eval"; }
 
 }  // namespace
@@ -162,18 +156,9 @@ void ModuleWatch::check() {
 }
 
 std::string ModuleWatch::why_not_restorable(const Member& m) const {
-  const at::Tensor& now = *m.field;
-  const at::Tensor& then = m.captured;
-  if (!then.defined()) {
-    return "the graph was captured with none there (" + describe(now) + " now); it cannot "
-           "read one";
-  }
-  if (!now.defined() || now.scalar_type() != then.scalar_type() ||
-      now.sizes() != then.sizes() || now.device() != then.device()) {
-    return "it is " + describe(now) + " where the graph reads " + describe(then) +
-           " (its kernels were made for that)";
-  }
-  return "";
+  if (!m.captured.defined()) return "the graph was captured with none there; it cannot read one";
+  const std::string mismatch = optim::layout_mismatch(*m.field, m.captured);
+  return mismatch.empty() ? "" : "it is " + mismatch;
 }
 
 void ModuleWatch::check_structure() const {
