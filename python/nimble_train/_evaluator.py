@@ -117,19 +117,25 @@ class Evaluator:
         self._met.add(bucket)
         return out
 
-    def _run(self, batch: Any) -> Any:
+    def _run(self, batch: Any, capturing: bool = False) -> Any:
         """fn, eagerly or captured (a replay runs no forward)."""
         step = self._step
         try:
             with step._compiling(), evaluating(step.model), torch.no_grad(), \
                     step._iteration._autocast():
                 out = self.fn(step.model, batch)
-        finally:  # what fn's forwards changed themselves is not the user's change
-            if step._model is not None:
-                step._model.after_forward()
-            if self._scope is not None:
-                self._scope.after_call()
+        finally:
+            if not capturing:
+                self._took_changes()
         return _checked(out)
+
+    def _took_changes(self) -> None:
+        """What fn's forwards changed themselves is not the user's change (a capture's: once
+        it succeeded; a failed one's are undone)."""
+        if self._step._model is not None:
+            self._step._model.after_forward()
+        if self._scope is not None:
+            self._scope.after_call()
 
     def _captured_entry(self, graph, bucket: int) -> int | None:
         """The bucket's captured graph, capturing every bucket's not yet tried (largest
@@ -159,14 +165,14 @@ class Evaluator:
         entry = self._entries[bucket]
         static = self._template.unflatten(graph.graph.inputs(entry))
         def captured():
-            out = self._run(static)
-            step._model.keep_assigned_buffers()  # a forward's `self.avg = ...`: read by the next
+            out = self._run(static, capturing=True)
+            step._model.keep_assigned_tensors()  # a forward's `self.avg = ...`: read by the next
             return out
 
         try:
             graph.capture_unplanned(entry, captured, step._stream, step._sync.records)
         except NimbleError as failure:
-            step._model.put_back_assigned_buffers()
+            step._model.undo_capture()  # what fn's forwards assigned or changed: back
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too
                 self._deferred.discard(bucket)
@@ -180,6 +186,7 @@ class Evaluator:
             else:
                 self._deferred.add(bucket)
             return
+        self._took_changes()
         self._deferred.discard(bucket)
         self.counts["captures"] += 1
         if self._scope is None:

@@ -24,22 +24,29 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   (a metric module made in a validation step) is not something the forward's code reads, and
   is left alone. What the step's own forwards add is taken (after_forward);
 - a buffer: its values copied into the tensor the graphs read, which goes back in the module
-  (replaced_buffers, then put_back), or refused when it no longer fits (another shape, dtype
-  or device).
+  (replaced_tensors, then put_back), or refused when it no longer fits (another shape, dtype
+  or device);
+- a tensor a module holds in a plain attribute (``self.temperature = torch.tensor(...)``, or a
+  mask, that user code sets anew): as a buffer; except that one named with
+  a leading underscore that no longer fits is taken as it is (a module's private cache).
 
 A loss function given as a function reads numbers from the scope it was made in: a closure
 variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
 function) or a global of its module. Those it names directly are watched as numbers are: the
 graphs run the value captured, so another value is refused (check_constants).
 
-A forward may assign its buffers anew itself (``self.avg = 0.9 * self.avg + 0.1 * m``, an
-out-of-place running average): a graph captured from it reads the buffer the call began with
-and writes a new tensor that the next replay never reads. Inside each capture the new values
-are copied back into the buffer the graph reads, which goes back in the module
-(keep_assigned_buffers), so that every replay leaves them where the next one reads them, as
-eager steps leave them in the module; a capture that fails puts the buffers back untouched
-(put_back_assigned_buffers: the one the forward assigned holds no values, a capture runs
-nothing).
+A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
+self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
+captured from it reads the tensor the call began with and writes a new one that the next replay
+never reads. Inside each capture the new values are copied back into the tensor the graph
+reads, which goes back in the module (keep_assigned_tensors), so that every replay leaves them
+where the next one reads them, as eager steps leave them in the module, whichever of the
+step's graphs ran last. A tensor attribute the forward assigns in another shape, dtype or
+device (a cache of its last output, ``self.last_attention = a``) is taken as it is: the
+graph's output, which the replays of that graph write. A capture that fails puts the tensors
+back untouched (the one the forward assigned holds no values: a capture runs nothing), and
+the numbers its forwards changed (a module counting its calls) back to their values after
+the last completed call (undo_capture).
 
 A parameter's or buffer's data replaced in place of its object (``p.data = t``,
 ``bn.running_mean.data = t``) is ParamWatch's (src/optim/fused_step.h) to see.
@@ -80,9 +87,10 @@ _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.Mod
 
 
 class ModelWatch:
-    """`model`'s modules (modules()'s order), their modes and their dicts' entries, as now; and
-    those of `loss_fn` when it is a module of its own (its constants and buffers: a loss's
-    ``label_smoothing``, its class ``weight``), named from ``loss_fn``."""
+    """`model`'s modules (modules()'s order), their modes and their dicts' entries (their
+    tensor attributes among them), as now; and those of `loss_fn` when it is a module of its
+    own (its constants and buffers: a loss's ``label_smoothing``, its class ``weight``), named
+    from ``loss_fn``."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: object = None):
         named = list(model.named_modules())
@@ -112,6 +120,9 @@ class ModelWatch:
             for key in constants:
                 if key in attributes:
                     watch("constant", i, attributes, key)
+            for key, value in attributes.items():
+                if isinstance(value, torch.Tensor):
+                    watch("tensor", i, attributes, key)
             if not module._modules:  # a leaf: its public numbers are what its forward reads
                 for key, value in attributes.items():
                     if (type(value) in _NUMBERS and not key.startswith("_")
@@ -132,8 +143,8 @@ class ModelWatch:
         self.first_changed = self._watch.first_changed
 
     def objects_changed(self) -> bool:
-        """A constant or number, child module, parameter or buffer is not the one captured,
-        or one was added (modes aside: an evaluator's graphs run in eval mode whatever the flags
+        """A constant or number, child module, parameter, buffer or tensor attribute is not the
+        one captured, or one was added (modes aside: an evaluator's graphs run in eval mode whatever the flags
         say)."""
         return self._watch.first_changed(self._modes_end) >= 0
 
@@ -144,8 +155,11 @@ class ModelWatch:
         refused is what user code changed between calls."""
         for e in self._watch.changed(self._modes_end):
             what, _, key = self._what[e]
-            if what in _BY_VALUE and _now(self._entries[e][0], key) is not _MISSING:
-                self._take(e)
+            table, _, read = self._entries[e]
+            now = _now(table, key)
+            if ((what in _BY_VALUE and now is not _MISSING)
+                    or (what == "tensor" and not _fits(now, read))):
+                self._take(e)  # a tensor that fits goes back where the graphs read it
         if self._watch.resized():
             for k, (kind, i, table, _) in enumerate(self._tables):
                 self._tables[k] = (kind, i, table, frozenset(table))
@@ -283,69 +297,99 @@ class ModelWatch:
                 "an optimizer over the new model's parameters): step.close(), then "
                 "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
 
-    def replaced_buffers(self) -> list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]]:
-        """(module, name, tensor the graphs read, tensor now) for each buffer replaced since
-        capture; refused, before anything changes, when one cannot go back there."""
-        out = []
-        for i, key, read, now in self._unequal("buffer"):
-            now = None if now is _MISSING else now
-            if read is None or now is None or (now.shape, now.dtype, now.device) != (
-                    read.shape, read.dtype, read.device):
-                seen = "removed" if now is None else f"now {describe(now)}"
-                captured = "none" if read is None else describe(read)
-                refuse_replaced(f"the buffer {self._name(i, key)}",
-                                f"it is {seen} where the graphs read {captured}")
-            out.append((self.modules[i], key, read, now))
-        return out
-
-    def _assigned_buffers(self) -> list[tuple[int, str, torch.Tensor, object]]:
-        """(module index, name, tensor the graphs read, what the module holds now) per buffer
-        whose entry changed since the watch took it; no entry is taken as the captured value."""
+    def replaced_tensors(self) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
+        """(module's dict, name, tensor the graphs read, tensor now) for each buffer or tensor
+        attribute replaced since capture; refused, before anything changes, when one cannot go
+        back there -- except a private tensor attribute, taken as it is."""
         out = []
         for e in self._watch.changed(self._modes_end):
             what, i, key = self._what[e]
-            if what == "buffer":
-                table, _, read = self._entries[e]
-                out.append((i, key, read, table.get(key, _MISSING)))
+            if what not in ("buffer", "tensor"):
+                continue
+            table, _, read = self._entries[e]
+            now = _now(table, key)
+            if _fits(now, read):
+                out.append((table, key, read, now))
+            elif what == "tensor" and key.startswith("_"):
+                self._take(e)
+            else:
+                seen = ("removed" if now is _MISSING or now is None else
+                        f"now {_description(now)}")
+                captured = "none" if read is None else describe(read)
+                unread = ("" if what == "buffer" else
+                          " An attribute the forward does not read can be named with a leading "
+                          f"underscore (_{key}): those are taken as they are.")
+                refuse_replaced(f"the {what if what == 'buffer' else 'tensor attribute'} "
+                                f"{self._name(i, key)}",
+                                f"it is {seen} where the graphs read {captured}{unread}")
         return out
 
-    def keep_assigned_buffers(self) -> None:
-        """Inside a capture, after the step's forwards: each buffer they assigned anew has its
-        new values copied into the tensor the graphs read (the copy is part of the graph), which
-        goes back in its module. A new value that cannot go there is an error (the capture
-        fails, and put_back_assigned_buffers undoes the assignments)."""
-        assigned = self._assigned_buffers()
-        for i, key, read, now in assigned:
-            if read is None or now is _MISSING or now is None or not isinstance(
-                    now, torch.Tensor) or (now.shape, now.dtype, now.device) != (
-                    read.shape, read.dtype, read.device):
-                seen = ("removed" if now is _MISSING or now is None else
-                        describe(now) if isinstance(now, torch.Tensor) else type(now).__name__)
+    def _assigned_tensors(self) -> list[tuple[int, str, dict, torch.Tensor, object]]:
+        """(entry, name, module's dict, tensor the graphs read, what the module holds now) per
+        buffer or tensor attribute whose entry changed since the watch took it."""
+        out = []
+        for e in self._watch.changed(self._modes_end):
+            what, i, key = self._what[e]
+            if what in ("buffer", "tensor"):
+                table, _, read = self._entries[e]
+                out.append((e, key, table, read, _now(table, key)))
+        return out
+
+    def keep_assigned_tensors(self) -> None:
+        """Inside a capture, after the step's forwards: each buffer or tensor attribute they
+        assigned anew has its new values copied into the tensor the graphs read (the copy is
+        part of the graph), which goes back in its module. A tensor attribute assigned in
+        another shape, dtype or device stays as the forward left it; a buffer is an error (the
+        capture fails, and undo_capture undoes the assignments)."""
+        assigned = [a for a in self._assigned_tensors()
+                    if self._what[a[0]][0] == "buffer" or _fits(a[4], a[3])]
+        for e, key, _, read, now in assigned:
+            if not _fits(now, read):
+                seen = "removed" if now is _MISSING or now is None else _description(now)
                 raise NimbleError(
-                    f"nimble_train.Step: the forward assigned buffer {self._name(i, key)}"
-                    f" anew ({seen}) where the graph reads "
+                    f"nimble_train.Step: the forward assigned buffer "
+                    f"{self._name(self._what[e][1], key)} anew ({seen}) where the graph reads "
                     f"{'none' if read is None else describe(read)}; a captured graph can keep a "
                     "buffer a forward assigns anew only in the same shape, dtype and device. "
                     "Update it in place (self.avg.mul_(0.9).add_(...)), or keep its shape.")
         with torch.no_grad():
-            for i, key, read, now in assigned:
+            for _, key, table, read, now in assigned:
                 read.copy_(now)
-                self.modules[i]._buffers[key] = read
+                table[key] = read
 
-    def put_back_assigned_buffers(self) -> None:
-        """After a failed capture: each buffer its forwards assigned anew (a tensor with no
-        values: a capture runs nothing) goes back to the one the graphs read, untouched."""
-        for i, key, read, _ in self._assigned_buffers():
-            self.modules[i]._buffers[key] = read
+    def undo_capture(self) -> None:
+        """After a failed capture: each buffer or tensor attribute its forwards assigned anew
+        (a tensor with no values: a capture runs nothing) goes back to the one the graphs read,
+        untouched, and each number they changed to its value after the last completed call."""
+        for _, key, table, read, _ in self._assigned_tensors():
+            table[key] = read
+        for e in self._watch.changed(self._modes_end):
+            what, _, key = self._what[e]
+            table, _, value = self._entries[e]
+            if what in _BY_VALUE:
+                if isinstance(table, types.CellType):
+                    table.cell_contents = value
+                else:
+                    table[key] = value
 
     @staticmethod
-    def put_back(buffers) -> None:
-        """Each replaced buffer's new values go into the tensor the graphs read, which goes
+    def put_back(tensors) -> None:
+        """Each replaced tensor's new values go into the tensor the graphs read, which goes
         back in its module."""
         with torch.no_grad():
-            for module, key, read, now in buffers:
+            for table, key, read, now in tensors:
                 read.copy_(now)
-                module._buffers[key] = read
+                table[key] = read
+
+
+def _fits(now: object, read: object) -> bool:
+    """`now` can go where the graphs read `read`: a tensor of its shape, dtype and device."""
+    return (isinstance(now, torch.Tensor) and isinstance(read, torch.Tensor)
+            and (now.shape, now.dtype, now.device) == (read.shape, read.dtype, read.device))
+
+
+def _description(value: object) -> str:
+    return describe(value) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
 def _now(table, key):

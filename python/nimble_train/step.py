@@ -609,7 +609,8 @@ class Step:
         parameter frozen or unfrozen since warm-up is refused, and so is a module or a
         parameter object replaced since capture; a parameter or buffer whose data was replaced
         (``p.data = t``) goes back where the graphs read it, its new values copied there, and
-        so does a replaced buffer, or the call is refused when they cannot (ModelWatch)."""
+        so does a replaced buffer or tensor attribute, or the call is refused when they cannot
+        (ModelWatch)."""
         watch, model = self._watch, self._model
         if watch is None or not (watch.changed() or (model is not None
                                                      and model.objects_changed())):
@@ -627,9 +628,9 @@ class Step:
                     why = (f"its data now shares memory with {self._param_name(j)}'s, a tie the "
                            "graphs (captured with them apart) cannot keep")
                 refuse_replaced(f"the data of {self._param_name(i)}", why)
-        buffers = model.replaced_buffers()
+        tensors = model.replaced_tensors()
         watch.restore()
-        model.put_back(buffers)
+        model.put_back(tensors)
 
     def _refuse_trainable_change(self) -> None:
         """A parameter frozen or unfrozen (requires_grad_) since warm-up: the flat buffers and
@@ -747,7 +748,7 @@ class Step:
                 graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
                               self._stream, self._sync.records)
         except NimbleError:
-            self._model.put_back_assigned_buffers()
+            self._model.undo_capture()  # what its forwards assigned or changed: back
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             self._iteration.window_grads = saved_window  # not the abandoned graph's tensors
@@ -774,7 +775,7 @@ class Step:
         loss = self._iteration.loss(self._graph.batches[bucket], self._template.batch_size,
                                     self._graph.valid, forward)
         self._iteration.backward_and_update(loss, call)
-        self._model.keep_assigned_buffers()  # a forward's `self.avg = ...`: read by the next
+        self._model.keep_assigned_tensors()  # a forward's `self.avg = ...`: read by the next
         return loss
 
     # ------------------------------------------------------------------ the rest of the API

@@ -13,6 +13,7 @@ from torch import nn
 
 from nimble_train import NimbleError, _C
 from nimble_train._model_watch import ModelWatch
+from step_reference import Tempered
 
 
 def _model():
@@ -33,7 +34,7 @@ def test_an_untouched_model_and_values_changed_in_place_are_intact():
     assert watch.first_changed() == -1
     watch.check_modes()
     watch.refuse_replaced_objects()
-    assert watch.replaced_buffers() == []
+    assert watch.replaced_tensors() == []
 
 
 def test_a_mode_changed_is_seen_and_refused_naming_the_module():
@@ -64,8 +65,9 @@ def test_a_replaced_buffer_goes_back_with_its_new_values():
     model[1].running_var = new.clone()  # assigned: the module's _buffers entry
     assert watch.objects_changed()
     watch.refuse_replaced_objects()  # buffers are not refused
-    buffers = watch.replaced_buffers()
-    assert [(m, name) for m, name, _, _ in buffers] == [(model[1], "running_var")]
+    buffers = watch.replaced_tensors()
+    assert [(table, name) for table, name, _, _ in buffers] == [(model[1]._buffers,
+                                                                 "running_var")]
     watch.put_back(buffers)
     assert model[1].running_var is read and torch.equal(read, new)
     assert watch.first_changed() == -1
@@ -86,7 +88,7 @@ def test_a_buffer_that_cannot_go_back_is_refused_and_nothing_changes(key, change
     before = read.clone()
     change(model)
     with pytest.raises(NimbleError, match=said):
-        watch.replaced_buffers()
+        watch.replaced_tensors()
     assert torch.equal(read, before) and model[1]._buffers[key] is not read
 
 
@@ -118,7 +120,7 @@ def test_parameters_loaded_by_assignment_are_refused_naming_the_first():
         module_name, key = name.rsplit(".", 1)
         setattr(model.get_submodule(module_name), key, p)
     watch.refuse_replaced_objects()  # the parameters are the captured ones again
-    assert len(watch.replaced_buffers()) == 3  # the BatchNorm's three, loaded anew
+    assert len(watch.replaced_tensors()) == 3  # the BatchNorm's three, loaded anew
 
 
 def test_a_parameter_set_where_the_graphs_read_none_is_refused():
@@ -214,20 +216,98 @@ def test_buffers_a_forward_assigned_in_a_capture_go_where_the_graphs_read_them()
     model(torch.randn(4, 12))  # as the forward runs in a capture
     new_avg = model[0].avg
     assert new_avg is not avg and watch.objects_changed()
-    watch.keep_assigned_buffers()
+    watch.keep_assigned_tensors()
     assert model[0].avg is avg and torch.equal(avg, new_avg) and model[0].calls is calls
     assert calls.item() == 1 and watch.first_changed() == -1
     before = avg.clone()
     model(torch.randn(4, 12))  # a capture that fails after its forward
-    watch.put_back_assigned_buffers()
+    watch.undo_capture()
     assert model[0].avg is avg and torch.equal(avg, before) and calls.item() == 1
     fits = torch.randn(12)
     model[0].avg, model[0].calls = fits, torch.zeros(3)
     with pytest.raises(NimbleError, match=r"the forward assigned buffer '0.calls' anew "
                                           r"\(torch.float32 \[3\] on cpu\) where the graph reads "
                                           r"torch.int64 \[\] on cpu.*Update it in place"):
-        watch.keep_assigned_buffers()
+        watch.keep_assigned_tensors()
     assert model[0].avg is fits and torch.equal(avg, before)  # refused before any copy
+
+
+class Caching(Tempered):
+    """Tempered with a private cache its forward makes anew in other shapes."""
+
+    def __init__(self):
+        super().__init__(6)
+        self._cache = torch.zeros(0)
+
+    def forward(self, x):
+        y = super().forward(x)
+        self._cache = torch.cat([self._cache, y.detach().sum(0)])
+        return y
+
+
+def test_a_tensor_attribute_replaced_goes_back_and_one_that_cannot_is_refused_or_taken():
+    model = Caching()
+    watch = ModelWatch(model)
+    read = model.temperature
+    model.temperature = torch.tensor(0.5)  # a schedule: the graphs read `read`
+    assert watch.objects_changed()
+    watch.refuse_replaced_objects()
+    tensors = watch.replaced_tensors()
+    assert [(table, name) for table, name, _, _ in tensors] == [(vars(model), "temperature")]
+    watch.put_back(tensors)
+    assert model.temperature is read and read.item() == 0.5 and watch.first_changed() == -1
+    model.temperature = torch.tensor([0.5, 0.5])
+    with pytest.raises(NimbleError, match=r"the tensor attribute 'temperature' was replaced.*"
+                                          r"now torch.float32 \[2\] on cpu where the graphs read "
+                                          r"torch.float32 \[\] on cpu.*leading underscore "
+                                          r"\(_temperature\)"):
+        watch.replaced_tensors()
+    assert read.item() == 0.5  # refused before any copy
+    model.temperature = 0.5
+    with pytest.raises(NimbleError, match=r"'temperature' was replaced.*now a float"):
+        watch.replaced_tensors()
+    model.temperature = read
+    model._cache = torch.ones(3)  # private: the module's own business, taken as it is
+    assert watch.replaced_tensors() == [] and watch.first_changed() == -1
+
+
+def test_tensor_attributes_a_forward_assigns_in_a_capture_are_kept_or_taken():
+    """Inside a capture the forward's `self.state = ...` and `self.last = ...` get a copy into
+    the tensors the graphs read; a private cache that grew is taken as the forward left it
+    (after_forward); after a failed capture every assignment is undone."""
+    model = Caching()
+    model(torch.randn(4, 6))  # warm-up: `last` and the cache take their shapes
+    watch = ModelWatch(model)
+    state, last, cache = model.state, model.last, model._cache
+    model(torch.randn(4, 6))  # as the forward runs in a capture
+    new_state, new_last, new_cache = model.state, model.last, model._cache
+    watch.keep_assigned_tensors()
+    assert model.state is state and torch.equal(state, new_state)
+    assert model.last is last and torch.equal(last, new_last)
+    assert model._cache is new_cache and cache.shape == (6,) and new_cache.shape == (12,)
+    watch.after_forward()
+    assert watch.first_changed() == -1
+    before = [t.clone() for t in (state, last)]
+    model(torch.randn(4, 6))  # a capture that fails after its forward
+    watch.undo_capture()
+    assert model.state is state and model.last is last and model._cache is new_cache
+    assert all(torch.equal(t, b) for t, b in zip((state, last), before))
+    assert watch.first_changed() == -1
+
+
+def test_numbers_a_failed_captures_forwards_changed_go_back():
+    """A module counting its calls: a capture that fails leaves the count as after the last
+    completed call; one that succeeds has it taken (after_forward)."""
+    model = nn.Sequential(Counting(), nn.ReLU())
+    model(torch.randn(2, 4))
+    watch = ModelWatch(model)
+    model(torch.randn(2, 4))  # a capture that fails after its forward
+    assert model[0].calls == 2
+    watch.undo_capture()
+    assert model[0].calls == 1 and watch.first_changed() == -1
+    model(torch.randn(2, 4))  # one that succeeds
+    watch.after_forward()
+    assert model[0].calls == 2 and watch.first_changed() == -1
 
 
 RATE = 0.5  # a global the loss function below reads
@@ -360,7 +440,7 @@ def test_a_loss_module_is_watched_under_its_own_name_and_not_for_its_mode():
     assert watch.first_changed() == -1
     read = loss_fn.weight
     loss_fn.weight = torch.rand(5)  # class weights replaced: they go where the graphs read them
-    buffers = watch.replaced_buffers()
+    buffers = watch.replaced_tensors()
     assert [name for _, name, _, _ in buffers] == ["weight"]
     watch.put_back(buffers)
     assert loss_fn.weight is read and watch.first_changed() == -1

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import nimble_train as nt
-from step_reference import (MLP, RunningMean, SmallCNN, assert_same_training,
+from step_reference import (MLP, RunningMean, SmallCNN, Tempered, assert_same_training,
                             classification_batches, eager_loop, grad_scaler_loop, twin)
 
 pytestmark = pytest.mark.cuda
@@ -26,6 +26,13 @@ def run_step(model, optimizer, loss_fn, batches, warmup=2, **options):
     losses = [step(b).clone() for b in batches]
     torch.cuda.synchronize()
     return step, losses
+
+
+def assert_nothing_ran(model, before):
+    """Every parameter and buffer of `model` as in `before`, a copy of its state_dict taken
+    before a refused call."""
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
 
 
 # Where bitwise equality is impossible: the captured step uses fused SGD / capturable Adam
@@ -543,8 +550,7 @@ def test_replaced_data_that_cannot_go_back_is_refused_and_what_can_trains_on():
                                              r"capture.*Half \[8, 3, 3, 3\] on cuda:0 where the "
                                              r"graphs read Float \[8, 3, 3, 3\].*new Step"):
         run.step(batches[4])
-    for name, value in run.m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(run.m1, before)
     run.m1.float()  # new float32 data for the parameters, new BatchNorm statistics tensors
     run.m2.half().float()  # the eager twin takes the same rounding
     run.train(batches[4:])
@@ -655,8 +661,7 @@ def test_a_buffers_data_replaced_after_capture_is_what_the_step_and_its_evaluato
                                              r"replaced after capture.*Half \[16\] on cuda:0 "
                                              r"where the graphs read Float \[16\]"):
         step(batches[4])
-    for name, value in m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(m1, before)
     m1.bn2.running_var.data = kept
     train(batches[4:])
     assert step.stats()["replays"] == 8
@@ -685,8 +690,7 @@ def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_run
     with pytest.raises(nt.NimbleError, match=r"parameter 'conv1.weight' was replaced by another "
                                              r"tensor after capture \(load_state_dict"):
         run.step(batches[4])
-    for name, value in run.m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(run.m1, before)
     for name, p in originals.items():
         module, key = name.rsplit(".", 1)
         setattr(run.m1.get_submodule(module), key, p)  # the buffers stay the loaded copies
@@ -710,8 +714,7 @@ def test_a_module_appended_to_a_container_after_capture_is_refused_and_nothing_r
                                              r"\(Sequential\) after capture.*Nothing was run"):
         run.step(batches[4])
     del run.m1[3]
-    for name, value in run.m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(run.m1, before)
     run.train(batches[4:])
     assert run.step.stats()["replays"] == 6
     run.assert_same()
@@ -752,6 +755,111 @@ def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(stream
     run.assert_same()
 
 
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_tensors_a_module_holds_in_plain_attributes_train_as_the_eager_loop(streams):
+    """A temperature user code sets between steps as a new tensor, a state the forward carries
+    by assigning it anew, and the forward's last output kept in an attribute: each replay
+    reads the temperature set, and leaves the state and the output where the next replay reads
+    them and user code looks, as eager steps do -- a captured evaluator's too. A temperature
+    in another shape is refused, naming it, before anything runs."""
+    torch.manual_seed(16)
+    model = torch.nn.Sequential(Tempered(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    run = SideBySide(cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    for m in (run.m1, run.m2):  # Module.cuda() moves parameters and buffers only
+        m[0].temperature, m[0].state = m[0].temperature.cuda(), m[0].state.cuda()
+    batches = classification_batches(10, 16, device="cuda", seed=16)
+
+    def train(batches, start):
+        for k, b in enumerate(batches, start):
+            for m in (run.m1, run.m2):
+                m[0].temperature = torch.tensor(1.0 + 0.25 * k, device="cuda")
+            run.train([b])
+            torch.testing.assert_close(run.m1[0].last, run.m2[0].last, **TOL)
+            torch.testing.assert_close(run.m1[0].state, run.m2[0].state, **TOL)
+
+    train(batches[:6], 0)
+    before = copy.deepcopy(run.m1.state_dict())
+    state = run.m1[0].state.clone()
+    run.m1[0].temperature = torch.full((12,), 2.0, device="cuda")
+    with pytest.raises(nt.NimbleError, match=r"the tensor attribute '0.temperature' was replaced"
+                                             r".*now torch.float32 \[12\] on cuda:0 where the "
+                                             r"graphs read torch.float32 \[\] on cuda:0"):
+        run.step(batches[6])
+    assert_nothing_ran(run.m1, before)
+    assert torch.equal(run.m1[0].state, state)
+    train(batches[6:], 6)
+    assert run.step.stats()["replays"] == 8
+    run.assert_same()
+    ev = run.step.evaluator(lambda m, b: m(b[0]))
+    for b in batches[:4]:
+        out = ev(b).clone()
+        with torch.no_grad():
+            run.m2.eval()
+            torch.testing.assert_close(out, run.m2(b[0]), **TOL)
+            run.m2.train()
+        torch.testing.assert_close(run.m1[0].last, run.m2[0].last, **TOL)
+        torch.testing.assert_close(run.m1[0].state, run.m2[0].state, **TOL)
+    assert ev.stats()["replays"] >= 2
+    train(batches[:2], 10)  # the training graph's output in `last` again
+    run.assert_same()
+
+
+class CallCounter(torch.nn.Module):
+    """A leaf that counts its calls in a public number."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+def test_numbers_a_failed_captures_forwards_changed_are_as_after_the_last_completed_call():
+    """A module counting its calls: a capture that fails (a host sync in the forward, or in an
+    evaluator's fn) leaves the count as the completed calls left it, as the eager loop's."""
+    torch.manual_seed(17)
+    model = torch.nn.Sequential(CallCounter(), SyncsInForward())
+    (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    batches = classification_batches(5, 16, device="cuda", seed=17)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    step(batches[0])
+    step(batches[1])
+    with pytest.raises(nt.SyncError):
+        step(batches[2])
+    destroy_a_mem_pool()
+    assert m1[0].calls == 2
+    step(batches[3])
+    step(batches[4])
+    eager_loop(m2, o2, per_sample, batches[:2] + batches[3:])
+    assert m1[0].calls == m2[0].calls == 4
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+    torch.manual_seed(18)
+    counted = torch.nn.Sequential(CallCounter(), MLP()).cuda()
+    step = nt.Step(counted, torch.optim.SGD(counted.parameters(), lr=0.1), per_sample, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    assert step.stats()["replays"] == 2
+    calls = counted[0].calls
+
+    def syncs(m, b):
+        out = m(b[0])
+        out.abs().max().item()  # a host sync after the forward
+        return out
+
+    evaluate = step.evaluator(syncs)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for b in batches[:3]:
+            evaluate(b)
+    assert any("capturing fn failed" in str(w.message) for w in seen)
+    assert evaluate.counts == {"replays": 0, "eager": 3, "captures": 0}
+    assert counted[0].calls == calls + 3  # the eager calls', none of the failed captures'
+
+
 def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
     """BatchNorm's momentum or a loss module's label_smoothing changed after capture: the
     graphs run the Python numbers they were captured with, so the call is refused, naming the
@@ -775,8 +883,7 @@ def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
     with pytest.raises(nt.NimbleError, match=r"'loss_fn.label_smoothing' \(CrossEntropyLoss\) "
                                              r"changed from 0.1 to 0.2"):
         step(batches[4])
-    for name, value in m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(m1, before)
     loss_fn.label_smoothing = 0.1
     for b in batches[4:]:
         step(b)
@@ -819,8 +926,7 @@ def test_a_number_a_loss_function_reads_from_its_scope_changed_after_capture_is_
             step(batches[4])
     finally:
         LOSS_SCALE = 1.0
-    for name, value in m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(m1, before)
     for b in batches[4:]:
         step(b)
     eager_loop(m2, o2, loss_fn, batches)
@@ -896,8 +1002,7 @@ def test_a_leaf_modules_number_changed_after_capture_is_refused_and_its_own_coun
     with pytest.raises(nt.NimbleError, match=r"'0.factor' \(ScaledInput\) changed from 1.0 to "
                                              r"0.5 after capture.*Nothing was run"):
         run.step(batches[6])
-    for name, value in run.m1.state_dict().items():
-        assert torch.equal(value, before[name]), name  # nothing ran
+    assert_nothing_ran(run.m1, before)
     run.m1[0].factor = 1.0
     run.train(batches[6:])
     assert run.step.stats()["replays"] == 8
