@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -121,6 +122,7 @@ class _ModelState:
 
 
 _GONE = object()
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 
 def _tables(module: nn.Module) -> list[dict]:
@@ -129,8 +131,9 @@ def _tables(module: nn.Module) -> list[dict]:
 
 def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> OperatorGraph:
     """Traces `model` with torch.fx; raises what fx raises when the model is not traceable,
-    and AssignsModuleState when its forward assigns module state (the model is left as it was
-    either way). Buffers are read when the forward runs (a batch norm's running mean read by
+    and AssignsModuleState when its forward assigns module state, or makes a tensor from Python
+    values alone, which the trace would freeze (fresh noise, torch.randn(4, 8), made once): the
+    model is left as it was either way. Buffers are read when the forward runs (a batch norm's running mean read by
     the model's own code), not folded into constants of the trace. `fuse_norms`: batch norms
     and the ReLUs after them become single operators (_batch_norm_act)."""
     tracer = torch.fx.Tracer()
@@ -141,11 +144,19 @@ def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> Operato
     finally:
         assigned = state.changed()
         state.restore()
+    # fx's own: a tensor the forward makes from Python values, held by the trace's root
+    constants = [name for name in assigned if _FX_CONSTANT.fullmatch(name)]
+    assigned = [name for name in assigned if name not in constants]
     if assigned:
         raise AssignsModuleState(
             f"the forward assigns {', '.join(assigned[:3])}"
             f"{f' and {len(assigned) - 3} more' if len(assigned) > 3 else ''}, which a traced "
             "graph computes without assigning; the model's own forward runs it")
+    if constants:
+        raise AssignsModuleState(
+            f"the forward makes {len(constants)} tensor(s) from Python values alone "
+            "(torch.tensor(...), torch.randn(4, 8)), which a traced graph would hold as "
+            "constants made once; the model's own forward runs it")
     module = torch.fx.GraphModule(tracer.root, traced, type(model).__name__)
     fused = fuse_batch_norm_act(module) if fuse_norms else 0
     nodes = [n for n in module.graph.nodes if n.op in _OPS]

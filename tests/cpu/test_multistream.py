@@ -64,6 +64,41 @@ def test_a_forward_that_assigns_module_state_falls_back_and_leaves_the_model_as_
     assert "assigns 0.calls, which" in reason and model[0].calls is calls
 
 
+class MakesTensors(torch.nn.Module):
+    """Makes a tensor from Python values alone (noise, a scale), and holds a temperature in a
+    plain attribute that it assigns anew."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.temperature = torch.tensor(2.0)
+
+    def forward(self, x):
+        y = self.lin(x) / self.temperature + 0.1 * torch.randn(4, 8)
+        if self.training:
+            self.temperature = self.temperature * 0.5
+        return y
+
+
+def test_a_forward_that_makes_tensors_from_python_values_falls_back_saying_so():
+    """fx runs torch.randn(4, 8) once and keeps its tensor as a constant of the trace
+    (_tensor_constant0 on the root): the traced forward would add the same noise each step.
+    Reported as what the forward does, not as a module attribute it assigns."""
+    model = MakesTensors()
+    temperature = model.temperature
+    _, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert "the forward assigns temperature, which a traced graph" in reason, reason
+    assert "_tensor_constant" not in reason and model.temperature is temperature
+    assert not hasattr(model, "_tensor_constant0")
+    model.eval()
+    forward, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert forward is None
+    assert reason == ("torch.fx could not trace the model (AssignsModuleState: the forward "
+                      "makes 1 tensor(s) from Python values alone (torch.tensor(...), "
+                      "torch.randn(4, 8)), which a traced graph would hold as constants made "
+                      "once; the model's own forward runs it)")
+
+
 class CallsTheExtension(torch.nn.Module):
     """Hands its input to a function of the extension, which a proxy cannot stand in for."""
 
