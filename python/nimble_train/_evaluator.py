@@ -173,6 +173,8 @@ class Evaluator:
             graph.capture_unplanned(entry, captured, step._stream, step._sync.records)
         except NimbleError as failure:
             step._model.undo_capture()  # what fn's forwards assigned or changed: back
+            if self._scope is not None:
+                self._scope.put_back()
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too
                 self._deferred.discard(bucket)

@@ -364,13 +364,8 @@ class ModelWatch:
         for _, key, table, read, _ in self._assigned_tensors():
             table[key] = read
         for e in self._watch.changed(self._modes_end):
-            what, _, key = self._what[e]
-            table, _, value = self._entries[e]
-            if what in _BY_VALUE:
-                if isinstance(table, types.CellType):
-                    table.cell_contents = value
-                else:
-                    table[key] = value
+            if self._what[e][0] in _BY_VALUE:
+                _put_back(self._entries[e], self._what[e][2])
 
     @staticmethod
     def put_back(tensors) -> None:
@@ -380,6 +375,15 @@ class ModelWatch:
             for table, key, read, now in tensors:
                 read.copy_(now)
                 table[key] = read
+
+
+def _put_back(entry: tuple, key: str) -> None:
+    """The dict or closure cell of an EntryWatch entry holds its value again."""
+    table, _, value = entry
+    if isinstance(table, types.CellType):
+        table.cell_contents = value
+    else:
+        table[key] = value
 
 
 def _fits(now: object, read: object) -> bool:
@@ -460,6 +464,12 @@ class ScopeWatch:
             if not _same_value(now, old):
                 refuse_scope_change(self._owner, kind, key, old, now, self._rebuild)
         self.after_call()  # equal values in new objects: the fast path again
+
+    def put_back(self) -> None:
+        """After a failed capture: the numbers the function changed itself, as after the last
+        completed call."""
+        for e in self._watch.changed():
+            _put_back(self._entries[e], self._what[e][2])
 
     def after_call(self) -> None:
         for e in self._watch.changed():

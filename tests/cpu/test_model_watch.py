@@ -373,6 +373,10 @@ def test_a_scope_watch_refuses_another_number_and_takes_an_equal_one():
     watch.after_call()  # as fn would change it itself: taken
     watch.check()
     assert threshold == 2.0
+    threshold = 3.0  # as fn would change it in a capture that then fails
+    watch.put_back()
+    assert threshold == 2.0
+    watch.check()
 
 
 def test_entry_watch_reads_a_closure_cell():
