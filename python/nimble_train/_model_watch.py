@@ -12,9 +12,11 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   BatchNorm's ``momentum`` and ``eps``, a loss module's ``label_smoothing``), or a number of a
   leaf module's (a public bool, int, float or str attribute of a module without children:
   timm's ``DropPath.drop_prob``, torchvision's ``StochasticDepth.p``, a focal loss's
-  ``gamma``): the graphs run the Python value they were captured with, so another value is
-  refused; an equal one in a new object is taken as it is. A value the step's own forwards
-  change (a module counting its calls) is taken after each call (after_forward);
+  ``gamma``), or one of a module with children that its own code names (names_read: a model's
+  ``self.mask_ratio`` its forward reads, not a counter user code keeps on it): the graphs run
+  the Python value they were captured with, so another value is refused; an equal one in a
+  new object is taken as it is. A value the step's own forwards change (a module counting its
+  calls) is taken after each call (after_forward);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
 - a module or parameter added to a container (``model.blocks.append(block)`` on an
@@ -27,8 +29,8 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   (replaced_tensors, then put_back), or refused when it no longer fits (another shape, dtype
   or device);
 - a tensor a module holds in a plain attribute (``self.temperature = torch.tensor(...)``, or a
-  mask, that user code sets anew): as a buffer; except that one named with
-  a leading underscore that no longer fits is taken as it is (a module's private cache).
+  mask, that user code sets anew): as a buffer; except that one named with a leading
+  underscore that no longer fits is taken as it is (a module's private cache).
 
 A loss function given as a function reads numbers from the scope it was made in: a closure
 variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
@@ -55,6 +57,7 @@ A parameter's or buffer's data replaced in place of its object (``p.data = t``,
 from __future__ import annotations
 
 import functools
+import inspect
 import types
 
 import torch
@@ -123,11 +126,13 @@ class ModelWatch:
             for key, value in attributes.items():
                 if isinstance(value, torch.Tensor):
                     watch("tensor", i, attributes, key)
-            if not module._modules:  # a leaf: its public numbers are what its forward reads
-                for key, value in attributes.items():
-                    if (type(value) in _NUMBERS and not key.startswith("_")
-                            and key != "training" and key not in constants):
-                        watch("number", i, attributes, key)
+            # A leaf's public numbers are what its forward reads; a parent's, those its own
+            # code names (a counter user code keeps on the model is not).
+            named = None if not module._modules else names_read(type(module))
+            for key, value in attributes.items():
+                if (type(value) in _NUMBERS and not key.startswith("_") and key != "training"
+                        and key not in constants and (named is None or key in named)):
+                    watch("number", i, attributes, key)
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key in table:
@@ -144,15 +149,17 @@ class ModelWatch:
 
     def objects_changed(self) -> bool:
         """A constant or number, child module, parameter, buffer or tensor attribute is not the
-        one captured, or one was added (modes aside: an evaluator's graphs run in eval mode whatever the flags
-        say)."""
+        one captured, or one was added (modes aside: an evaluator's graphs run in eval mode
+        whatever the flags say)."""
         return self._watch.first_changed(self._modes_end) >= 0
 
     def after_forward(self) -> None:
         """The constants and numbers as the step's own forwards left them (a capture's, an
-        eager step's, an evaluator's; a module that counts its calls changes one) become the
-        watched values: called at the end of each call whose checks passed, so that what is
-        refused is what user code changed between calls."""
+        eager step's, an evaluator's; a module that counts its calls changes one), and the
+        tensor attributes they assigned in another shape, dtype or device, become the watched
+        values: called at the end of each call whose checks passed, so that what is refused is
+        what user code changed between calls. (A tensor they assigned that fits goes where the
+        graphs read it: keep_assigned_tensors in a capture, put_back at the next call.)"""
         for e in self._watch.changed(self._modes_end):
             what, _, key = self._what[e]
             table, _, read = self._entries[e]
@@ -404,6 +411,39 @@ def _now(table, key):
         except ValueError:  # an empty cell: the variable was deleted
             return _MISSING
     return table.get(key, _MISSING)
+
+
+# The methods of a module's that run in a step: its forward, and a LightningModule's steps.
+_ROOTS = ("forward", "training_step", "validation_step")
+# Library code: the methods of these packages' classes are not followed (Module.__call__ or
+# LightningModule.log name attributes of their own).
+_LIBRARIES = ("torch.", "lightning.", "pytorch_lightning.")
+
+
+@functools.cache
+def names_read(cls: type) -> frozenset[str]:
+    """The attribute names that a module class's own code run in a step names: its forward (and
+    a LightningModule's training_step and validation_step), and the methods of the class those
+    call by name, followed through, with the functions nested in them (comprehensions,
+    closures); library classes' methods not followed. The numbers of a module with children
+    that are watched."""
+    names: set[str] = set()
+    todo, seen = list(_ROOTS), set()
+    while todo:
+        fn = getattr(cls, todo.pop(), None)
+        fn = inspect.unwrap(fn) if callable(fn) else fn
+        if (not isinstance(fn, types.FunctionType) or fn in seen
+                or (fn.__module__ or "").startswith(_LIBRARIES)):
+            continue
+        seen.add(fn)
+        found, codes = set(), [fn.__code__]
+        while codes:
+            code = codes.pop()
+            found.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        todo += [name for name in found - names if callable(getattr(cls, name, None))]
+        names |= found
+    return frozenset(names)
 
 
 def scope_numbers(fn: object) -> list[tuple[str, object, str]]:

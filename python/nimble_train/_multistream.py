@@ -133,9 +133,10 @@ def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> Operato
     """Traces `model` with torch.fx; raises what fx raises when the model is not traceable,
     and AssignsModuleState when its forward assigns module state, or makes a tensor from Python
     values alone, which the trace would freeze (fresh noise, torch.randn(4, 8), made once): the
-    model is left as it was either way. Buffers are read when the forward runs (a batch norm's running mean read by
-    the model's own code), not folded into constants of the trace. `fuse_norms`: batch norms
-    and the ReLUs after them become single operators (_batch_norm_act)."""
+    model is left as it was either way. Buffers are read when the forward runs (a batch norm's
+    running mean read by the model's own code), not folded into constants of the trace.
+    `fuse_norms`: batch norms and the ReLUs after them become single operators
+    (_batch_norm_act)."""
     tracer = torch.fx.Tracer()
     tracer.proxy_buffer_attributes = True
     state = _ModelState(model)

@@ -519,6 +519,43 @@ def test_a_leaf_modules_number_changed_is_refused_and_a_parents_or_private_one_i
     assert watch.first_changed() == -1
 
 
+class Masked(nn.Module):
+    """A module with children whose own code reads numbers: its forward one, a method it calls
+    another, a comprehension in that method a third; a counter user code keeps on it is read
+    by none."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(4, 4), nn.ReLU()
+        self.mask_ratio, self.temperature, self.heads = 0.5, 2.0, 2
+        self.epoch = 0
+
+    def forward(self, x):
+        return self._scaled(self.act(self.lin(x))) * self.mask_ratio
+
+    def _scaled(self, y):
+        return torch.cat([part / self.temperature for part in y.chunk(self.heads, -1)], -1)
+
+
+def test_a_parents_numbers_its_own_code_names_are_watched_and_others_are_not():
+    from nimble_train._model_watch import names_read
+    assert {"mask_ratio", "temperature", "heads", "_scaled"} <= names_read(Masked)
+    assert "epoch" not in names_read(Masked)
+    assert names_read(nn.Sequential) == frozenset()  # torch's code: not followed
+    model = nn.Sequential(Masked(), nn.Linear(4, 2))
+    watch = ModelWatch(model)
+    model[0].epoch = 3  # user code's counter: nothing the forward reads
+    assert watch.first_changed() == -1
+    for key, value in (("mask_ratio", 0.75), ("temperature", 1.0), ("heads", 4)):
+        old = getattr(model[0], key)
+        setattr(model[0], key, value)
+        with pytest.raises(NimbleError, match=rf"'0.{key}' \(Masked\) changed from {old} to "
+                                              rf"{value} after capture.*leading underscore"):
+            watch.refuse_replaced_objects()
+        setattr(model[0], key, old)
+    assert watch.first_changed() == -1
+
+
 def test_what_the_steps_own_forwards_change_is_taken_and_a_change_of_the_users_is_not():
     model = nn.Sequential(Counting(), nn.ReLU())
     watch = ModelWatch(model)
