@@ -79,7 +79,7 @@ def refuse_replaced(what: str, why: str) -> None:
 
 
 _MISSING = object()
-_NUMBERS = (bool, int, float, str)  # a leaf module's attributes watched as numbers
+_NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "closure", "global")
 # The modules whose forward, or their parent's, runs whatever the table holds: their tables
@@ -123,14 +123,13 @@ class ModelWatch:
             for key in constants:
                 if key in attributes:
                     watch("constant", i, attributes, key)
-            for key, value in attributes.items():
-                if isinstance(value, torch.Tensor):
-                    watch("tensor", i, attributes, key)
             # A leaf's public numbers are what its forward reads; a parent's, those its own
             # code names (a counter user code keeps on the model is not).
             named = None if not module._modules else names_read(type(module))
             for key, value in attributes.items():
-                if (type(value) in _NUMBERS and not key.startswith("_") and key != "training"
+                if isinstance(value, torch.Tensor):
+                    watch("tensor", i, attributes, key)
+                elif (type(value) in _NUMBERS and not key.startswith("_") and key != "training"
                         and key not in constants and (named is None or key in named)):
                     watch("number", i, attributes, key)
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
@@ -226,7 +225,7 @@ class ModelWatch:
         return out
 
     def check_constants(self) -> None:
-        """A module constant, or a leaf module's number, other than the one captured is
+        """A module constant, or a watched number, other than the one captured is
         refused (the graphs run the value they were captured with); an equal value in a new
         object is taken as the captured one. Raised before anything runs."""
         for kind in ("closure", "global"):
@@ -309,12 +308,7 @@ class ModelWatch:
         attribute replaced since capture; refused, before anything changes, when one cannot go
         back there -- except a private tensor attribute, taken as it is."""
         out = []
-        for e in self._watch.changed(self._modes_end):
-            what, i, key = self._what[e]
-            if what not in ("buffer", "tensor"):
-                continue
-            table, _, read = self._entries[e]
-            now = _now(table, key)
+        for e, what, i, table, key, read, now in self._tensors_changed():
             if _fits(now, read):
                 out.append((table, key, read, now))
             elif what == "tensor" and key.startswith("_"):
@@ -331,16 +325,14 @@ class ModelWatch:
                                 f"it is {seen} where the graphs read {captured}{unread}")
         return out
 
-    def _assigned_tensors(self) -> list[tuple[int, str, dict, torch.Tensor, object]]:
-        """(entry, name, module's dict, tensor the graphs read, what the module holds now) per
-        buffer or tensor attribute whose entry changed since the watch took it."""
-        out = []
+    def _tensors_changed(self):
+        """(entry, kind, module index, module's dict, name, tensor the graphs read, what the
+        dict holds now) per buffer or tensor attribute entry that changed."""
         for e in self._watch.changed(self._modes_end):
             what, i, key = self._what[e]
             if what in ("buffer", "tensor"):
                 table, _, read = self._entries[e]
-                out.append((e, key, table, read, _now(table, key)))
-        return out
+                yield e, what, i, table, key, read, _now(table, key)
 
     def keep_assigned_tensors(self) -> None:
         """Inside a capture, after the step's forwards: each buffer or tensor attribute they
@@ -348,31 +340,27 @@ class ModelWatch:
         part of the graph), which goes back in its module. A tensor attribute assigned in
         another shape, dtype or device stays as the forward left it; a buffer is an error (the
         capture fails, and undo_capture undoes the assignments)."""
-        assigned = [a for a in self._assigned_tensors()
-                    if self._what[a[0]][0] == "buffer" or _fits(a[4], a[3])]
-        for e, key, _, read, now in assigned:
-            if not _fits(now, read):
+        assigned = []
+        for _, what, i, table, key, read, now in self._tensors_changed():
+            if _fits(now, read):
+                assigned.append((table, key, read, now))
+            elif what == "buffer":
                 seen = "removed" if now is _MISSING or now is None else _description(now)
                 raise NimbleError(
-                    f"nimble_train.Step: the forward assigned buffer "
-                    f"{self._name(self._what[e][1], key)} anew ({seen}) where the graph reads "
+                    f"nimble_train.Step: the forward assigned buffer {self._name(i, key)} anew "
+                    f"({seen}) where the graph reads "
                     f"{'none' if read is None else describe(read)}; a captured graph can keep a "
                     "buffer a forward assigns anew only in the same shape, dtype and device. "
                     "Update it in place (self.avg.mul_(0.9).add_(...)), or keep its shape.")
-        with torch.no_grad():
-            for _, key, table, read, now in assigned:
-                read.copy_(now)
-                table[key] = read
+        self.put_back(assigned)
 
     def undo_capture(self) -> None:
-        """After a failed capture: each buffer or tensor attribute its forwards assigned anew
-        (a tensor with no values: a capture runs nothing) goes back to the one the graphs read,
-        untouched, and each number they changed to its value after the last completed call."""
-        for _, key, table, read, _ in self._assigned_tensors():
-            table[key] = read
+        """After a failed capture: every entry its forwards changed holds its value after the
+        last completed call again -- a buffer or tensor attribute assigned anew (a tensor with
+        no values: a capture runs nothing) the one the graphs read, untouched; a number its
+        value."""
         for e in self._watch.changed(self._modes_end):
-            if self._what[e][0] in _BY_VALUE:
-                _put_back(self._entries[e], self._what[e][2])
+            _put_back(self._entries[e])
 
     @staticmethod
     def put_back(tensors) -> None:
@@ -384,9 +372,9 @@ class ModelWatch:
                 table[key] = read
 
 
-def _put_back(entry: tuple, key: str) -> None:
+def _put_back(entry: tuple) -> None:
     """The dict or closure cell of an EntryWatch entry holds its value again."""
-    table, _, value = entry
+    table, key, value = entry
     if isinstance(table, types.CellType):
         table.cell_contents = value
     else:
@@ -436,14 +424,20 @@ def names_read(cls: type) -> frozenset[str]:
                 or (fn.__module__ or "").startswith(_LIBRARIES)):
             continue
         seen.add(fn)
-        found, codes = set(), [fn.__code__]
-        while codes:
-            code = codes.pop()
-            found.update(code.co_names)
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        found = code_names(fn.__code__).keys()
         todo += [name for name in found - names if callable(getattr(cls, name, None))]
         names |= found
     return frozenset(names)
+
+
+def code_names(code: types.CodeType) -> dict[str, None]:
+    """The names a function's code reads as attributes or globals (co_names), its nested
+    functions' (comprehensions, lambdas, closures) included, in order."""
+    names = dict.fromkeys(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(code_names(const))
+    return names
 
 
 def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
@@ -458,7 +452,7 @@ def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         if type(_now(cell, name)) in _NUMBERS:
             out.append(("closure", cell, name))
-    for name in dict.fromkeys(code.co_names):
+    for name in code_names(code):
         if type(fn.__globals__.get(name)) in _NUMBERS:
             out.append(("global", fn.__globals__, name))
     return out
@@ -509,7 +503,7 @@ class ScopeWatch:
         """After a failed capture: the numbers the function changed itself, as after the last
         completed call."""
         for e in self._watch.changed():
-            _put_back(self._entries[e], self._what[e][2])
+            _put_back(self._entries[e])
 
     def after_call(self) -> None:
         for e in self._watch.changed():
