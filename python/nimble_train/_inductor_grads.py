@@ -16,8 +16,10 @@ product, and its cast, into one operator, ``nimble_train::weight_grad_mm``, whic
 
 Which product is whose gradient is learned in eager steps: each rewritten product has a key
 (its graph's digest and its place among the graph's outputs); an eager step that hands its
-gradients to autograd records where each product put its result, and a parameter whose
-gradient autograd kept at that address is that product's (:meth:`WeightProducts.learn`). A
+gradients to autograd records where each product put its result, in the order they were made,
+and a parameter whose gradient autograd kept at that address is the last product's made there
+(an earlier one's memory was freed before the allocator handed the address out again)
+(:meth:`WeightProducts.learn`). A
 captured step gives each learned product its parameter's view, once per backward
 (:meth:`WeightProducts.writing`).
 
@@ -32,6 +34,7 @@ it wrote, as any gradient autograd made.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 from typing import Iterator
@@ -56,9 +59,10 @@ _KEY_BITS = 23  # a product's place among its graph's outputs: the key's low bit
 class _Backward:
     """The running backward's products, for every thread (autograd runs a CUDA backward on a
     thread of its own): `targets`, key -> the flat view a captured step's product is written
-    into (taken once); `made`, key -> the addresses of an eager step's products."""
+    into (taken once); `made`, (key, address) of each of an eager step's products, in the order
+    they were made."""
     targets: dict[int, torch.Tensor] | None = None
-    made: dict[int, list[int]] | None = None
+    made: list[tuple[int, int]] | None = None
 
 
 _backward = _Backward()
@@ -95,7 +99,7 @@ def weight_grad_mm(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     result = _product(a, b, dtype)
     made = _backward.made
     if made is not None:
-        made.setdefault(key, []).append(result.data_ptr())
+        made.append((key, result.data_ptr()))
     return result
 
 
@@ -189,30 +193,33 @@ class WeightProducts(_torch_private.custom_graph_pass_base()):
         pairs) gave autograd their gradients, teaches which product is whose gradient;
         :meth:`learn` takes what it saw."""
         saved = _backward.made
-        _backward.made = {}
+        _backward.made = []
         try:
             yield
             self.learn(_backward.made, handed, params)
         finally:
             _backward.made = saved
 
-    def learn(self, made: dict[int, list[int]], handed: list,
+    def learn(self, made: list[tuple[int, int]], handed: list,
               params: list[torch.Tensor]) -> None:
         """Each product that made one result, kept by autograd as the gradient of a handed
-        parameter, is that parameter's; a product whose address another one shared, or whose
-        result autograd did not keep, teaches nothing."""
-        seen: dict[int, list[int]] = {}
-        for key, ptrs in made.items():
-            for ptr in ptrs:
-                seen.setdefault(ptr, []).append(key)
+        parameter, is that parameter's. Two products made at one address did not live there
+        together: the gradient there is the last one's (a product autograd summed into another
+        gradient and freed may have given its address to a later one). A product made more
+        than once, or whose result autograd did not keep, teaches nothing."""
+        last: dict[int, int] = {}
+        times = collections.Counter()
+        for key, ptr in made:
+            last[ptr] = key
+            times[key] += 1
         index = {id(p): i for i, p in enumerate(params)}
         for p, view in handed:
             grad = p.grad
             if grad is None or not same_layout(grad, view):
                 continue
-            keys = seen.get(grad.data_ptr(), [])
-            if len(keys) == 1 and len(made[keys[0]]) == 1:
-                self.owner[keys[0]] = index[id(p)]
+            key = last.get(grad.data_ptr())
+            if key is not None and times[key] == 1:
+                self.owner[key] = index[id(p)]
 
     @contextlib.contextmanager
     def writing(self, handed: list, params: list[torch.Tensor]) -> Iterator[None]:

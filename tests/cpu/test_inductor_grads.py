@@ -96,7 +96,7 @@ def test_the_operator_writes_into_the_view_it_is_given_once_and_records_what_it_
     a, b = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
     flat = torch.full((30,), float("nan"), dtype=torch.float64)
     view = flat[3:27].view(6, 4)
-    _backward.targets, _backward.made = {7: view}, {}
+    _backward.targets, _backward.made = {7: view}, []
     try:
         into = weight_grad_mm(a, b, torch.float64, 7)
         again = weight_grad_mm(a, b, torch.float64, 7)  # taken once: a new tensor
@@ -108,7 +108,23 @@ def test_the_operator_writes_into_the_view_it_is_given_once_and_records_what_it_
     torch.testing.assert_close(view, a @ b, rtol=0, atol=0)
     assert flat[:3].isnan().all() and flat[27:].isnan().all()  # nothing around it written
     torch.testing.assert_close(again, a @ b, rtol=0, atol=0)
-    assert made == {7: [again.data_ptr()], 8: [other.data_ptr()]}
+    assert made == [(7, again.data_ptr()), (8, other.data_ptr())]
+
+
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)])
+def test_a_gradient_at_an_address_two_products_were_made_at_is_the_last_ones(order):
+    """The first product was summed into another gradient and freed, and the allocator gave
+    its address to the second, which autograd kept."""
+    weights = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(3)]
+    views = [torch.zeros(3, 4) for _ in weights]
+    kept, once, twice = torch.randn(3, 4), torch.randn(3, 4), torch.randn(3, 4)
+    weights[0].grad, weights[1].grad, weights[2].grad = kept, once, twice
+    first, last = order
+    made = [(first, kept.data_ptr()), (last, kept.data_ptr()), (3, once.data_ptr()),
+            (4, twice.data_ptr()), (4, torch.randn(3, 4).data_ptr())]
+    products = WeightProducts()
+    products.learn(made, list(zip(weights, views)), weights)
+    assert products.owner == {last: 0, 3: 1}  # 4 made two results: it teaches nothing
 
 
 def test_a_view_of_another_shape_or_dtype_is_not_written():
