@@ -32,7 +32,7 @@ from . import _options
 from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
-from ._model_watch import ScopeWatch
+from ._model_watch import ScopeWatch, warn_replays_keep
 from ._sync import warn_at_user
 from .errors import NimbleError
 
@@ -129,13 +129,15 @@ class Evaluator:
                 self._took_changes()
         return _checked(out)
 
-    def _took_changes(self) -> None:
+    def _took_changes(self) -> list[tuple[str, object, object]]:
         """What fn's forwards changed themselves is not the user's change (a capture's: once
-        it succeeded; a failed one's are undone)."""
+        it succeeded; a failed one's are undone); returns the numbers changed."""
+        changed = []
         if self._step._model is not None:
-            self._step._model.after_forward()
+            changed += self._step._model.after_forward()
         if self._scope is not None:
-            self._scope.after_call()
+            changed += self._scope.after_call()
+        return changed
 
     def _captured_entry(self, graph, bucket: int) -> int | None:
         """The bucket's captured graph, capturing every bucket's not yet tried (largest
@@ -164,6 +166,11 @@ class Evaluator:
             self._entries[bucket] = graph.add_unplanned_entry(self._layout.specs(bucket))
         entry = self._entries[bucket]
         static = self._template.unflatten(graph.graph.inputs(entry))
+        # fn's numbers from before its first capture: what that capture changes is seen too
+        scope = self._scope or ScopeWatch(self.fn, "the evaluator's fn",
+                                          "make a new evaluator for each new value "
+                                          "(step.evaluator(fn); its graphs join the Step's pool)")
+
         def captured():
             out = self._run(static, capturing=True)
             step._model.keep_assigned_tensors()  # a forward's `self.avg = ...`: read by the next
@@ -173,8 +180,7 @@ class Evaluator:
             graph.capture_unplanned(entry, captured, step._stream, step._sync.records)
         except NimbleError as failure:
             step._model.undo_capture()  # what fn's forwards assigned or changed: back
-            if self._scope is not None:
-                self._scope.put_back()
+            scope.put_back()
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too
                 self._deferred.discard(bucket)
@@ -188,13 +194,11 @@ class Evaluator:
             else:
                 self._deferred.add(bucket)
             return
-        self._took_changes()
+        self._scope = scope  # from its first capture on, fn's numbers are the graphs'
+        step._model.captured = True  # and the model's
+        warn_replays_keep(self._took_changes(), step._warned_numbers, "an evaluator's capture")
         self._deferred.discard(bucket)
         self.counts["captures"] += 1
-        if self._scope is None:
-            self._scope = ScopeWatch(self.fn, "the evaluator's fn",
-                                     "make a new evaluator for each new value "
-                                     "(step.evaluator(fn); its graphs join the Step's pool)")
 
 
 @contextlib.contextmanager

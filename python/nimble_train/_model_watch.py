@@ -14,9 +14,11 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   timm's ``DropPath.drop_prob``, torchvision's ``StochasticDepth.p``, a focal loss's
   ``gamma``), or one of a module with children that its own code names (names_read: a model's
   ``self.mask_ratio`` its forward reads, not a counter user code keeps on it): the graphs run
-  the Python value they were captured with, so another value is refused; an equal one in a
-  new object is taken as it is. A value the step's own forwards change (a module counting its
-  calls) is taken after each call (after_forward);
+  the Python value they were captured with, so another value is refused (before the first
+  capture any value is taken: the capture bakes it); an equal one in a new object is taken as
+  it is. A value the step's own forwards change (a module counting its
+  calls) is taken after each call (after_forward); the replays, running no Python, leave it
+  as the capture did, which warns of it (warn_replays_keep);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
 - a module or parameter added to a container (``model.blocks.append(block)`` on an
@@ -63,6 +65,7 @@ import types
 import torch
 
 from ._extension import _C
+from ._sync import warn_at_user
 from .errors import NimbleError
 
 
@@ -143,6 +146,8 @@ class ModelWatch:
             self._what.append((kind, -1, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
+        # Whether a graph was captured with the values: until then another one is taken.
+        self.captured = False
         # The whole check on a step's fast path: -1 when nothing changed.
         self.first_changed = self._watch.first_changed
 
@@ -152,24 +157,30 @@ class ModelWatch:
         whatever the flags say)."""
         return self._watch.first_changed(self._modes_end) >= 0
 
-    def after_forward(self) -> None:
+    def after_forward(self) -> list[tuple[str, object, object]]:
         """The constants and numbers as the step's own forwards left them (a capture's, an
         eager step's, an evaluator's; a module that counts its calls changes one), and the
         tensor attributes they assigned in another shape, dtype or device, become the watched
         values: called at the end of each call whose checks passed, so that what is refused is
         what user code changed between calls. (A tensor they assigned that fits goes where the
-        graphs read it: keep_assigned_tensors in a capture, put_back at the next call.)"""
+        graphs read it: keep_assigned_tensors in a capture, put_back at the next call.)
+        Returns the numbers that took another value: (name, was, now) each."""
+        changed = []
         for e in self._watch.changed(self._modes_end):
-            what, _, key = self._what[e]
+            what, i, key = self._what[e]
             table, _, read = self._entries[e]
             now = _now(table, key)
-            if ((what in _BY_VALUE and now is not _MISSING)
-                    or (what == "tensor" and not _fits(now, read))):
+            if what in _BY_VALUE and now is not _MISSING:
+                if not _same_value(now, read):
+                    changed.append((self._entry_name(what, i, key), read, now))
+                self._take(e)
+            elif what == "tensor" and not _fits(now, read):
                 self._take(e)  # a tensor that fits goes back where the graphs read it
         if self._watch.resized():
             for k, (kind, i, table, _) in enumerate(self._tables):
                 self._tables[k] = (kind, i, table, frozenset(table))
             self._watch.take_sizes()
+        return changed
 
     def _take(self, e: int) -> None:
         """Entry e's value becomes what its dict holds now."""
@@ -180,6 +191,11 @@ class ModelWatch:
     def _name(self, i: int, key: str | None = None) -> str:
         name = ".".join(part for part in (self.names[i], key) if part)
         return f"'{name}'" if name else "the model"
+
+    def _entry_name(self, what: str, i: int, key: str) -> str:
+        if i < 0:  # a number the loss function reads from its scope
+            return scope_name("loss_fn", what, key)
+        return f"{self._name(i, key)} ({type(self.modules[i]).__name__})"
 
     def check_modes(self) -> None:
         """The modules' training modes are those the graphs were captured with: a graph runs
@@ -227,7 +243,13 @@ class ModelWatch:
     def check_constants(self) -> None:
         """A module constant, or a watched number, other than the one captured is
         refused (the graphs run the value they were captured with); an equal value in a new
-        object is taken as the captured one. Raised before anything runs."""
+        object is taken as the captured one, and so is any value before the first capture
+        (set after warm-up: the capture bakes it). Raised before anything runs."""
+        if not self.captured:
+            for e in self._watch.changed(self._modes_end):
+                what, _, key = self._what[e]
+                if what in _BY_VALUE and _now(self._entries[e][0], key) is not _MISSING:
+                    self._take(e)
         for kind in ("closure", "global"):
             for _, key, old, now in self._unequal(kind):
                 refuse_scope_change("loss_fn", kind, key, old, now,
@@ -464,11 +486,33 @@ def scope_entry(kind: str, table: object, key: str) -> tuple:
     return (table, None if kind == "closure" else key, _now(table, key))
 
 
+def scope_name(owner: str, kind: str, key: str) -> str:
+    return (f"{owner}'s closure variable {key!r}" if kind == "closure" else
+            f"the global {key!r} that {owner} reads")
+
+
+def warn_replays_keep(changed: list[tuple[str, object, object]], warned: set[str],
+                      where: str) -> None:
+    """Warns, once per number, that a capture's forwards changed numbers (a module counting its
+    calls, `changed` from after_forward or after_call) which the replays, running no Python,
+    leave as they are; `warned` holds the names warned of."""
+    new = [(name, was, now) for name, was, now in changed if name not in warned]
+    if not new:
+        return
+    warned.update(name for name, _, _ in new)
+    listed = "; ".join(f"{name} from {was!r} to {now!r}" for name, was, now in new)
+    warn_at_user(
+        f"nimble_train.Step: {where} changed {listed}; a replay runs no Python, so the "
+        "replays leave it as it is now, where eager calls would change it at every call (it "
+        "changes only in calls that run eagerly or capture). To have it change at every step, "
+        "keep it in a tensor the forward updates in place (a buffer: self.calls.add_(1)), or "
+        "change it outside the model, after each call.")
+
+
 def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: object,
                         rebuild: str) -> None:
     """Raises the error for a number `owner` reads from its scope that changed after capture."""
-    where = (f"{owner}'s closure variable {key!r}" if kind == "closure" else
-             f"the global {key!r} that {owner} reads")
+    where = scope_name(owner, kind, key)
     seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
     raise NimbleError(
         f"nimble_train.Step: {where} {seen} after capture; the graphs run the value they were "
@@ -505,12 +549,20 @@ class ScopeWatch:
         for e in self._watch.changed():
             _put_back(self._entries[e])
 
-    def after_call(self) -> None:
+    def after_call(self) -> list[tuple[str, object, object]]:
+        """The numbers the function changed itself are taken; returns those that took another
+        value: (name, was, now) each."""
+        changed = []
         for e in self._watch.changed():
             kind, table, key = self._what[e]
-            if _now(table, key) is not _MISSING:
+            now = _now(table, key)
+            if now is not _MISSING:
+                was = self._entries[e][2]
+                if not _same_value(now, was):
+                    changed.append((scope_name(self._owner, kind, key), was, now))
                 self._watch.update(e)
                 self._entries[e] = scope_entry(kind, table, key)
+        return changed
 
 
 def _same_value(now: object, old: object, same_type: bool = True) -> bool:

@@ -44,7 +44,7 @@ from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration, model_arguments
-from ._model_watch import ModelWatch, refuse_replaced
+from ._model_watch import ModelWatch, refuse_replaced, warn_replays_keep
 from ._multistream import traced_submodule
 from ._padding import mixing_reason
 from ._sync import SyncRecorder
@@ -198,6 +198,7 @@ class Step:
         # and from capture on where the graphs read their data (_settle_model).
         self._watch = None
         self._watched: list[torch.Tensor] = []  # the optimizer's parameters, then other tensors
+        self._warned_numbers: set[str] = set()  # numbers a capture's forwards changed
         # Each module's training mode, children, parameters and buffers when the graphs were
         # first captured (ModelWatch.check_modes, _settle_model).
         self._model: ModelWatch | None = None
@@ -307,11 +308,14 @@ class Step:
             self._model.check_modes()
         self._settle_model()
         self._update.settle_state()
+        captures = self._counts["captures"]
         try:
             return self._run_settled(batch)
         finally:  # what this call's forwards changed themselves is not the user's change
             if self._model is not None:
-                self._model.after_forward()
+                changed = self._model.after_forward()
+                if changed and self._counts["captures"] > captures:
+                    warn_replays_keep(changed, self._warned_numbers, "the step's capture")
 
     def _run_settled(self, batch: Any) -> torch.Tensor:
         tensors = self._template.tensors(batch)
@@ -757,6 +761,7 @@ class Step:
             self._update.bake()
             self._norms[entry] = self._iteration.grad_norm
         self._counts["captures"] += 1
+        self._model.captured = True  # its numbers are the graphs' from here on
         self._captured_entries.add(entry)
         recaptures = self._counts["captures"] - len(self._captured_entries)
         self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)

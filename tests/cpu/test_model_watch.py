@@ -5,6 +5,7 @@ refused, naming it; a buffer's new values go where the graphs read them. The GPU
 through these against the eager loop; these check the mechanics."""
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -12,8 +13,39 @@ import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
-from nimble_train._model_watch import ModelWatch
+from nimble_train._model_watch import ModelWatch, warn_replays_keep
 from step_reference import Tempered
+
+
+def captured_watch(model, loss_fn=None):
+    """A ModelWatch as a step holds it once a graph was captured with the model's values."""
+    watch = ModelWatch(model, loss_fn)
+    watch.captured = True
+    return watch
+
+
+def test_numbers_changed_before_the_first_capture_are_taken():
+    """Between warm-up (where the watch is made) and the first capture a number or constant
+    may change: the capture bakes the new value, so nothing is refused; from then on it is."""
+    model = nn.Sequential(DropPath(0.1), nn.Dropout(0.2))
+    watch = ModelWatch(model)
+    model[0].drop_prob, model[1].p = 0.3, 0.4
+    assert watch.first_changed() >= 0
+    watch.refuse_replaced_objects()  # taken
+    assert watch.first_changed() == -1
+    watch.captured = True
+    model[1].p = 0.5
+    with pytest.raises(NimbleError, match=r"'1.p' \(Dropout\) changed from 0.4 to 0.5 after "
+                                          r"capture"):
+        watch.refuse_replaced_objects()
+    model[1].p, model[0].drop_prob = 0.4, 0.0
+    with pytest.raises(NimbleError, match=r"'0.drop_prob' \(DropPath\) changed from 0.3"):
+        watch.check_constants()
+    model.add_module("2", nn.ReLU())  # an object, not a number: refused before capture too
+    model[0].drop_prob, model[1].p = 0.3, 0.4
+    watch.captured = False
+    with pytest.raises(NimbleError, match=r"module '2' \(a ReLU\) was added"):
+        watch.refuse_replaced_objects()
 
 
 def _model():
@@ -24,7 +56,7 @@ def _model():
 
 def test_an_untouched_model_and_values_changed_in_place_are_intact():
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     assert watch.first_changed() == -1 and not watch.objects_changed()
     with torch.no_grad():
         model[0].weight.mul_(2)
@@ -39,7 +71,7 @@ def test_an_untouched_model_and_values_changed_in_place_are_intact():
 
 def test_a_mode_changed_is_seen_and_refused_naming_the_module():
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model[1].eval()
     assert watch.first_changed() >= 0 and not watch.objects_changed()
     with pytest.raises(NimbleError, match=r"module '1' \(BatchNorm2d\) is in eval mode.*captured "
@@ -59,7 +91,7 @@ def test_a_mode_changed_is_seen_and_refused_naming_the_module():
 
 def test_a_replaced_buffer_goes_back_with_its_new_values():
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     read = model[1].running_var
     new = torch.rand(4) + 0.5
     model[1].running_var = new.clone()  # assigned: the module's _buffers entry
@@ -83,7 +115,7 @@ def test_a_replaced_buffer_goes_back_with_its_new_values():
 ], ids=["other-shape", "removed"])
 def test_a_buffer_that_cannot_go_back_is_refused_and_nothing_changes(key, change, said):
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     read = model[1]._buffers[key]
     before = read.clone()
     change(model)
@@ -94,7 +126,7 @@ def test_a_buffer_that_cannot_go_back_is_refused_and_nothing_changes(key, change
 
 def test_a_replaced_module_is_refused_naming_it_and_its_type():
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     old = model[4]
     model[4] = nn.Linear(144, 5)
     with pytest.raises(NimbleError, match=r"module '4' \(Linear\) was replaced by another Linear "
@@ -109,7 +141,7 @@ def test_a_replaced_module_is_refused_naming_it_and_its_type():
 
 def test_parameters_loaded_by_assignment_are_refused_naming_the_first():
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     originals = dict(model.named_parameters())
     model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     with pytest.raises(NimbleError, match=r"parameter '0.weight' was replaced by another tensor "
@@ -125,7 +157,7 @@ def test_parameters_loaded_by_assignment_are_refused_naming_the_first():
 
 def test_a_parameter_set_where_the_graphs_read_none_is_refused():
     model = _model()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model[0].bias = nn.Parameter(torch.zeros(4))
     with pytest.raises(NimbleError, match=r"parameter '0.bias' was set where the graphs read none"):
         watch.refuse_replaced_objects()
@@ -148,7 +180,7 @@ class Blocks(nn.Module):
 
 def test_a_module_or_parameter_added_to_a_container_is_refused_naming_it():
     model = Blocks()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model.blocks.append(nn.Linear(4, 4))  # the forward would run it; the graphs do not
     assert watch.first_changed() >= 0 and watch.objects_changed()
     with pytest.raises(NimbleError, match=r"module 'blocks.2' \(a Linear\) was added to 'blocks' "
@@ -162,7 +194,7 @@ def test_a_module_or_parameter_added_to_a_container_is_refused_naming_it():
                                           r"was added to 'scales' \(ParameterList\)"):
         watch.refuse_replaced_objects()
     seq = _model()
-    seq_watch = ModelWatch(seq)
+    seq_watch = captured_watch(seq)
     seq.append(nn.ReLU())
     with pytest.raises(NimbleError, match=r"module '5' \(a ReLU\) was added to the model "
                                           r"\(Sequential\)"):
@@ -173,7 +205,7 @@ def test_an_attribute_added_outside_a_container_is_left_alone():
     """A module made after capture outside a container (a metric made in a validation step),
     or a buffer registered on a module, is nothing the forward's code reads."""
     model = Blocks()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model.metric = nn.Linear(2, 2)
     model.head.register_buffer("seen", torch.zeros(2))
     assert watch.first_changed() == -1 and not watch.objects_changed()
@@ -182,7 +214,7 @@ def test_an_attribute_added_outside_a_container_is_left_alone():
 
 def test_what_the_steps_own_forwards_add_to_a_container_is_taken():
     model = Blocks()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model.blocks.append(nn.Linear(4, 4))  # as a forward that grows its container would
     watch.after_forward()
     assert watch.first_changed() == -1
@@ -211,7 +243,7 @@ def test_buffers_a_forward_assigned_in_a_capture_go_where_the_graphs_read_them()
     read; after a failed capture the assignment is undone with the values untouched."""
     from step_reference import RunningMean
     model = nn.Sequential(RunningMean(), nn.ReLU())
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     avg, calls = model[0].avg, model[0].calls
     model(torch.randn(4, 12))  # as the forward runs in a capture
     new_avg = model[0].avg
@@ -247,7 +279,7 @@ class Caching(Tempered):
 
 def test_a_tensor_attribute_replaced_goes_back_and_one_that_cannot_is_refused_or_taken():
     model = Caching()
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     read = model.temperature
     model.temperature = torch.tensor(0.5)  # a schedule: the graphs read `read`
     assert watch.objects_changed()
@@ -277,7 +309,7 @@ def test_tensor_attributes_a_forward_assigns_in_a_capture_are_kept_or_taken():
     (after_forward); after a failed capture every assignment is undone."""
     model = Caching()
     model(torch.randn(4, 6))  # warm-up: `last` and the cache take their shapes
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     state, last, cache = model.state, model.last, model._cache
     model(torch.randn(4, 6))  # as the forward runs in a capture
     new_state, new_last, new_cache = model.state, model.last, model._cache
@@ -300,14 +332,31 @@ def test_numbers_a_failed_captures_forwards_changed_go_back():
     completed call; one that succeeds has it taken (after_forward)."""
     model = nn.Sequential(Counting(), nn.ReLU())
     model(torch.randn(2, 4))
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model(torch.randn(2, 4))  # a capture that fails after its forward
     assert model[0].calls == 2
     watch.undo_capture()
     assert model[0].calls == 1 and watch.first_changed() == -1
     model(torch.randn(2, 4))  # one that succeeds
-    watch.after_forward()
+    assert watch.after_forward() == [("'0.calls' (Counting)", 1, 2)]
     assert model[0].calls == 2 and watch.first_changed() == -1
+    model[0].calls = int("2")  # equal, another object: taken, not a change
+    assert watch.after_forward() == []
+
+
+def test_numbers_a_capture_changed_are_warned_of_once_each():
+    warned = set()
+    with pytest.warns(UserWarning, match=r"the step's capture changed '0.calls' \(Counting\) "
+                                         r"from 1 to 2; 'x' from 0.5 to 0.25; a replay runs no "
+                                         r"Python.*add_\(1\)"):
+        warn_replays_keep([("'0.calls' (Counting)", 1, 2), ("'x'", 0.5, 0.25)], warned,
+                          "the step's capture")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_replays_keep([("'0.calls' (Counting)", 2, 3)], warned, "the step's capture")
+        warn_replays_keep([], warned, "the step's capture")
+    with pytest.warns(UserWarning, match=r"fn changed 'y' from 1 to 2; a replay"):
+        warn_replays_keep([("'x'", 0.25, 0.5), ("'y'", 1, 2)], warned, "fn")
 
 
 RATE = 0.5  # a global the loss function below reads
@@ -328,7 +377,7 @@ def _scheduled_loss():
 def test_numbers_a_loss_function_reads_from_its_scope_are_watched_as_numbers():
     global RATE
     loss_fn, set_smoothing = _scheduled_loss()
-    watch = ModelWatch(_model(), loss_fn)
+    watch = captured_watch(_model(), loss_fn)
     assert [w for w in watch._what if w[0] in ("closure", "global")] == [
         ("closure", -1, "smoothing"), ("global", -1, "RATE")]
     set_smoothing(0.05)
@@ -344,8 +393,9 @@ def test_numbers_a_loss_function_reads_from_its_scope_are_watched_as_numbers():
         with pytest.raises(NimbleError, match=r"the global 'RATE' that loss_fn reads changed "
                                               r"from 0.5 to 0.25"):
             watch.refuse_replaced_objects()
-        watch.after_forward()  # as if loss_fn had changed it itself during a call: taken
-        assert watch.first_changed() == -1
+        # as if loss_fn had changed it itself during a call: taken, and said
+        assert watch.after_forward() == [("the global 'RATE' that loss_fn reads", 0.5, 0.25)]
+        assert watch.first_changed() == -1 and watch.after_forward() == []
     finally:
         RATE = 0.5
     bound = functools.partial(loss_fn)  # through a partial, the same function's scope
@@ -370,8 +420,10 @@ def test_a_scope_watch_refuses_another_number_and_takes_an_equal_one():
     threshold = float("0.5")  # equal, another object: taken
     watch.check()
     threshold = 2.0
-    watch.after_call()  # as fn would change it itself: taken
+    # as fn would change it itself: taken, and said
+    assert watch.after_call() == [("the evaluator's fn's closure variable 'threshold'", 0.5, 2.0)]
     watch.check()
+    assert watch.after_call() == []
     assert threshold == 2.0
     threshold = 3.0  # as fn would change it in a capture that then fails
     watch.put_back()
@@ -417,7 +469,7 @@ def test_entry_watch_compares_by_identity_from_a_start():
 
 def test_a_constant_changed_is_refused_and_an_equal_one_in_a_new_object_is_taken():
     model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.LayerNorm(8, eps=1e-5))
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model[1].p = 0.25  # a dropout schedule: the graphs would run 0.1
     assert watch.first_changed() >= 0 and watch.objects_changed()
     with pytest.raises(NimbleError, match=r"'1.p' \(Dropout\) changed from 0.1 to 0.25 after "
@@ -439,7 +491,7 @@ def test_a_constant_changed_is_refused_and_an_equal_one_in_a_new_object_is_taken
 def test_a_loss_module_is_watched_under_its_own_name_and_not_for_its_mode():
     model = _model()
     loss_fn = nn.CrossEntropyLoss(weight=torch.rand(5), label_smoothing=0.1)
-    watch = ModelWatch(model, loss_fn)
+    watch = captured_watch(model, loss_fn)
     loss_fn.eval()  # a loss's mode changes nothing it computes
     assert watch.first_changed() == -1
     read = loss_fn.weight
@@ -499,7 +551,7 @@ class Counting(nn.Linear):
 def test_a_leaf_modules_number_changed_is_refused_and_a_parents_or_private_one_is_not():
     model = nn.Sequential(nn.Linear(4, 4), DropPath(0.1))
     model.epoch = 0  # the model's own, not a leaf's: user code keeps counters there
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model[1].drop_prob = 0.2  # a stochastic-depth schedule: the graphs would run 0.1
     assert watch.first_changed() >= 0 and watch.objects_changed()
     with pytest.raises(NimbleError, match=r"'1.drop_prob' \(DropPath\) changed from 0.1 to 0.2 "
@@ -543,7 +595,7 @@ def test_a_parents_numbers_its_own_code_names_are_watched_and_others_are_not():
     assert "epoch" not in names_read(Masked)
     assert names_read(nn.Sequential) == frozenset()  # torch's code: not followed
     model = nn.Sequential(Masked(), nn.Linear(4, 2))
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model[0].epoch = 3  # user code's counter: nothing the forward reads
     assert watch.first_changed() == -1
     for key, value in (("mask_ratio", 0.75), ("temperature", 1.0), ("heads", 4)):
@@ -558,7 +610,7 @@ def test_a_parents_numbers_its_own_code_names_are_watched_and_others_are_not():
 
 def test_what_the_steps_own_forwards_change_is_taken_and_a_change_of_the_users_is_not():
     model = nn.Sequential(Counting(), nn.ReLU())
-    watch = ModelWatch(model)
+    watch = captured_watch(model)
     model(torch.randn(2, 4))  # a capture's or an eager step's forward
     assert model[0].calls == 1 and watch.first_changed() >= 0
     watch.after_forward()

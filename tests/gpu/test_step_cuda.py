@@ -817,9 +817,72 @@ class CallCounter(torch.nn.Module):
         return x
 
 
+class BufferCounter(torch.nn.Module):
+    """A leaf that counts its calls in a buffer, in place: the graphs count too."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return x
+
+
+def test_a_number_a_captured_forward_changes_is_warned_of_once_and_a_buffer_counts_on():
+    """A replay runs no Python: a count kept in a Python number stops at the capture, which
+    warns once, naming it (and an evaluator's fn counting in its closure, at its capture); one
+    kept in a buffer counts every replay, as the eager loop's."""
+    torch.manual_seed(19)
+    model = torch.nn.Sequential(CallCounter(), BufferCounter(), MLP())
+    (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.1))
+    batches = classification_batches(7, 16, device="cuda", seed=19)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for b in batches[:3]:
+            step(b)
+    assert step.stats()["captured"]
+    frozen = m1[0].calls
+    said = [w for w in seen if "a replay runs no Python" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, said  # at the user's step(b)
+    said = [str(said[0].message)]
+    assert (f"the step's capture changed '0.calls' (CallCounter) from {frozen - 1} to "
+            f"{frozen}; a replay runs no Python") in said[0], said
+    assert "'1.calls'" not in said[0]  # a buffer: the graph counts
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no more: each number is warned of once
+        for b in batches[3:]:
+            step(b)
+    assert step.stats()["replays"] >= 4 and m1[0].calls == frozen  # stopped where captured
+    eager_loop(m2, o2, per_sample, batches)
+    assert m2[0].calls == 7 and int(m1[1].calls) == int(m2[1].calls) == 7
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+    evals = 0
+
+    def counted(m, b):
+        nonlocal evals
+        evals += 1
+        return m(b[0]).sum()
+
+    evaluate = step.evaluator(counted)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for b in batches[:4]:
+            evaluate(b)
+    said = [str(w.message) for w in seen if "a replay runs no Python" in str(w.message)]
+    assert evaluate.counts["replays"] >= 2 and evals < 4
+    assert len(said) == 1, said
+    assert (f"an evaluator's capture changed the evaluator's fn's closure variable 'evals' "
+            f"from {evals - 1} to {evals}; a replay") in said[0], said
+    assert "CallCounter" not in said[0]  # warned of already
+
+
 def test_numbers_a_failed_captures_forwards_changed_are_as_after_the_last_completed_call():
     """A module counting its calls: a capture that fails (a host sync in the forward, or in an
-    evaluator's fn) leaves the count as the completed calls left it, as the eager loop's."""
+    evaluator's fn) leaves the count as the completed calls left it, as the eager loop's; so
+    does an evaluator's fn counting in its closure, from its first capture on."""
     torch.manual_seed(17)
     model = torch.nn.Sequential(CallCounter(), SyncsInForward())
     (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.1))
@@ -845,7 +908,11 @@ def test_numbers_a_failed_captures_forwards_changed_are_as_after_the_last_comple
     assert step.stats()["replays"] == 2
     calls = counted[0].calls
 
+    evals = 0
+
     def syncs(m, b):
+        nonlocal evals
+        evals += 1  # counted in fn's closure: its failed captures' counts go back too
         out = m(b[0])
         out.abs().max().item()  # a host sync after the forward
         return out
@@ -858,6 +925,7 @@ def test_numbers_a_failed_captures_forwards_changed_are_as_after_the_last_comple
     assert any("capturing fn failed" in str(w.message) for w in seen)
     assert evaluate.counts == {"replays": 0, "eager": 3, "captures": 0}
     assert counted[0].calls == calls + 3  # the eager calls', none of the failed captures'
+    assert evals == 3
 
 
 def test_a_module_constant_changed_after_capture_is_refused_and_nothing_runs():
