@@ -36,8 +36,10 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
 
 A loss function given as a function reads numbers from the scope it was made in: a closure
 variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
-function) or a global of its module. Those it names directly are watched as numbers are: the
-graphs run the value captured, so another value is refused (check_constants).
+function) or a global of its module. Those it names directly, and the globals of their modules
+that the modules' own code (names_read's) uses (``F.dropout(x, DROP)`` in a forward), are
+watched as numbers are: the graphs run the value captured, so another value is refused
+(check_constants).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -58,6 +60,7 @@ A parameter's or buffer's data replaced in place of its object (``p.data = t``,
 
 from __future__ import annotations
 
+import dis
 import functools
 import inspect
 import types
@@ -141,9 +144,17 @@ class ModelWatch:
                     watch(kind, i, table, key)
                 if isinstance(module, _CONTAINERS[kind]):
                     self._tables.append((kind, i, table, frozenset(table)))
-        for kind, table, key in scope_numbers(loss_fn):
-            entries.append(scope_entry(kind, table, key))
-            self._what.append((kind, -1, key))
+        # Numbers the modules' own code reads as globals of its module, then the loss
+        # function's from its scope (a global both read: watched once, as the module's).
+        scope, watched = [], set()
+        for i, module in enumerate(self.modules):
+            scope += [("global", i, table, key) for table, key in global_numbers(type(module))]
+        scope += [(kind, -1, table, key) for kind, table, key in scope_numbers(loss_fn)]
+        for kind, i, table, key in scope:
+            if (id(table), key) not in watched:
+                watched.add((id(table), key))
+                entries.append(scope_entry(kind, table, key))
+                self._what.append((kind, i, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
         # Whether a graph was captured with the values: until then another one is taken.
@@ -193,9 +204,13 @@ class ModelWatch:
         return f"'{name}'" if name else "the model"
 
     def _entry_name(self, what: str, i: int, key: str) -> str:
-        if i < 0:  # a number the loss function reads from its scope
-            return scope_name("loss_fn", what, key)
+        if what in ("closure", "global"):  # a number read from a function's scope
+            return scope_name(self._reader(i), what, key)
         return f"{self._name(i, key)} ({type(self.modules[i]).__name__})"
+
+    def _reader(self, i: int) -> str:
+        """Whose code reads a scope's number: module i's, or the loss function's (i < 0)."""
+        return "loss_fn" if i < 0 else f"{self._name(i)} ({type(self.modules[i]).__name__})"
 
     def check_modes(self) -> None:
         """The modules' training modes are those the graphs were captured with: a graph runs
@@ -251,8 +266,8 @@ class ModelWatch:
                 if what in _BY_VALUE and _now(self._entries[e][0], key) is not _MISSING:
                     self._take(e)
         for kind in ("closure", "global"):
-            for _, key, old, now in self._unequal(kind):
-                refuse_scope_change("loss_fn", kind, key, old, now,
+            for i, key, old, now in self._unequal(kind):
+                refuse_scope_change(self._reader(i), kind, key, old, now,
                                     "build a new Step for each new value: step.close(), then "
                                     "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
                                     "state carries over)")
@@ -431,25 +446,38 @@ _LIBRARIES = ("torch.", "lightning.", "pytorch_lightning.")
 
 
 @functools.cache
-def names_read(cls: type) -> frozenset[str]:
-    """The attribute names that a module class's own code run in a step names: its forward (and
-    a LightningModule's training_step and validation_step), and the methods of the class those
-    call by name, followed through, with the functions nested in them (comprehensions,
-    closures); library classes' methods not followed. The numbers of a module with children
-    that are watched."""
+def _own_code(cls: type) -> tuple[frozenset[str], tuple[types.FunctionType, ...]]:
+    """The names a module class's own code run in a step names, and those functions: its
+    forward (and a LightningModule's training_step and validation_step), and the methods of the
+    class those call by name, followed through, with the functions nested in them
+    (comprehensions, closures); library classes' methods not followed."""
     names: set[str] = set()
-    todo, seen = list(_ROOTS), set()
+    todo, seen = list(_ROOTS), {}
     while todo:
         fn = getattr(cls, todo.pop(), None)
         fn = inspect.unwrap(fn) if callable(fn) else fn
         if (not isinstance(fn, types.FunctionType) or fn in seen
                 or (fn.__module__ or "").startswith(_LIBRARIES)):
             continue
-        seen.add(fn)
+        seen[fn] = None
         found = code_names(fn.__code__).keys()
         todo += [name for name in found - names if callable(getattr(cls, name, None))]
         names |= found
-    return frozenset(names)
+    return frozenset(names), tuple(seen)
+
+
+def names_read(cls: type) -> frozenset[str]:
+    """The attribute names a module class's own code names (_own_code): the numbers of a
+    module with children that are watched."""
+    return _own_code(cls)[0]
+
+
+def global_numbers(cls: type) -> list[tuple[dict, str]]:
+    """(globals, name) for each number a module class's own code (_own_code) reads or writes
+    as a global of its module."""
+    return [(fn.__globals__, name) for fn in _own_code(cls)[1]
+            for name in global_names(fn.__code__)
+            if type(fn.__globals__.get(name)) in _NUMBERS]
 
 
 def code_names(code: types.CodeType) -> dict[str, None]:
@@ -459,6 +487,20 @@ def code_names(code: types.CodeType) -> dict[str, None]:
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names.update(code_names(const))
+    return names
+
+
+_GLOBAL_OPS = ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL")
+
+
+def global_names(code: types.CodeType) -> dict[str, None]:
+    """The names a function's code uses as globals (not an attribute of the same name), its
+    nested functions' included, in order."""
+    names = dict.fromkeys(op.argval for op in dis.get_instructions(code)
+                          if op.opname in _GLOBAL_OPS)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names.update(global_names(const))
     return names
 
 
@@ -474,7 +516,7 @@ def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
     for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
         if type(_now(cell, name)) in _NUMBERS:
             out.append(("closure", cell, name))
-    for name in code_names(code):
+    for name in global_names(code):
         if type(fn.__globals__.get(name)) in _NUMBERS:
             out.append(("global", fn.__globals__, name))
     return out

@@ -589,6 +589,43 @@ class Masked(nn.Module):
         return torch.cat([part / self.temperature for part in y.chunk(self.heads, -1)], -1)
 
 
+SHIFT = 0.5  # a global Shifted's code reads
+mask_ratio = 0.9  # a global named as Masked's attribute, which its code does not read
+
+
+class Shifted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self._shift(self.lin(x))
+
+    def _shift(self, y):
+        return y + SHIFT
+
+
+def test_numbers_a_modules_own_code_reads_as_globals_are_watched():
+    global SHIFT
+    model = nn.Sequential(Shifted(), Masked(), nn.Linear(4, 2))
+    watch = captured_watch(model)
+    assert [w for w in watch._what if w[0] == "global"] == [("global", 1, "SHIFT")]
+    SHIFT = 0.25
+    try:
+        with pytest.raises(NimbleError, match=r"the global 'SHIFT' that '0' \(Shifted\) reads "
+                                              r"changed from 0.5 to 0.25 after capture"):
+            watch.refuse_replaced_objects()
+        # as if Shifted's code had changed it itself during a call: taken, and said
+        assert watch.after_forward() == [("the global 'SHIFT' that '0' (Shifted) reads", 0.5,
+                                          0.25)]
+        assert watch.first_changed() == -1
+    finally:
+        SHIFT = 0.5
+    # read by the loss function too: watched once, as the module's
+    both = captured_watch(model, lambda out, y: out.sum() * SHIFT)
+    assert [w for w in both._what if w[0] == "global"] == [("global", 1, "SHIFT")]
+
+
 def test_a_parents_numbers_its_own_code_names_are_watched_and_others_are_not():
     from nimble_train._model_watch import names_read
     assert {"mask_ratio", "temperature", "heads", "_scaled"} <= names_read(Masked)

@@ -1002,6 +1002,49 @@ def test_a_number_a_loss_function_reads_from_its_scope_changed_after_capture_is_
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
+INPUT_SCALE = 1.0  # a global the module below reads
+
+
+class GloballyScaled(torch.nn.Module):
+    def forward(self, x):
+        return x * INPUT_SCALE
+
+
+def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_after():
+    """A module's forward reads a number from its module's globals: one set between warm-up
+    and the first capture is baked by it; changed after capture, the call is refused, naming
+    it, before anything runs; with the value back the step trains on as the eager loop."""
+    global INPUT_SCALE
+    torch.manual_seed(20)
+    model = torch.nn.Sequential(GloballyScaled(), SmallCNN())
+    (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    batches = classification_batches(8, 16, image=True, device="cuda", seed=20)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    try:
+        for b in batches[:2]:
+            step(b)
+        eager_loop(m2, o2, per_sample, batches[:2])
+        INPUT_SCALE = 1.5  # after warm-up, before the capture: the capture's value
+        for b in batches[2:4]:
+            step(b)
+        assert step.stats()["replays"] == 2
+        before = copy.deepcopy(m1.state_dict())
+        INPUT_SCALE = 2.0
+        with pytest.raises(nt.NimbleError, match=r"the global 'INPUT_SCALE' that '0' "
+                                                 r"\(GloballyScaled\) reads changed from 1.5 to "
+                                                 r"2.0 after capture.*Nothing was run"):
+            step(batches[4])
+        assert_nothing_ran(m1, before)
+        INPUT_SCALE = 1.5
+        for b in batches[4:]:
+            step(b)
+        eager_loop(m2, o2, per_sample, batches[2:])
+    finally:
+        INPUT_SCALE = 1.0
+    assert step.stats()["replays"] == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
 def test_a_number_an_evaluators_fn_reads_changed_after_capture_is_refused():
     """An evaluator's fn reads a temperature from its closure: baked into its graphs at
     capture, so another value is refused before anything runs, and the old one evaluates on,
