@@ -16,9 +16,9 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   ``self.mask_ratio`` its forward reads, not a counter user code keeps on it): the graphs run
   the Python value they were captured with, so another value is refused (before the first
   capture any value is taken: the capture bakes it); an equal one in a new object is taken as
-  it is. A value the step's own forwards change (a module counting its
-  calls) is taken after each call (after_forward); the replays, running no Python, leave it
-  as the capture did, which warns of it (warn_replays_keep);
+  it is. A value the step's own forwards change (a module counting its calls) is taken after
+  each call (after_forward); the replays, running no Python, leave it as the capture did,
+  which warns of it (warn_replays_keep);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
 - a module or parameter added to a container (``model.blocks.append(block)`` on an
@@ -64,6 +64,7 @@ import dis
 import functools
 import inspect
 import types
+from typing import Iterator
 
 import torch
 
@@ -176,21 +177,28 @@ class ModelWatch:
         what user code changed between calls. (A tensor they assigned that fits goes where the
         graphs read it: keep_assigned_tensors in a capture, put_back at the next call.)
         Returns the numbers that took another value: (name, was, now) each."""
-        changed = []
-        for e in self._watch.changed(self._modes_end):
-            what, i, key = self._what[e]
-            table, _, read = self._entries[e]
-            now = _now(table, key)
-            if what in _BY_VALUE and now is not _MISSING:
-                if not _same_value(now, read):
-                    changed.append((self._entry_name(what, i, key), read, now))
-                self._take(e)
-            elif what == "tensor" and not _fits(now, read):
+        changed = self._take_numbers()
+        for e, what, _, _, _, read, now in self._tensors_changed():
+            if what == "tensor" and not _fits(now, read):
                 self._take(e)  # a tensor that fits goes back where the graphs read it
         if self._watch.resized():
             for k, (kind, i, table, _) in enumerate(self._tables):
                 self._tables[k] = (kind, i, table, frozenset(table))
             self._watch.take_sizes()
+        return changed
+
+    def _take_numbers(self) -> list[tuple[str, object, object]]:
+        """Each constant and number (a scope's too) that changed, and is still there, becomes
+        the watched value; returns those that took another value: (name, was, now) each."""
+        changed = []
+        for e in self._watch.changed(self._modes_end):
+            what, i, key = self._what[e]
+            table, _, was = self._entries[e]
+            now = _now(table, key)
+            if what in _BY_VALUE and now is not _MISSING:
+                if not _same_value(now, was):
+                    changed.append((self._entry_name(what, i, key), was, now))
+                self._take(e)
         return changed
 
     def _take(self, e: int) -> None:
@@ -261,10 +269,7 @@ class ModelWatch:
         object is taken as the captured one, and so is any value before the first capture
         (set after warm-up: the capture bakes it). Raised before anything runs."""
         if not self.captured:
-            for e in self._watch.changed(self._modes_end):
-                what, _, key = self._what[e]
-                if what in _BY_VALUE and _now(self._entries[e][0], key) is not _MISSING:
-                    self._take(e)
+            self._take_numbers()
         for kind in ("closure", "global"):
             for i, key, old, now in self._unequal(kind):
                 refuse_scope_change(self._reader(i), kind, key, old, now,
@@ -480,28 +485,28 @@ def global_numbers(cls: type) -> list[tuple[dict, str]]:
             if type(fn.__globals__.get(name)) in _NUMBERS]
 
 
-def code_names(code: types.CodeType) -> dict[str, None]:
-    """The names a function's code reads as attributes or globals (co_names), its nested
-    functions' (comprehensions, lambdas, closures) included, in order."""
-    names = dict.fromkeys(code.co_names)
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """A function's code and its nested functions' (comprehensions, lambdas, closures)."""
+    yield code
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names.update(code_names(const))
-    return names
+            yield from _codes(const)
+
+
+def code_names(code: types.CodeType) -> dict[str, None]:
+    """The names a function's code, nested functions included, reads as attributes or globals
+    (co_names), in order."""
+    return dict.fromkeys(name for c in _codes(code) for name in c.co_names)
 
 
 _GLOBAL_OPS = ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL")
 
 
 def global_names(code: types.CodeType) -> dict[str, None]:
-    """The names a function's code uses as globals (not an attribute of the same name), its
-    nested functions' included, in order."""
-    names = dict.fromkeys(op.argval for op in dis.get_instructions(code)
-                          if op.opname in _GLOBAL_OPS)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.update(global_names(const))
-    return names
+    """The names a function's code, nested functions included, uses as globals (not an
+    attribute of the same name), in order."""
+    return dict.fromkeys(op.argval for c in _codes(code) for op in dis.get_instructions(c)
+                         if op.opname in _GLOBAL_OPS)
 
 
 def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
