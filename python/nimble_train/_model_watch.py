@@ -36,10 +36,11 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
 
 A loss function given as a function reads numbers from the scope it was made in: a closure
 variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
-function) or a global of its module. Those it names directly, and the globals of their modules
-that the modules' own code (names_read's) uses (``F.dropout(x, DROP)`` in a forward), are
-watched as numbers are: the graphs run the value captured, so another value is refused
-(check_constants).
+function) or a global of its module. Those it names directly, the globals of their modules
+that the modules' own code (names_read's) uses (``F.dropout(x, DROP)`` in a forward), and
+those of the plain functions either calls by a global name (a helper of the user's,
+``return _jitter(x)``; not an installed package's) are watched as numbers are: the graphs run
+the value captured, so another value is refused (check_constants).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -63,6 +64,10 @@ from __future__ import annotations
 import dis
 import functools
 import inspect
+import os
+import site
+import sys
+import sysconfig
 import types
 from typing import Iterator
 
@@ -448,25 +453,53 @@ _ROOTS = ("forward", "training_step", "validation_step")
 # Library code: the methods of these packages' classes are not followed (Module.__call__ or
 # LightningModule.log name attributes of their own).
 _LIBRARIES = ("torch.", "lightning.", "pytorch_lightning.")
+# Where installed packages and the standard library live: a plain function defined there is
+# library code, whose globals user code does not set.
+_INSTALLED = tuple({os.path.join(os.path.realpath(path), "") for path in (
+    *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    *getattr(site, "getsitepackages", list)(), site.getusersitepackages()) if path})
+
+
+@functools.cache
+def _installed(module_name: str | None) -> bool:
+    """Whether a module is an installed package's or the standard library's."""
+    path = getattr(sys.modules.get(module_name or ""), "__file__", None)
+    if path is None:  # a notebook's __main__ is user code; a frozen module the standard library's
+        return (module_name or "").partition(".")[0] in sys.stdlib_module_names
+    return os.path.realpath(path).startswith(_INSTALLED)
+
+
+def _helpers(fn: types.FunctionType) -> list[types.FunctionType]:
+    """The plain functions fn's code (nested functions included) names as globals of its
+    module (helpers it calls: ``return _scaled(x)``), those of installed packages aside."""
+    out = []
+    for name in global_names(fn.__code__):
+        helper = fn.__globals__.get(name)
+        if isinstance(helper, types.FunctionType):
+            helper = inspect.unwrap(helper)
+            if isinstance(helper, types.FunctionType) and not _installed(helper.__module__):
+                out.append(helper)
+    return out
 
 
 @functools.cache
 def _own_code(cls: type) -> tuple[frozenset[str], tuple[types.FunctionType, ...]]:
     """The names a module class's own code run in a step names, and those functions: its
-    forward (and a LightningModule's training_step and validation_step), and the methods of the
-    class those call by name, followed through, with the functions nested in them
-    (comprehensions, closures); library classes' methods not followed."""
+    forward (and a LightningModule's training_step and validation_step), the methods of the
+    class those call by name and the plain functions they call as globals (_helpers), followed
+    through, with the functions nested in them (comprehensions, closures); library classes'
+    methods not followed."""
     names: set[str] = set()
-    todo, seen = list(_ROOTS), {}
+    todo, seen = [getattr(cls, name, None) for name in _ROOTS], {}
     while todo:
-        fn = getattr(cls, todo.pop(), None)
+        fn = todo.pop()
         fn = inspect.unwrap(fn) if callable(fn) else fn
         if (not isinstance(fn, types.FunctionType) or fn in seen
                 or (fn.__module__ or "").startswith(_LIBRARIES)):
             continue
         seen[fn] = None
         found = code_names(fn.__code__).keys()
-        todo += [name for name in found - names if callable(getattr(cls, name, None))]
+        todo += [getattr(cls, name, None) for name in found - names] + _helpers(fn)
         names |= found
     return frozenset(names), tuple(seen)
 
@@ -502,6 +535,7 @@ def code_names(code: types.CodeType) -> dict[str, None]:
 _GLOBAL_OPS = ("LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL")
 
 
+@functools.cache
 def global_names(code: types.CodeType) -> dict[str, None]:
     """The names a function's code, nested functions included, uses as globals (not an
     attribute of the same name), in order."""
@@ -512,18 +546,28 @@ def global_names(code: types.CodeType) -> dict[str, None]:
 def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
     """("closure", cell, name) and ("global", globals, name) for each number (bool, int,
     float, str) a function (a loss function, an evaluator's fn) reads by name from its closure
-    or its module's globals; none for a module (watched as one) or any other callable."""
+    or its module's globals, and the plain functions it calls as globals (_helpers, followed
+    through) from theirs; none for a module (watched as one) or any other callable."""
     fn = fn.func if isinstance(fn, functools.partial) else fn
     fn = getattr(fn, "__func__", fn)  # a bound method: its function
     if not isinstance(fn, types.FunctionType):
         return []
-    code, out = fn.__code__, []
-    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
-        if type(_now(cell, name)) in _NUMBERS:
-            out.append(("closure", cell, name))
-    for name in global_names(code):
-        if type(fn.__globals__.get(name)) in _NUMBERS:
-            out.append(("global", fn.__globals__, name))
+    out, todo, seen, watched = [], [fn], set(), set()
+    while todo:
+        fn = todo.pop(0)
+        if fn in seen:
+            continue
+        seen.add(fn)
+        code = fn.__code__
+        scope = [("closure", cell, name)
+                 for name, cell in zip(code.co_freevars, fn.__closure__ or ())]
+        scope += [("global", fn.__globals__, name) for name in global_names(code)]
+        for kind, table, name in scope:
+            if ((id(table), name) not in watched
+                    and type(_now(table, None if kind == "closure" else name)) in _NUMBERS):
+                watched.add((id(table), name))
+                out.append((kind, table, name))
+        todo += _helpers(fn)
     return out
 
 

@@ -626,6 +626,105 @@ def test_numbers_a_modules_own_code_reads_as_globals_are_watched():
     assert [w for w in both._what if w[0] == "global"] == [("global", 1, "SHIFT")]
 
 
+JITTER, SPREAD = 0.1, 2  # globals read only by the helpers below, not by a class's code
+
+
+def _spread(y):
+    return y * SPREAD
+
+
+def _noisy(y):
+    return _spread(y + JITTER)
+
+
+def _jittered(y, module):
+    return _spread(y + JITTER * module.noise_scale)
+
+
+class Jittered(nn.Module):
+    """A module with children whose forward calls a plain function of its module, which reads
+    a global and an attribute of the module and calls another such function."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.noise_scale, self.epoch = nn.Linear(4, 4), 0.5, 0
+
+    def forward(self, x):
+        return _jittered(self.lin(x), self)
+
+
+def test_numbers_the_helpers_a_modules_code_calls_read_are_watched():
+    """The plain functions a module's code calls by a global name are its own code too: the
+    globals they read, through further helpers, are watched as the module's, and the attributes
+    they name are numbers the module's code reads; torch's functions are not followed."""
+    global JITTER, SPREAD
+    from nimble_train._model_watch import _helpers, _own_code, names_read
+    assert "noise_scale" in names_read(Jittered) and "epoch" not in names_read(Jittered)
+    assert _own_code(Jittered)[1] == (Jittered.forward, _jittered, _spread)
+    model = nn.Sequential(Jittered(), nn.Linear(4, 2))
+    watch = captured_watch(model)
+    assert [w for w in watch._what if w[0] == "global"] == [("global", 1, "JITTER"),
+                                                            ("global", 1, "SPREAD")]
+    for name, value in (("JITTER", 0.2), ("SPREAD", 3)):
+        old = globals()[name]
+        globals()[name] = value
+        try:
+            with pytest.raises(NimbleError, match=rf"the global '{name}' that '0' \(Jittered\) "
+                                                  rf"reads changed from {old} to {value} after"):
+                watch.refuse_replaced_objects()
+        finally:
+            globals()[name] = old
+        assert watch.first_changed() == -1
+    model[0].noise_scale = 0.25
+    with pytest.raises(NimbleError, match=r"'0.noise_scale' \(Jittered\) changed from 0.5"):
+        watch.refuse_replaced_objects()
+    model[0].noise_scale = 0.5
+    model[0].epoch = 3  # read by no code of the step's
+    assert watch.first_changed() == -1
+    dropout = F.dropout
+
+    def through_torch(x):
+        return dropout(x, 0.5) + F_relu(x)
+
+    assert _helpers(through_torch) == []  # F_relu is torch's: not followed
+
+
+F_relu = F.relu  # torch's function, named as a global of this module
+
+
+def _clamp_at(limit):
+    def clamped(y):
+        return y.clamp(-limit, limit)
+    return clamped
+
+
+_clamped = _clamp_at(5.0)  # a helper with a number in its closure
+
+
+def test_numbers_the_helpers_a_loss_function_calls_read_are_watched():
+    """A loss function calling helpers of its module: their globals and closure variables are
+    watched as the loss function's (once each, though two read one)."""
+    global JITTER
+    from nimble_train._model_watch import scope_numbers
+
+    def loss_fn(out, y):
+        return F.cross_entropy(_clamped(_noisy(out)), y) * SPREAD
+
+    assert [(kind, name) for kind, _, name in scope_numbers(loss_fn)] == [
+        ("global", "SPREAD"), ("closure", "limit"), ("global", "JITTER")]
+    model = nn.Linear(4, 2)
+    loss_fn(model(torch.randn(3, 4)), torch.tensor([0, 1, 1])).backward()
+    watch = captured_watch(model, loss_fn)
+    JITTER = 0.3
+    try:
+        with pytest.raises(NimbleError, match=r"the global 'JITTER' that loss_fn reads changed "
+                                              r"from 0.1 to 0.3 after capture"):
+            watch.refuse_replaced_objects()
+    finally:
+        JITTER = 0.1
+    assert watch.first_changed() == -1
+
+
 def test_a_parents_numbers_its_own_code_names_are_watched_and_others_are_not():
     from nimble_train._model_watch import names_read
     assert {"mask_ratio", "temperature", "heads", "_scaled"} <= names_read(Masked)

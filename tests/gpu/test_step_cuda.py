@@ -1002,7 +1002,7 @@ def test_a_number_a_loss_function_reads_from_its_scope_changed_after_capture_is_
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
-INPUT_SCALE = 1.0  # a global the module below reads
+INPUT_SCALE = 1.0  # a global the modules below read
 
 
 class GloballyScaled(torch.nn.Module):
@@ -1010,13 +1010,26 @@ class GloballyScaled(torch.nn.Module):
         return x * INPUT_SCALE
 
 
-def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_after():
-    """A module's forward reads a number from its module's globals: one set between warm-up
-    and the first capture is baked by it; changed after capture, the call is refused, naming
-    it, before anything runs; with the value back the step trains on as the eager loop."""
+def _scaled_input(x):
+    return x * INPUT_SCALE
+
+
+class HelperScaled(torch.nn.Module):
+    """Reads the global through a plain function of its module."""
+
+    def forward(self, x):
+        return _scaled_input(x)
+
+
+@pytest.mark.parametrize("reader", [GloballyScaled, HelperScaled])
+def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_after(reader):
+    """A module's forward, or a helper function it calls, reads a number from its module's
+    globals: one set between warm-up and the first capture is baked by it; changed after
+    capture, the call is refused, naming it, before anything runs; with the value back the
+    step trains on as the eager loop."""
     global INPUT_SCALE
     torch.manual_seed(20)
-    model = torch.nn.Sequential(GloballyScaled(), SmallCNN())
+    model = torch.nn.Sequential(reader(), SmallCNN())
     (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
     batches = classification_batches(8, 16, image=True, device="cuda", seed=20)
     step = nt.Step(m1, o1, per_sample, warmup=2)
@@ -1030,9 +1043,9 @@ def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_aft
         assert step.stats()["replays"] == 2
         before = copy.deepcopy(m1.state_dict())
         INPUT_SCALE = 2.0
-        with pytest.raises(nt.NimbleError, match=r"the global 'INPUT_SCALE' that '0' "
-                                                 r"\(GloballyScaled\) reads changed from 1.5 to "
-                                                 r"2.0 after capture.*Nothing was run"):
+        with pytest.raises(nt.NimbleError, match=rf"the global 'INPUT_SCALE' that '0' "
+                                                 rf"\({reader.__name__}\) reads changed from "
+                                                 r"1.5 to 2.0 after capture.*Nothing was run"):
             step(batches[4])
         assert_nothing_ran(m1, before)
         INPUT_SCALE = 1.5
