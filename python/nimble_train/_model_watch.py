@@ -19,6 +19,11 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   it is. A value the step's own forwards change (a module counting its calls) is taken after
   each call (after_forward); the replays, running no Python, leave it as the capture did,
   which warns of it (warn_replays_keep);
+- a number held in a plain object a user's module holds and its code reads through it
+  (``self.cfg.drop_rate``: a dataclass, a SimpleNamespace, a transformers config; a module of
+  an installed package's reads its config as it was built): as a number; the object
+  replaced by one holding the captured values (a config loaded again) is watched from then
+  on, by one holding others refused (_settle_holders);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
   the optimizer hold the old one, so the new one would never train;
 - a module or parameter added to a container (``model.blocks.append(block)`` on an
@@ -93,7 +98,7 @@ def refuse_replaced(what: str, why: str) -> None:
 _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 # entries compared by value, not identity
-_BY_VALUE = ("mode", "constant", "number", "closure", "global")
+_BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
 # The modules whose forward, or their parent's, runs whatever the table holds: their tables
 # keep their keys.
 _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict),
@@ -119,6 +124,7 @@ class ModelWatch:
         entries, self._what = [], []  # per entry (kind, module index, key)
         # per container's table (kind, module index, the table, its keys): a key added is refused
         self._tables: list[tuple[str, int, dict, frozenset]] = []
+        holders: list[tuple[int, str]] = []  # (module index, name) per object holding numbers
 
         def watch(kind: str, i: int, table: dict, key: str) -> None:
             entries.append((table, key, table[key]))
@@ -144,12 +150,25 @@ class ModelWatch:
                 elif (type(value) in _NUMBERS and not key.startswith("_") and key != "training"
                         and key not in constants and (named is None or key in named)):
                     watch("number", i, attributes, key)
+            holders += [(i, key) for key, value in attributes.items()
+                        if _held_numbers(module, key, value)]
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key in table:
                     watch(kind, i, table, key)
                 if isinstance(module, _CONTAINERS[kind]):
                     self._tables.append((kind, i, table, frozenset(table)))
+        # The objects a user's module holds numbers its code reads in (self.cfg.drop_rate):
+        # each held by identity, then its numbers (per holder's entry, its numbers' entries).
+        self._held: dict[int, list[int]] = {}
+        for i, key in holders:
+            attributes = vars(self.modules[i])
+            self._held[len(entries)] = numbers = []
+            watch("holder", i, attributes, key)
+            for name in _held_numbers(self.modules[i], key, attributes[key]):
+                numbers.append(len(entries))
+                entries.append((vars(attributes[key]), name, vars(attributes[key])[name]))
+                self._what.append(("held", i, f"{key}.{name}"))
         # Numbers the modules' own code reads as globals of its module, then the loss
         # function's from its scope (a global both read: watched once, as the module's).
         scope, watched = [], set()
@@ -198,8 +217,8 @@ class ModelWatch:
         changed = []
         for e in self._watch.changed(self._modes_end):
             what, i, key = self._what[e]
-            table, _, was = self._entries[e]
-            now = _now(table, key)
+            table, entry_key, was = self._entries[e]
+            now = _now(table, entry_key)
             if what in _BY_VALUE and now is not _MISSING:
                 if not _same_value(now, was):
                     changed.append((self._entry_name(what, i, key), was, now))
@@ -260,8 +279,8 @@ class ModelWatch:
             what, i, key = self._what[e]
             if what != kind:
                 continue
-            table, _, old = self._entries[e]
-            now = _now(table, key)
+            table, entry_key, old = self._entries[e]
+            now = _now(table, entry_key)
             if by_value and _same_value(now, old, same_type=kind != "mode"):
                 self._take(e)
             else:
@@ -273,6 +292,7 @@ class ModelWatch:
         refused (the graphs run the value they were captured with); an equal value in a new
         object is taken as the captured one, and so is any value before the first capture
         (set after warm-up: the capture bakes it). Raised before anything runs."""
+        self._settle_holders()
         if not self.captured:
             self._take_numbers()
         for kind in ("closure", "global"):
@@ -281,10 +301,10 @@ class ModelWatch:
                                     "build a new Step for each new value: step.close(), then "
                                     "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
                                     "state carries over)")
-        for kind in ("constant", "number"):
+        for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
-                unread = ("" if kind == "constant" else
+                unread = ("" if kind != "number" else
                           f" An attribute the forward does not read can be named with a leading "
                           f"underscore (_{key}): those are not watched.")
                 raise NimbleError(
@@ -294,6 +314,47 @@ class ModelWatch:
                     "it before the Step's first call, or build a new Step to train with the new "
                     "value: step.close(), then nt.Step(model, optimizer, ...) again (the "
                     "optimizer's state carries over). Nothing was run for this call." + unread)
+
+    def _settle_holders(self) -> None:
+        """An object holding numbers the module's code reads (self.cfg) replaced by another:
+        its numbers are watched in the new one from now on, after capture only when each is
+        equal to the captured one (a config loaded again), else refused. Raised before
+        anything runs."""
+        for e in self._watch.changed(self._modes_end):
+            what, i, key = self._what[e]
+            if what != "holder":
+                continue
+            table, _, old = self._entries[e]
+            now = _now(table, key)
+            held = vars(now) if _holds_numbers(now) else {}
+            for n in self._held[e]:
+                _, name, was = self._entries[n]
+                value = held.get(name, _MISSING)
+                if self.captured and not _same_value(value, was):
+                    seen = ("removed" if now is _MISSING or now is None else
+                            f"replaced by a {type(now).__name__} " + (
+                                f"whose {name!r} is {value!r}" if value is not _MISSING else
+                                f"that holds no number {name!r}"))
+                    raise NimbleError(
+                        f"nimble_train.Step: {self._name(i, key)} "
+                        f"({type(self.modules[i]).__name__}) was {seen} after capture, where "
+                        f"the step's graphs were captured with {name!r} {was!r} "
+                        "(the Python numbers a forward reads are baked into a CUDA graph). Set "
+                        "it before the Step's first call, or build a new Step to train with the "
+                        "new values: step.close(), then nt.Step(model, optimizer, ...) again "
+                        "(the optimizer's state carries over). Nothing was run for this call.")
+            for n in self._held[e]:
+                _, name, _ = self._entries[n]
+                # one the new object lacks (before capture: the capture reads none) is left
+                target = held if name in held else {name: _MISSING}
+                self._watch.retarget(n, target)
+                self._entries[n] = (target, name, target[name])
+            if now is _MISSING:  # deleted before capture: none to watch
+                table = {key: _MISSING}
+                self._watch.retarget(e, table)
+                self._entries[e] = (table, key, _MISSING)
+            else:
+                self._take(e)
 
     def refuse_replaced_objects(self) -> None:
         """A changed constant, and a child module or a parameter object other than the one
@@ -426,6 +487,27 @@ def _put_back(entry: tuple) -> None:
         table.cell_contents = value
     else:
         table[key] = value
+
+
+def _holds_numbers(value: object) -> bool:
+    """A plain object whose attributes code reads numbers from (a config: a dataclass, a
+    SimpleNamespace, argparse's Namespace, a transformers config); not a module, tensor,
+    class or anything callable."""
+    return (isinstance(getattr(value, "__dict__", None), dict) and not callable(value)
+            and not isinstance(value, (torch.Tensor, types.ModuleType)))
+
+
+def _held_numbers(module: torch.nn.Module, key: str, value: object) -> list[str]:
+    """The public numbers held in `value`, the module's attribute `key`, that the module's
+    class's own code names (names_read: ``self.cfg.drop_rate``), when that class is the
+    user's (an installed package's modules read their configs as they were built)."""
+    if key.startswith("_") or not _holds_numbers(value) or _installed(type(module).__module__):
+        return []
+    names = names_read(type(module))
+    if key not in names:
+        return []
+    return [name for name, number in vars(value).items()
+            if name in names and not name.startswith("_") and type(number) in _NUMBERS]
 
 
 def _fits(now: object, read: object) -> bool:

@@ -96,11 +96,7 @@ class EntryWatch {
 
   // Entry i's value becomes what its dict holds now (an equal number in a new object, say).
   void update(int64_t i) {
-    if (i < 0 || size_t(i) >= entries_.size()) {
-      throw py::index_error("EntryWatch: no entry " + std::to_string(i) + " of " +
-                            std::to_string(entries_.size()));
-    }
-    Entry& e = entries_[size_t(i)];
+    Entry& e = at(i);
     PyObject* now = value_now(e);
     if (now == nullptr) {
       throw py::key_error("EntryWatch: entry " + std::to_string(i) + "'s " +
@@ -110,6 +106,24 @@ class EntryWatch {
                           " to update it to");
     }
     e.value = py::reinterpret_borrow<py::object>(now);
+  }
+
+  // Entry i watches `dict` under its key from now on, holding its value now (the object
+  // whose attributes it watched was replaced by another).
+  void retarget(int64_t i, const py::dict& dict) {
+    Entry& e = at(i);
+    if (PyCell_Check(e.dict.ptr())) {
+      throw py::type_error("EntryWatch: entry " + std::to_string(i) +
+                           " watches a closure cell, not a dict");
+    }
+    Entry moved{dict, e.key, py::none()};
+    PyObject* now = value_now(moved);
+    if (now == nullptr) {
+      throw py::key_error("EntryWatch: the dict entry " + std::to_string(i) +
+                          " is to watch holds no " + std::string(py::repr(e.key)));
+    }
+    moved.value = py::reinterpret_borrow<py::object>(now);
+    e = std::move(moved);
   }
 
   size_t size() const { return entries_.size(); }
@@ -128,6 +142,14 @@ class EntryWatch {
     py::object key;
     py::object value;  // kept alive: identity is what is compared
   };
+
+  Entry& at(int64_t i) {
+    if (i < 0 || size_t(i) >= entries_.size()) {
+      throw py::index_error("EntryWatch: no entry " + std::to_string(i) + " of " +
+                            std::to_string(entries_.size()));
+    }
+    return entries_[size_t(i)];
+  }
 
   // What the entry's dict holds under its key, or its cell holds (borrowed; nullptr: none).
   static PyObject* value_now(const Entry& e) {
@@ -166,6 +188,8 @@ void bind_watch(py::module_& m) {
            "Every entry from start on that changed, in order.")
       .def("update", &EntryWatch::update, py::arg("i"),
            "Entry i's value becomes what its dict holds now.")
+      .def("retarget", &EntryWatch::retarget, py::arg("i"), py::arg("dict"),
+           "Entry i watches dict under its key from now on, holding its value now.")
       .def("__len__", &EntryWatch::size);
 }
 

@@ -5,6 +5,7 @@ refused, naming it; a buffer's new values go where the graphs read them. The GPU
 through these against the eager loop; these check the mechanics."""
 
 import functools
+import types
 import warnings
 
 import pytest
@@ -467,6 +468,24 @@ def test_entry_watch_compares_by_identity_from_a_start():
         _C.EntryWatch([(a, "x", 1), 3])
 
 
+def test_entry_watch_retargets_an_entry_to_another_dict():
+    a, b, cell = {"x": 1.5}, {"x": 2.5, "y": 0}, (lambda: a).__closure__[0]
+    watch = _C.EntryWatch([(a, "x", a["x"]), (cell, None, a)])
+    watch.retarget(0, b)  # watches b["x"] from now on, as it is now
+    assert watch.first_changed() == -1
+    a["x"] = 3.5
+    assert watch.first_changed() == -1
+    b["x"] = 4.5
+    assert watch.changed() == [0]
+    with pytest.raises(KeyError, match=r"the dict entry 0 is to watch holds no 'x'"):
+        watch.retarget(0, {"y": 1})
+    assert watch.changed() == [0]  # unchanged by the failed retarget
+    with pytest.raises(TypeError, match=r"entry 1 watches a closure cell, not a dict"):
+        watch.retarget(1, b)
+    with pytest.raises(IndexError, match=r"no entry 2 of 2"):
+        watch.retarget(2, b)
+
+
 def test_a_constant_changed_is_refused_and_an_equal_one_in_a_new_object_is_taken():
     model = nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.LayerNorm(8, eps=1e-5))
     watch = captured_watch(model)
@@ -723,6 +742,88 @@ def test_numbers_the_helpers_a_loss_function_calls_read_are_watched():
     finally:
         JITTER = 0.1
     assert watch.first_changed() == -1
+
+
+class Configured(nn.Module):
+    """A user's module reading numbers from a config object it holds; its state object counts
+    its calls."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.lin, self.cfg = nn.Linear(4, 4), cfg
+        self.state = types.SimpleNamespace(calls=0)
+        self._cache_cfg = types.SimpleNamespace(scale=1.0)  # private: not watched
+
+    def forward(self, x):
+        self.state.calls += 1
+        return F.dropout(self.lin(x), self.cfg.drop) * self.cfg.scale
+
+
+def config(drop=0.0, scale=2.0):
+    return types.SimpleNamespace(drop=drop, scale=scale, width=4)  # width: read by no code
+
+
+def test_numbers_a_user_modules_config_object_holds_are_watched():
+    """A number read through an object the user's module holds (self.cfg.scale) is baked into
+    the graphs as its own numbers are: changed after capture it is refused, naming it; the
+    object replaced by one with equal numbers is watched from then on, with other numbers
+    refused; before the first capture anything is taken; the forward's own counter is taken
+    and said."""
+    model = nn.Sequential(Configured(config()), nn.Linear(4, 2))
+    watch = ModelWatch(model)
+    held = [w for w in watch._what if w[0] in ("holder", "held")]
+    assert held == [("holder", 1, "cfg"), ("held", 1, "cfg.drop"), ("held", 1, "cfg.scale"),
+                    ("holder", 1, "state"), ("held", 1, "state.calls")]
+    model[0].cfg = config(scale=3.0)  # before the first capture: taken
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    model[0].cfg.scale = 4.0
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    watch.captured = True
+    model(torch.randn(2, 4))
+    assert watch.after_forward() == [("'0.state.calls' (Configured)", 0, 1)]
+    model[0].cfg.drop = 0.5
+    with pytest.raises(NimbleError, match=r"'0.cfg.drop' \(Configured\) changed from 0.0 to "
+                                          r"0.5 after capture.*Nothing was run"):
+        watch.refuse_replaced_objects()
+    model[0].cfg.drop = 0.0
+    model[0].cfg.width, model[0]._cache_cfg.scale = 8, 5.0  # read by no code; private
+    assert watch.first_changed() == -1
+    old = model[0].cfg
+    model[0].cfg = config(scale=4.0)  # loaded again, equal: watched from now on
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    old.scale = 9.0  # the object the module no longer holds
+    assert watch.first_changed() == -1
+    model[0].cfg.scale = 5.0
+    with pytest.raises(NimbleError, match=r"'0.cfg.scale' \(Configured\) changed from 4.0 to "
+                                          r"5.0 after capture"):
+        watch.refuse_replaced_objects()
+    model[0].cfg.scale = 4.0
+    model[0].cfg = config(scale=6.0)
+    with pytest.raises(NimbleError, match=r"'0.cfg' \(Configured\) was replaced by a "
+                                          r"SimpleNamespace whose 'scale' is 6.0 after capture, "
+                                          r"where the step's graphs were captured with 'scale' "
+                                          r"4.0.*Nothing was run"):
+        watch.refuse_replaced_objects()
+    model[0].cfg = types.SimpleNamespace(scale=4.0)
+    with pytest.raises(NimbleError, match=r"replaced by a SimpleNamespace that holds no number "
+                                          r"'drop' after capture"):
+        watch.refuse_replaced_objects()
+    del model[0].cfg
+    with pytest.raises(NimbleError, match=r"'0.cfg' \(Configured\) was removed after capture"):
+        watch.refuse_replaced_objects()
+
+
+def test_an_installed_packages_modules_configs_are_not_watched():
+    """A config an installed package's module reads (a transformers model's self.config) was
+    copied into its modules when they were built; only a user's module's is watched."""
+    from nimble_train._model_watch import _held_numbers
+    Installed = type("Installed", (Configured,), {"__module__": "torch.nn.modules.linear"})
+    assert _held_numbers(Configured(config()), "cfg", config()) == ["drop", "scale"]
+    assert _held_numbers(Installed(config()), "cfg", config()) == []
+    assert [w for w in ModelWatch(Installed(config()))._what if w[0] == "holder"] == []
 
 
 def test_a_parents_numbers_its_own_code_names_are_watched_and_others_are_not():

@@ -2,6 +2,7 @@
 
 import copy
 import io
+import types
 import warnings
 
 import pytest
@@ -1054,6 +1055,48 @@ def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_aft
         eager_loop(m2, o2, per_sample, batches[2:])
     finally:
         INPUT_SCALE = 1.0
+    assert step.stats()["replays"] == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+class ConfigScaled(torch.nn.Module):
+    """Scales its input by a number of the config object it holds."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(self, x):
+        return x * self.cfg.scale
+
+
+def test_a_number_of_a_config_the_model_holds_is_refused_after_capture_unless_equal():
+    """A user's module reads a number through the config object it holds (self.cfg.scale):
+    one set before the first capture is baked by it; changed after capture, the call is
+    refused, naming it, before anything runs; the config replaced by one with the captured
+    value (loaded again) trains on as the eager loop."""
+    torch.manual_seed(21)
+    model = torch.nn.Sequential(ConfigScaled(types.SimpleNamespace(scale=1.0)), SmallCNN())
+    (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    batches = classification_batches(8, 16, image=True, device="cuda", seed=21)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    for b in batches[:2]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[:2])
+    m1[0].cfg.scale = m2[0].cfg.scale = 1.5  # after warm-up, before the capture
+    for b in batches[2:4]:
+        step(b)
+    assert step.stats()["replays"] == 2
+    before = copy.deepcopy(m1.state_dict())
+    m1[0].cfg.scale = 2.0
+    with pytest.raises(nt.NimbleError, match=r"'0.cfg.scale' \(ConfigScaled\) changed from "
+                                             r"1.5 to 2.0 after capture.*Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    m1[0].cfg = types.SimpleNamespace(scale=1.5)
+    for b in batches[4:]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[2:])
     assert step.stats()["replays"] == 6
     assert_same_training(m1, o1, m2, o2, **TOL)
 
