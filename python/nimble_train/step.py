@@ -199,6 +199,9 @@ class Step:
         self._watch = None
         self._watched: list[torch.Tensor] = []  # the optimizer's parameters, then other tensors
         self._warned_numbers: set[str] = set()  # numbers a capture's forwards changed
+        # The autocast the calls were made under when the graphs were captured (enabled, its
+        # dtype): a replay runs the precision it was captured with.
+        self._autocast: tuple[bool, torch.dtype | None] | None = None
         # Each module's training mode, children, parameters and buffers when the graphs were
         # first captured (ModelWatch.check_modes, _settle_model).
         self._model: ModelWatch | None = None
@@ -256,7 +259,8 @@ class Step:
             if full:
                 entry = self._launch_entry[bucket][window.micro]
                 if (entry >= 0 and not self._swapped and not self._update.changed()
-                        and not self._watch.changed() and self._model.first_changed() < 0):
+                        and not self._watch.changed() and self._model.first_changed() < 0
+                        and torch.is_grad_enabled() and self._autocast_now() == self._autocast):
                     samples = self._template.batch_size
                     try:
                         self._graph.graph.launch(entry, tensors, self._call_values(samples))
@@ -301,6 +305,7 @@ class Step:
         if self._swapped:
             raise NimbleError("a Step cannot train while its EMA weights are in the model; "
                               "call it after the `with step.ema_weights():` block")
+        self._check_ambient()
         if self._phase is Phase.TEMPLATE:
             return self._first_call(batch)
         self._update.check_groups()
@@ -312,10 +317,37 @@ class Step:
         try:
             return self._run_settled(batch)
         finally:  # what this call's forwards changed themselves is not the user's change
+            if self._counts["captures"] > captures and self._autocast is None:
+                self._autocast = self._autocast_now()
             if self._model is not None:
                 changed = self._model.after_forward()
                 if changed and self._counts["captures"] > captures:
                     warn_replays_keep(changed, self._warned_numbers, "the step's capture")
+
+    def _autocast_now(self) -> tuple[bool, torch.dtype | None]:
+        on = torch.is_autocast_enabled(self._device.type)
+        return on, torch.get_autocast_dtype(self._device.type) if on else None
+
+    def _check_ambient(self) -> None:
+        """The call is made with autograd on, and, once graphs were captured, under the
+        autocast they were captured under. Raised before anything runs."""
+        if not torch.is_grad_enabled():
+            raise NimbleError(
+                "nimble_train.Step: called with autograd off (inside torch.no_grad() or "
+                "torch.inference_mode()); a training step needs autograd for its backward, and "
+                "a captured step would train all the same. Call the step outside that block; "
+                "to evaluate without training, use ev = step.evaluator(fn), then ev(batch). "
+                "Nothing was run for this call.")
+        if self._autocast is not None and self._autocast_now() != self._autocast:
+            device = self._device.type
+            raise NimbleError(
+                f"nimble_train.Step: called {_autocast_name(device, *self._autocast_now())}, "
+                f"where the step's graphs were captured "
+                f"{_autocast_name(device, *self._autocast)}; a replay runs the precision "
+                "it was captured with. Make every call under the same autocast (for mixed "
+                "precision, nt.Step(..., amp='bf16') applies autocast inside the step), or "
+                "build a new Step: step.close(), then nt.Step(model, optimizer, ...) again. "
+                "Nothing was run for this call.")
 
     def _run_settled(self, batch: Any) -> torch.Tensor:
         tensors = self._template.tensors(batch)
@@ -987,3 +1019,7 @@ class Step:
             # The watch's aliases and the buffers kept the graphs' storage alive.
             self._watch, self._watched, self._model = None, [], None
             self._enter(Phase.CLOSED)
+
+
+def _autocast_name(device: str, on: bool, dtype: torch.dtype | None) -> str:
+    return f"under torch.autocast({device!r}, dtype={dtype})" if on else "without autocast"

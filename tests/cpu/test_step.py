@@ -207,6 +207,34 @@ def test_stats_report_the_lifecycle():
         assert key in stats
 
 
+@pytest.mark.parametrize("off", [torch.no_grad, torch.inference_mode])
+def test_a_call_with_autograd_off_is_refused_and_runs_nothing(off):
+    """A step called inside torch.no_grad() (an evaluation loop calling the training step by
+    mistake) is refused before anything runs, at its first call or later, where an eager
+    loop's backward would raise torch's "does not require grad"; the steps after train as
+    the eager loop."""
+    torch.manual_seed(5)
+    (m1, o1), (m2, o2) = twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = classification_batches(4, 8)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    for first in (True, False):
+        before = copy.deepcopy((m1.state_dict(), o1.state_dict()))
+        with off(), pytest.raises(nt.NimbleError, match=r"called with autograd off \(inside "
+                                                        r"torch.no_grad\(\).*step.evaluator"
+                                                        r".*Nothing was run"):
+            step(batches[0])
+        torch.testing.assert_close((m1.state_dict(), o1.state_dict()), before, rtol=0, atol=0)
+        assert step.stats()["steps"] == (0 if first else 2)
+        if first:
+            assert step.stats()["phase"] == "template"
+            step(batches[0])
+            step(batches[1])
+    for b in batches[2:]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches)
+    assert_same_training(m1, o1, m2, o2)
+
+
 def test_a_closed_step_refuses_to_run():
     model = MLP()
     step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1),

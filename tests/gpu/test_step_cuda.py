@@ -1059,6 +1059,32 @@ def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_aft
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
+def test_a_call_under_another_autocast_than_the_capture_is_refused():
+    """The graphs run the precision they were captured with: a call under torch.autocast after
+    a capture made without it is refused before anything runs (the replay's fast path sends
+    it to the checks); the calls made as at capture train on as the eager loop."""
+    torch.manual_seed(22)
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(),
+                                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    batches = classification_batches(6, 16, image=True, device="cuda", seed=22)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    assert step.stats()["replays"] == 2
+    before = copy.deepcopy(m1.state_dict())
+    with torch.autocast("cuda", dtype=torch.bfloat16), pytest.raises(
+            nt.NimbleError, match=r"called under torch.autocast\('cuda', dtype=torch.bfloat16\), "
+                                  r"where the step's graphs were captured without autocast.*"
+                                  r"amp='bf16'.*Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    for b in batches[4:]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches)
+    assert step.stats()["replays"] == 4
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
 class ConfigScaled(torch.nn.Module):
     """Scales its input by a number of the config object it holds."""
 
