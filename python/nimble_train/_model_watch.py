@@ -124,11 +124,12 @@ class ModelWatch:
         entries, self._what = [], []  # per entry (kind, module index, key)
         # per container's table (kind, module index, the table, its keys): a key added is refused
         self._tables: list[tuple[str, int, dict, frozenset]] = []
-        holders: list[tuple[int, str]] = []  # (module index, name) per object holding numbers
+        # (module index, name, the numbers its code reads) per object holding numbers
+        holders: list[tuple[int, str, list[str]]] = []
 
-        def watch(kind: str, i: int, table: dict, key: str) -> None:
+        def watch(kind: str, i: int, table: dict, key: str, name: str | None = None) -> None:
             entries.append((table, key, table[key]))
-            self._what.append((kind, i, key))
+            self._what.append((kind, i, name or key))
 
         for i, module in enumerate(self.modules[:modes_end]):
             attributes = vars(module)
@@ -150,8 +151,8 @@ class ModelWatch:
                 elif (type(value) in _NUMBERS and not key.startswith("_") and key != "training"
                         and key not in constants and (named is None or key in named)):
                     watch("number", i, attributes, key)
-            holders += [(i, key) for key, value in attributes.items()
-                        if _held_numbers(module, key, value)]
+            holders += [(i, key, numbers) for key, value in attributes.items()
+                        if (numbers := _held_numbers(module, key, value))]
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key in table:
@@ -161,14 +162,12 @@ class ModelWatch:
         # The objects a user's module holds numbers its code reads in (self.cfg.drop_rate):
         # each held by identity, then its numbers (per holder's entry, its numbers' entries).
         self._held: dict[int, list[int]] = {}
-        for i, key in holders:
-            attributes = vars(self.modules[i])
-            self._held[len(entries)] = numbers = []
+        for i, key, numbers in holders:
+            attributes, holder = vars(self.modules[i]), len(entries)
             watch("holder", i, attributes, key)
-            for name in _held_numbers(self.modules[i], key, attributes[key]):
-                numbers.append(len(entries))
-                entries.append((vars(attributes[key]), name, vars(attributes[key])[name]))
-                self._what.append(("held", i, f"{key}.{name}"))
+            for name in numbers:
+                watch("held", i, vars(attributes[key]), name, f"{key}.{name}")
+            self._held[holder] = list(range(holder + 1, len(entries)))
         # Numbers the modules' own code reads as globals of its module, then the loss
         # function's from its scope (a global both read: watched once, as the module's).
         scope, watched = [], set()
@@ -324,8 +323,7 @@ class ModelWatch:
             what, i, key = self._what[e]
             if what != "holder":
                 continue
-            table, _, old = self._entries[e]
-            now = _now(table, key)
+            now = _now(self._entries[e][0], key)
             held = vars(now) if _holds_numbers(now) else {}
             for n in self._held[e]:
                 _, name, was = self._entries[n]
@@ -344,17 +342,20 @@ class ModelWatch:
                         "new values: step.close(), then nt.Step(model, optimizer, ...) again "
                         "(the optimizer's state carries over). Nothing was run for this call.")
             for n in self._held[e]:
-                _, name, _ = self._entries[n]
                 # one the new object lacks (before capture: the capture reads none) is left
-                target = held if name in held else {name: _MISSING}
-                self._watch.retarget(n, target)
-                self._entries[n] = (target, name, target[name])
+                self._retarget(n, held)
             if now is _MISSING:  # deleted before capture: none to watch
-                table = {key: _MISSING}
-                self._watch.retarget(e, table)
-                self._entries[e] = (table, key, _MISSING)
+                self._retarget(e, {})
             else:
                 self._take(e)
+
+    def _retarget(self, e: int, table: dict) -> None:
+        """Entry e watches `table` under its key from now on; one it lacks, a table of its own
+        that never changes."""
+        key = self._entries[e][1]
+        table = table if key in table else {key: _MISSING}
+        self._watch.retarget(e, table)
+        self._entries[e] = (table, key, table[key])
 
     def refuse_replaced_objects(self) -> None:
         """A changed constant, and a child module or a parameter object other than the one

@@ -150,7 +150,8 @@ class Step:
         self.overlap_update = overlap_update
         self._params = [p for g in optimizer.param_groups for p in g["params"]]
         self._device = _options.single_device(model, self._params)
-        cuda = self._device.type == "cuda"
+        self._device_type = self._device.type  # read on the replay path: torch.device.type is slow
+        cuda = self._device_type == "cuda"
         self._will_capture = capture and cuda
         # A compiled model's weight gradients: on side streams as inductor compiles its
         # backward (in the first calls).
@@ -200,8 +201,8 @@ class Step:
         self._watched: list[torch.Tensor] = []  # the optimizer's parameters, then other tensors
         self._warned_numbers: set[str] = set()  # numbers a capture's forwards changed
         # The autocast the calls were made under when the graphs were captured (enabled, its
-        # dtype): a replay runs the precision it was captured with.
-        self._autocast: tuple[bool, torch.dtype | None] | None = None
+        # dtype; None before a capture): a replay runs the precision it was captured with.
+        self._autocast: tuple[bool | None, torch.dtype | None] = (None, None)
         # Each module's training mode, children, parameters and buffers when the graphs were
         # first captured (ModelWatch.check_modes, _settle_model).
         self._model: ModelWatch | None = None
@@ -258,9 +259,13 @@ class Step:
                 full = False  # the slow path says what is wrong with the batch
             if full:
                 entry = self._launch_entry[bucket][window.micro]
+                autocast, dtype = self._autocast
                 if (entry >= 0 and not self._swapped and not self._update.changed()
                         and not self._watch.changed() and self._model.first_changed() < 0
-                        and torch.is_grad_enabled() and self._autocast_now() == self._autocast):
+                        and torch.is_grad_enabled()
+                        and torch.is_autocast_enabled(self._device_type) is autocast
+                        and (dtype is None
+                             or torch.get_autocast_dtype(self._device_type) is dtype)):
                     samples = self._template.batch_size
                     try:
                         self._graph.graph.launch(entry, tensors, self._call_values(samples))
@@ -317,16 +322,14 @@ class Step:
         try:
             return self._run_settled(batch)
         finally:  # what this call's forwards changed themselves is not the user's change
-            if self._counts["captures"] > captures and self._autocast is None:
-                self._autocast = self._autocast_now()
             if self._model is not None:
                 changed = self._model.after_forward()
                 if changed and self._counts["captures"] > captures:
                     warn_replays_keep(changed, self._warned_numbers, "the step's capture")
 
     def _autocast_now(self) -> tuple[bool, torch.dtype | None]:
-        on = torch.is_autocast_enabled(self._device.type)
-        return on, torch.get_autocast_dtype(self._device.type) if on else None
+        on = torch.is_autocast_enabled(self._device_type)
+        return on, torch.get_autocast_dtype(self._device_type) if on else None
 
     def _check_ambient(self) -> None:
         """The call is made with autograd on, and, once graphs were captured, under the
@@ -338,8 +341,8 @@ class Step:
                 "a captured step would train all the same. Call the step outside that block; "
                 "to evaluate without training, use ev = step.evaluator(fn), then ev(batch). "
                 "Nothing was run for this call.")
-        if self._autocast is not None and self._autocast_now() != self._autocast:
-            device = self._device.type
+        if self._autocast[0] is not None and self._autocast_now() != self._autocast:
+            device = self._device_type
             raise NimbleError(
                 f"nimble_train.Step: called {_autocast_name(device, *self._autocast_now())}, "
                 f"where the step's graphs were captured "
@@ -794,6 +797,7 @@ class Step:
             self._norms[entry] = self._iteration.grad_norm
         self._counts["captures"] += 1
         self._model.captured = True  # its numbers are the graphs' from here on
+        self._autocast = self._autocast_now()  # and the autocast they run (_check_ambient)
         self._captured_entries.add(entry)
         recaptures = self._counts["captures"] - len(self._captured_entries)
         self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)
