@@ -41,11 +41,13 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
 
 A loss function given as a function reads numbers from the scope it was made in: a closure
 variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
-function) or a global of its module. Those it names directly, the globals of their modules
-that the modules' own code (names_read's) uses (``F.dropout(x, DROP)`` in a forward), and
-those of the plain functions either calls by a global name (a helper of the user's,
-``return _jitter(x)``; not an installed package's) are watched as numbers are: the graphs run
-the value captured, so another value is refused (check_constants).
+function) or a global of its module. Those it names directly, those the modules' own code
+(names_read's) reads from its scope (a global of its module, ``F.dropout(x, DROP)`` in a
+forward; a closure variable of a class made in a function, ``def make_block(p): class
+Block(nn.Module): ...``), and those of the plain functions either calls by a global name (a
+helper of the user's, ``return _jitter(x)``, or one a factory made, closure and all; not an
+installed package's) are watched as numbers are: the graphs run the value captured, so
+another value is refused (check_constants).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -60,8 +62,9 @@ back untouched (the one the forward assigned holds no values: a capture runs not
 the numbers its forwards changed (a module counting its calls) back to their values after
 the last completed call (undo_capture).
 
-A parameter's or buffer's data replaced in place of its object (``p.data = t``,
-``bn.running_mean.data = t``) is ParamWatch's (src/optim/fused_step.h) to see.
+A parameter's, buffer's or tensor attribute's data replaced in place of its object
+(``p.data = t``, ``bn.running_mean.data = t``, ``module.temperature.data = t``) is ParamWatch's
+(src/optim/fused_step.h) to see.
 """
 
 from __future__ import annotations
@@ -168,11 +171,11 @@ class ModelWatch:
             for name in numbers:
                 watch("held", i, vars(attributes[key]), name, f"{key}.{name}")
             self._held[holder] = list(range(holder + 1, len(entries)))
-        # Numbers the modules' own code reads as globals of its module, then the loss
-        # function's from its scope (a global both read: watched once, as the module's).
+        # Numbers the modules' own code reads from its scope (its closures, the globals of its
+        # module), then the loss function's (one both read: watched once, as the module's).
         scope, watched = [], set()
         for i, module in enumerate(self.modules):
-            scope += [("global", i, table, key) for table, key in global_numbers(type(module))]
+            scope += [(kind, i, table, key) for kind, table, key in code_numbers(type(module))]
         scope += [(kind, -1, table, key) for kind, table, key in scope_numbers(loss_fn)]
         for kind, i, table, key in scope:
             if (id(table), key) not in watched:
@@ -412,6 +415,15 @@ class ModelWatch:
                 "an optimizer over the new model's parameters): step.close(), then "
                 "nt.Step(model, optimizer, ...) again. Nothing was run for this call.")
 
+    def tensor_attributes(self) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) per tensor the modules hold in a plain attribute now."""
+        out = []
+        for e, (what, i, key) in enumerate(self._what):
+            now = _now(self._entries[e][0], key) if what == "tensor" else None
+            if isinstance(now, torch.Tensor):
+                out.append((".".join(part for part in (self.names[i], key) if part), now))
+        return out
+
     def replaced_tensors(self) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
         """(module's dict, name, tensor the graphs read, tensor now) for each buffer or tensor
         attribute replaced since capture; refused, before anything changes, when one cannot go
@@ -593,12 +605,23 @@ def names_read(cls: type) -> frozenset[str]:
     return _own_code(cls)[0]
 
 
-def global_numbers(cls: type) -> list[tuple[dict, str]]:
-    """(globals, name) for each number a module class's own code (_own_code) reads or writes
-    as a global of its module."""
-    return [(fn.__globals__, name) for fn in _own_code(cls)[1]
-            for name in global_names(fn.__code__)
-            if type(fn.__globals__.get(name)) in _NUMBERS]
+def code_numbers(cls: type) -> list[tuple[str, object, str]]:
+    """("closure", cell, name) and ("global", globals, name) for each number a module class's
+    own code (_own_code) reads from its closure (a class made in a function: ``def
+    make(p): class Block(nn.Module): ...``, its forward reading p) or as a global of its
+    module."""
+    return [entry for fn in _own_code(cls)[1] for entry in _numbers_in_scope(fn)]
+
+
+def _numbers_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
+    """("closure", cell, name) and ("global", globals, name) for each number (bool, int, float,
+    str) fn reads by name from its closure or its module's globals."""
+    code = fn.__code__
+    scope = [("closure", cell, name)
+             for name, cell in zip(code.co_freevars, fn.__closure__ or ())]
+    scope += [("global", fn.__globals__, name) for name in global_names(code)]
+    return [(kind, table, name) for kind, table, name in scope
+            if type(_now(table, None if kind == "closure" else name)) in _NUMBERS]
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -641,13 +664,8 @@ def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
         if fn in seen:
             continue
         seen.add(fn)
-        code = fn.__code__
-        scope = [("closure", cell, name)
-                 for name, cell in zip(code.co_freevars, fn.__closure__ or ())]
-        scope += [("global", fn.__globals__, name) for name in global_names(code)]
-        for kind, table, name in scope:
-            if ((id(table), name) not in watched
-                    and type(_now(table, None if kind == "closure" else name)) in _NUMBERS):
+        for kind, table, name in _numbers_in_scope(fn):
+            if (id(table), name) not in watched:
                 watched.add((id(table), name))
                 out.append((kind, table, name))
         todo += _helpers(fn)

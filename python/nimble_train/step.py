@@ -615,10 +615,12 @@ class Step:
 
     def _read_besides(self) -> list[torch.Tensor]:
         """The tensors the graphs read besides the optimizer's parameters: the model's frozen
-        parameters and its buffers, and the loss module's buffers (a class weight)."""
+        parameters and its buffers, the loss module's buffers (a class weight), and the
+        tensors their modules hold in plain attributes (a temperature)."""
         held = [*self.model.parameters(), *self.model.buffers()]
         if isinstance(self.loss_fn, torch.nn.Module):
             held += list(self.loss_fn.buffers())
+        held += [t for _, t in self._model.tensor_attributes()]
         known = {id(p) for p in self._params}
         return [t for t in unique_tensors(held) if id(t) not in known]
 
@@ -633,15 +635,20 @@ class Step:
         names = {id(b): name for name, b in buffers}
         if id(t) in names:
             return f"the buffer {names[id(t)]}"
+        attributes = self._model.tensor_attributes() if self._model is not None else []
+        names = {id(a): name for name, a in attributes}
+        if id(t) in names:
+            return f"the tensor attribute {names[id(t)]}"
         return f"optimizer parameter {i} (shape {tuple(t.shape)})"
 
     def _fix_model(self) -> None:
         """The graphs about to be captured run every module in its training mode of now, and
-        read each parameter's data, each buffer and each module where they are now."""
+        read each parameter's data, each buffer and tensor attribute and each module where
+        they are now."""
+        self._model = ModelWatch(self.model, self.loss_fn)
         others = self._read_besides()  # a buffer assigned anew since warm-up: where it is now
         self._watched = [*self._params, *others]
         self._watch.fix_storage(others)
-        self._model = ModelWatch(self.model, self.loss_fn)
 
     def _settle_model(self, *, training: bool = True) -> None:
         """Before anything runs (a training call, or an evaluator's with training=False): a

@@ -282,6 +282,9 @@ def test_a_tensor_attribute_replaced_goes_back_and_one_that_cannot_is_refused_or
     model = Caching()
     watch = captured_watch(model)
     read = model.temperature
+    # what ParamWatch watches the data of, besides parameters and buffers, named
+    assert [(name, t is getattr(model, name)) for name, t in watch.tensor_attributes()] == [
+        ("temperature", True), ("state", True), ("last", True), ("_cache", True)]
     model.temperature = torch.tensor(0.5)  # a schedule: the graphs read `read`
     assert watch.objects_changed()
     watch.refuse_replaced_objects()
@@ -741,6 +744,48 @@ def test_numbers_the_helpers_a_loss_function_calls_read_are_watched():
             watch.refuse_replaced_objects()
     finally:
         JITTER = 0.1
+    assert watch.first_changed() == -1
+
+
+def _make_block(drop, scale):
+    """A class made in a function: its forward reads `drop` from its closure, and calls a
+    factory-made helper of this module (_clamped) that reads `limit` from its own."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return _clamped(F.dropout(self.lin(x), drop, self.training)) * scale
+
+    return Block
+
+
+def test_numbers_a_modules_code_reads_from_its_closures_are_watched():
+    """A module class made in a function reads numbers from its closure, and a helper a factory
+    made reads them from its own: watched as the module's, a change after capture refused
+    naming the variable and the module, an equal value taken."""
+    model = nn.Sequential(_make_block(0.1, 2.0)(), nn.Linear(4, 2))
+    watch = captured_watch(model)
+    assert [w for w in watch._what if w[0] == "closure"] == [
+        ("closure", 1, "drop"), ("closure", 1, "scale"), ("closure", 1, "limit")]
+    forward = type(model[0]).forward
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__))
+    limit = _clamped.__closure__[0]
+    for cell, name, old, value in ((cells["drop"], "drop", 0.1, 0.3),
+                                   (cells["scale"], "scale", 2.0, 1.5),
+                                   (limit, "limit", 5.0, 1.0)):
+        cell.cell_contents = value
+        try:
+            with pytest.raises(NimbleError, match=rf"'0' \(Block\)'s closure variable '{name}' "
+                                                  rf"changed from {old} to {value} after capture"):
+                watch.refuse_replaced_objects()
+        finally:
+            cell.cell_contents = old
+        assert watch.first_changed() == -1
+    cells["drop"].cell_contents = float("0.1")  # equal: taken
+    watch.refuse_replaced_objects()
     assert watch.first_changed() == -1
 
 

@@ -758,11 +758,12 @@ def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(stream
 
 @pytest.mark.parametrize("streams", [1, "auto"])
 def test_tensors_a_module_holds_in_plain_attributes_train_as_the_eager_loop(streams):
-    """A temperature user code sets between steps as a new tensor, a state the forward carries
-    by assigning it anew, and the forward's last output kept in an attribute: each replay
-    reads the temperature set, and leaves the state and the output where the next replay reads
-    them and user code looks, as eager steps do -- a captured evaluator's too. A temperature
-    in another shape is refused, naming it, before anything runs."""
+    """A temperature user code sets between steps as a new tensor or as new data of the one
+    tensor (temperature.data = t), a state the forward carries by assigning it anew, and the
+    forward's last output kept in an attribute: each replay reads the temperature set, and
+    leaves the state and the output where the next replay reads them and user code looks, as
+    eager steps do -- a captured evaluator's too. A temperature, or its data, in another shape
+    is refused, naming it, before anything runs."""
     torch.manual_seed(16)
     model = torch.nn.Sequential(Tempered(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
     run = SideBySide(cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
@@ -774,7 +775,11 @@ def test_tensors_a_module_holds_in_plain_attributes_train_as_the_eager_loop(stre
     def train(batches, start):
         for k, b in enumerate(batches, start):
             for m in (run.m1, run.m2):
-                m[0].temperature = torch.tensor(1.0 + 0.25 * k, device="cuda")
+                temperature = torch.tensor(1.0 + 0.25 * k, device="cuda")
+                if k % 2:
+                    m[0].temperature.data = temperature
+                else:
+                    m[0].temperature = temperature
             run.train([b])
             torch.testing.assert_close(run.m1[0].last, run.m2[0].last, **TOL)
             torch.testing.assert_close(run.m1[0].state, run.m2[0].state, **TOL)
@@ -782,13 +787,22 @@ def test_tensors_a_module_holds_in_plain_attributes_train_as_the_eager_loop(stre
     train(batches[:6], 0)
     before = copy.deepcopy(run.m1.state_dict())
     state = run.m1[0].state.clone()
+    read = run.m1[0].temperature
     run.m1[0].temperature = torch.full((12,), 2.0, device="cuda")
     with pytest.raises(nt.NimbleError, match=r"the tensor attribute '0.temperature' was replaced"
                                              r".*now torch.float32 \[12\] on cuda:0 where the "
                                              r"graphs read torch.float32 \[\] on cuda:0"):
         run.step(batches[6])
+    run.m1[0].temperature, kept = read, read.data
+    read.data = torch.full((12,), 2.0, device="cuda")
+    with pytest.raises(nt.NimbleError, match=r"the data of the tensor attribute 0.temperature "
+                                             r"was replaced after capture.*Float \[12\] on "
+                                             r"cuda:0 where the graphs read Float \[\] on "
+                                             r"cuda:0"):
+        run.step(batches[6])
     assert_nothing_ran(run.m1, before)
     assert torch.equal(run.m1[0].state, state)
+    read.data = kept
     train(batches[6:], 6)
     assert run.step.stats()["replays"] == 8
     run.assert_same()
@@ -1022,15 +1036,42 @@ class HelperScaled(torch.nn.Module):
         return _scaled_input(x)
 
 
-@pytest.mark.parametrize("reader", [GloballyScaled, HelperScaled])
-def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_after(reader):
-    """A module's forward, or a helper function it calls, reads a number from its module's
-    globals: one set between warm-up and the first capture is baked by it; changed after
-    capture, the call is refused, naming it, before anything runs; with the value back the
-    step trains on as the eager loop."""
+def _set_input_scale(value):
     global INPUT_SCALE
+    INPUT_SCALE = value
+
+
+def _closure_scaled():
+    """A module class made in a function, reading its scale from the function's closure, and
+    a setter of that variable."""
+    scale = 1.0
+
+    class ClosureScaled(torch.nn.Module):
+        def forward(self, x):
+            return x * scale
+
+    def set_scale(value):
+        nonlocal scale
+        scale = value
+
+    return ClosureScaled, set_scale
+
+
+@pytest.mark.parametrize("reader", ["global", "helper", "closure"])
+def test_a_number_a_modules_forward_reads_is_taken_until_capture_and_refused_after(reader):
+    """A module's forward, or a helper function it calls, reads a number from its module's
+    globals, or from its closure (a class made in a function): one set between warm-up and the
+    first capture is baked by it; changed after capture, the call is refused, naming it, before
+    anything runs; with the value back the step trains on as the eager loop."""
+    if reader == "closure":
+        cls, set_scale = _closure_scaled()
+        said = r"'0' \(ClosureScaled\)'s closure variable 'scale'"
+    else:
+        cls = {"global": GloballyScaled, "helper": HelperScaled}[reader]
+        set_scale = _set_input_scale
+        said = rf"the global 'INPUT_SCALE' that '0' \({cls.__name__}\) reads"
     torch.manual_seed(20)
-    model = torch.nn.Sequential(reader(), SmallCNN())
+    model = torch.nn.Sequential(cls(), SmallCNN())
     (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
     batches = classification_batches(8, 16, image=True, device="cuda", seed=20)
     step = nt.Step(m1, o1, per_sample, warmup=2)
@@ -1038,23 +1079,22 @@ def test_a_global_a_modules_forward_reads_is_taken_until_capture_and_refused_aft
         for b in batches[:2]:
             step(b)
         eager_loop(m2, o2, per_sample, batches[:2])
-        INPUT_SCALE = 1.5  # after warm-up, before the capture: the capture's value
+        set_scale(1.5)  # after warm-up, before the capture: the capture's value
         for b in batches[2:4]:
             step(b)
         assert step.stats()["replays"] == 2
         before = copy.deepcopy(m1.state_dict())
-        INPUT_SCALE = 2.0
-        with pytest.raises(nt.NimbleError, match=rf"the global 'INPUT_SCALE' that '0' "
-                                                 rf"\({reader.__name__}\) reads changed from "
-                                                 r"1.5 to 2.0 after capture.*Nothing was run"):
+        set_scale(2.0)
+        with pytest.raises(nt.NimbleError, match=rf"{said} changed from 1.5 to 2.0 after "
+                                                 r"capture.*Nothing was run"):
             step(batches[4])
         assert_nothing_ran(m1, before)
-        INPUT_SCALE = 1.5
+        set_scale(1.5)
         for b in batches[4:]:
             step(b)
         eager_loop(m2, o2, per_sample, batches[2:])
     finally:
-        INPUT_SCALE = 1.0
+        set_scale(1.0)
     assert step.stats()["replays"] == 6
     assert_same_training(m1, o1, m2, o2, **TOL)
 
