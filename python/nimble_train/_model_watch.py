@@ -32,6 +32,12 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   contents would run it, the graphs do not. Anywhere else an attribute added after capture
   (a metric module made in a validation step) is not something the forward's code reads, and
   is left alone. What the step's own forwards add is taken (after_forward);
+- a hook registered on a module (forward, forward pre-, backward or backward pre-hook; the
+  loss module's, or one every module runs) or removed: refused (_refuse_hooks) -- a replay
+  runs no Python, so the graphs run the hooks in place at capture, which ran in it (what they
+  do to tensors is replayed). The dicts of hooks are watched by their numbers of keys (a
+  hook removed and another registered between two calls is not seen). What the step's own
+  calls add or remove is taken (after_forward), as is any change before the first capture;
 - a buffer: its values copied into the tensor the graphs read, which goes back in the module
   (replaced_tensors, then put_back), or refused when it no longer fits (another shape, dtype
   or device);
@@ -81,6 +87,7 @@ from typing import Iterator
 
 import torch
 
+from . import _torch_private
 from ._extension import _C
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -102,6 +109,9 @@ _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
+# A module's dicts of the hooks that run around its forward and backward, and their kinds.
+_HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
+          ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
 # The modules whose forward, or their parent's, runs whatever the table holds: their tables
 # keep their keys.
 _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict),
@@ -127,6 +137,9 @@ class ModelWatch:
         entries, self._what = [], []  # per entry (kind, module index, key)
         # per container's table (kind, module index, the table, its keys): a key added is refused
         self._tables: list[tuple[str, int, dict, frozenset]] = []
+        # as tables: per dict of hooks (its kind, module index or -1 for every module's, the
+        # dict, its keys); a hook added or removed is refused
+        hooks: list[tuple[str, int, dict, frozenset]] = []
         # (module index, name, the numbers its code reads) per object holding numbers
         holders: list[tuple[int, str, list[str]]] = []
 
@@ -162,6 +175,14 @@ class ModelWatch:
                     watch(kind, i, table, key)
                 if isinstance(module, _CONTAINERS[kind]):
                     self._tables.append((kind, i, table, frozenset(table)))
+            for key, label in _HOOKS:
+                if isinstance(table := attributes.get(key), dict):
+                    hooks.append((label, i, table, frozenset(table)))
+        # After the containers, the hooks: each module's, then those every module runs.
+        hooks += [(f"global {label}", -1, table, frozenset(table))
+                  for label, table in _torch_private.global_module_hook_dicts()]
+        self._hooks_start = len(self._tables)
+        self._tables += hooks
         # The objects a user's module holds numbers its code reads in (self.cfg.drop_rate):
         # each held by identity, then its numbers (per holder's entry, its numbers' entries).
         self._held: dict[int, list[int]] = {}
@@ -367,6 +388,7 @@ class ModelWatch:
         Raised before anything runs."""
         self.check_constants()
         self._refuse_added()
+        self._refuse_hooks()
         for i, key, old, now in self._unequal("module"):
             now = None if now is _MISSING else now
             seen = ("removed" if now is None else
@@ -397,6 +419,8 @@ class ModelWatch:
         """A module or parameter added to a container since capture (keys replaced or removed
         are the entries' to name). Raised before anything runs."""
         for k in self._watch.resized():
+            if k >= self._hooks_start:
+                break  # a dict of hooks
             kind, i, table, keys = self._tables[k]
             added = [key for key in table if key not in keys]
             if not added:
@@ -423,6 +447,33 @@ class ModelWatch:
             if isinstance(now, torch.Tensor):
                 out.append((".".join(part for part in (self.names[i], key) if part), now))
         return out
+
+    def _refuse_hooks(self) -> None:
+        """A hook registered on a module (or on every module) or removed since capture: a
+        replay runs no Python, so the graphs run the hooks they were captured with. Raised
+        before anything runs; before the first capture, taken (that capture runs them)."""
+        if not self.captured:
+            return  # after_forward takes the new numbers of hooks
+        for k in self._watch.resized():
+            if k < self._hooks_start:
+                continue
+            label, i, table, keys = self._tables[k]
+            where = (f"{self._name(i)} ({type(self.modules[i]).__name__})" if i >= 0 else
+                     "every module (torch.nn.modules.module.register_module_*)")
+            added = [key for key in table if key not in keys]
+            if added:
+                hook = table[added[0]]
+                name = getattr(hook, "__qualname__", type(hook).__name__)
+                seen, effect = f"a {label} ({name}) was registered on {where}", "run without it"
+            else:
+                seen = f"a {label} was removed from {where}"
+                effect = "run it as they captured it (what it did to tensors, in every replay)"
+            raise NimbleError(
+                f"nimble_train.Step: {seen} after capture; a replay runs no Python, so the "
+                f"step's graphs {effect}. Register and remove hooks before the Step's first "
+                "call (a hook in place then runs in the capture, and the graphs replay what it "
+                "does to tensors), or build a new Step: step.close(), then nt.Step(model, "
+                "optimizer, ...) again. Nothing was run for this call.")
 
     def replaced_tensors(self) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
         """(module's dict, name, tensor the graphs read, tensor now) for each buffer or tensor

@@ -207,9 +207,20 @@ def fake_tensor_values(module: torch.fx.GraphModule, args: tuple) -> None:
 def global_module_hooks() -> bool:
     """Whether hooks registered for every module (torch.nn.modules.module's
     register_module_forward_hook and kin) are in place."""
+    return any(table for _, table in global_module_hook_dicts())
+
+
+_GLOBAL_HOOKS = (("forward pre-hook", "_global_forward_pre_hooks"),
+                 ("forward hook", "_global_forward_hooks"),
+                 ("backward pre-hook", "_global_backward_pre_hooks"),
+                 ("backward hook", "_global_backward_hooks"))
+
+
+def global_module_hook_dicts() -> list[tuple[str, dict]]:
+    """(kind, dict) per dict of the hooks registered for every module."""
     from torch.nn.modules import module
-    return bool(module._global_forward_hooks or module._global_forward_pre_hooks
-                or module._global_backward_hooks or module._global_backward_pre_hooks)
+    return [(kind, table) for kind, name in _GLOBAL_HOOKS
+            if isinstance(table := getattr(module, name, None), dict)]
 
 
 def tensor_hooks(p: torch.Tensor) -> dict:

@@ -224,6 +224,56 @@ def test_what_the_steps_own_forwards_add_to_a_container_is_taken():
         watch.refuse_replaced_objects()
 
 
+def _record(module, args, out):
+    pass
+
+
+def test_a_hook_registered_or_removed_after_capture_is_refused_naming_it():
+    """A replay runs no Python: a hook registered after capture (on a module, on the loss
+    module, or on every module) would never run, one removed would run on; each is refused,
+    naming it and where, before anything runs. Before the first capture, and by the step's
+    own calls, a change is taken (the capture runs the hooks in place)."""
+    from torch.nn.modules import module as nn_module
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    kept = model[4].register_forward_pre_hook(lambda m, args: None)
+    watch = captured_watch(model, loss_fn)
+    cases = [
+        (lambda: model[1].register_forward_hook(_record),
+         r"a forward hook \(_record\) was registered on '1' \(BatchNorm2d\) after capture; "
+         r"a replay runs no Python, so the step's graphs run without it"),
+        (lambda: model[0].register_full_backward_hook(lambda m, gi, go: None),
+         r"a backward hook \(.*<lambda>\) was registered on '0' \(Conv2d\)"),
+        (lambda: loss_fn.register_forward_pre_hook(lambda m, args: None),
+         r"a forward pre-hook .* was registered on 'loss_fn' \(CrossEntropyLoss\)"),
+        (lambda: nn_module.register_module_forward_hook(_record),
+         r"a global forward hook \(_record\) was registered on every module"),
+    ]
+    for register, said in cases:
+        handle = register()
+        assert watch.objects_changed()
+        try:
+            with pytest.raises(NimbleError, match=said + r".*Nothing was run"):
+                watch.refuse_replaced_objects()
+        finally:
+            handle.remove()
+        assert watch.first_changed() == -1
+    kept.remove()
+    with pytest.raises(NimbleError, match=r"a forward pre-hook was removed from '4' \(Linear\) "
+                                          r"after capture.*run it as they captured it"):
+        watch.refuse_replaced_objects()
+    watch.after_forward()  # as if the step's own call had removed it: taken
+    assert watch.first_changed() == -1
+    fresh = ModelWatch(model, loss_fn)  # not yet captured: a hook is taken
+    handle = model[2].register_forward_hook(_record)
+    fresh.refuse_replaced_objects()
+    fresh.after_forward()
+    fresh.captured = True
+    assert fresh.first_changed() == -1
+    handle.remove()
+    with pytest.raises(NimbleError, match=r"a forward hook was removed from '2' \(ReLU\)"):
+        fresh.refuse_replaced_objects()
+
+
 def test_entry_watch_counts_the_keys_of_closed_dicts():
     a, closed = {"x": 1}, {"y": 2}
     watch = _C.EntryWatch([(a, "x", a["x"])], [closed])

@@ -721,6 +721,50 @@ def test_a_module_appended_to_a_container_after_capture_is_refused_and_nothing_r
     run.assert_same()
 
 
+def _keeping(features):
+    """A forward hook that keeps its module's output in `features`."""
+    def keep(module, args, out):
+        features["out"] = out.detach()
+    return keep
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_hooks_in_place_at_capture_run_in_every_replay_and_one_registered_after_is_refused(
+        streams):
+    """A forward hook registered before the Step's first call that keeps a layer's output (a
+    feature map for a look after the step) and one that scales another's: the capture runs
+    them, so every replay scales the output and leaves the feature map where the hook kept it,
+    as eager steps do. A hook registered after capture is refused, naming it, before anything
+    runs; with it removed the step trains on as the eager loop."""
+    torch.manual_seed(21)
+    run = SideBySide(cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    kept = [{}, {}]
+    for m, features in zip((run.m1, run.m2), kept):
+        m.conv2.register_forward_hook(_keeping(features))
+        m.bn1.register_forward_hook(lambda module, args, out: out * 0.5)
+    batches = classification_batches(10, 16, image=True, device="cuda", seed=21)
+
+    def train(part):
+        for b in part:
+            run.train([b])
+            torch.testing.assert_close(kept[0]["out"], kept[1]["out"], **TOL)
+
+    train(batches[:5])
+    assert run.step.stats()["replays"] == 3
+    before = copy.deepcopy(run.m1.state_dict())
+    handle = run.m1.head.register_forward_pre_hook(lambda module, args: None)
+    with pytest.raises(nt.NimbleError, match=r"a forward pre-hook \(.*<lambda>\) was "
+                                             r"registered on 'head' \(Linear\) after capture"
+                                             r".*Nothing was run"):
+        run.step(batches[5])
+    assert_nothing_ran(run.m1, before)
+    handle.remove()
+    train(batches[5:])
+    assert run.step.stats()["replays"] == 8
+    run.assert_same()
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(streams):
     """A running mean kept by assigning the buffer anew (self.avg = 0.9 * self.avg + ...), and
