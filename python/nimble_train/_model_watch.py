@@ -21,7 +21,9 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   which warns of it (warn_replays_keep);
 - a number held in a plain object a user's module holds and its code reads through it
   (``self.cfg.drop_rate``: a dataclass, a SimpleNamespace, a transformers config; a module of
-  an installed package's reads its config as it was built): as a number; the object
+  an installed package's reads its config as it was built), or that the methods of an object
+  of the user's that its code calls read (``self.noise(x)``, whose ``__call__`` reads
+  ``self.sigma``; ``self.noise.scaled(x)``): as a number; the object
   replaced by one holding the captured values (a config loaded again) is watched from then
   on, by one holding others refused (_settle_holders);
 - a child module or a parameter object: refused (refuse_replaced_objects) -- the graphs and
@@ -554,22 +556,32 @@ def _put_back(entry: tuple) -> None:
 
 
 def _holds_numbers(value: object) -> bool:
-    """A plain object whose attributes code reads numbers from (a config: a dataclass, a
-    SimpleNamespace, argparse's Namespace, a transformers config); not a module, tensor,
-    class or anything callable."""
-    return (isinstance(getattr(value, "__dict__", None), dict) and not callable(value)
-            and not isinstance(value, (torch.Tensor, types.ModuleType)))
+    """A plain object whose attributes code reads numbers from: a config (a dataclass, a
+    SimpleNamespace, argparse's Namespace, a transformers config), or an object of a class of
+    the user's that may be callable (``self.noise(x)``, its ``__call__`` reading its
+    ``sigma``); not a module, tensor, class, function or method (whose classes are Python's)."""
+    return (isinstance(getattr(value, "__dict__", None), dict)
+            and not isinstance(value, (torch.Tensor, torch.nn.Module, types.ModuleType, type))
+            and (not callable(value) or not _installed(type(value).__module__)))
 
 
 def _held_numbers(module: torch.nn.Module, key: str, value: object) -> list[str]:
     """The public numbers held in `value`, the module's attribute `key`, that the module's
-    class's own code names (names_read: ``self.cfg.drop_rate``), when that class is the
-    user's (an installed package's modules read their configs as they were built)."""
+    class's own code names (names_read: ``self.cfg.drop_rate``), or, `value`'s class being
+    the user's, that its methods the module's code calls name (``self.noise(x)``: its
+    ``__call__``; ``self.noise.scaled(x)``), when the module's class is the user's (an
+    installed package's modules read their configs as they were built)."""
     if key.startswith("_") or not _holds_numbers(value) or _installed(type(module).__module__):
         return []
     names = names_read(type(module))
     if key not in names:
         return []
+    held = type(value)
+    if not _installed(held.__module__):
+        called = tuple(sorted(name for name in names
+                              if isinstance(inspect.getattr_static(held, name, None),
+                                            types.FunctionType)))
+        names = names | _own_code(held, ("__call__",) * callable(value) + called)[0]
     return [name for name, number in vars(value).items()
             if name in names and not name.startswith("_") and type(number) in _NUMBERS]
 
@@ -629,14 +641,15 @@ def _helpers(fn: types.FunctionType) -> list[types.FunctionType]:
 
 
 @functools.cache
-def _own_code(cls: type) -> tuple[frozenset[str], tuple[types.FunctionType, ...]]:
+def _own_code(cls: type, roots: tuple[str, ...] = _ROOTS
+              ) -> tuple[frozenset[str], tuple[types.FunctionType, ...]]:
     """The names a module class's own code run in a step names, and those functions: its
-    forward (and a LightningModule's training_step and validation_step), the methods of the
-    class those call by name and the plain functions they call as globals (_helpers), followed
-    through, with the functions nested in them (comprehensions, closures); library classes'
-    methods not followed."""
+    forward (and a LightningModule's training_step and validation_step; or other `roots`),
+    the methods of the class those call by name and the plain functions they call as globals
+    (_helpers), followed through, with the functions nested in them (comprehensions,
+    closures); library classes' methods not followed."""
     names: set[str] = set()
-    todo, seen = [getattr(cls, name, None) for name in _ROOTS], {}
+    todo, seen = [getattr(cls, name, None) for name in roots], {}
     while todo:
         fn = todo.pop()
         fn = inspect.unwrap(fn) if callable(fn) else fn

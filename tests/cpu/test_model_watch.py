@@ -911,6 +911,68 @@ def test_numbers_a_user_modules_config_object_holds_are_watched():
         watch.refuse_replaced_objects()
 
 
+class Noise:
+    """A user's callable object a module calls: its methods read its own numbers, and count
+    its calls."""
+
+    def __init__(self, sigma):
+        self.sigma, self.gain, self.calls, self.log_every = sigma, 2.0, 0, 10
+
+    def __call__(self, x):
+        self.calls += 1
+        return self._add(x)
+
+    def _add(self, x):
+        return x + self.sigma * torch.ones_like(x)
+
+    def scaled(self, x):
+        return x * self.gain
+
+    def report(self):  # called by no code of the step's
+        return self.log_every
+
+
+class Noisy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.noise, self.act = nn.Linear(4, 4), Noise(0.1), functools.partial(F.relu)
+
+    def forward(self, x):
+        return self.act(self.noise.scaled(self.noise(self.lin(x))))
+
+
+def test_numbers_the_methods_of_a_users_object_a_module_calls_read_are_watched():
+    """An object of a class of the user's that a module's forward calls (self.noise(x), and
+    a method of it): the numbers its methods reached from there read are watched as the
+    module's, a change after capture refused, naming it; its own counter is taken; a number
+    only another method reads, and a library's callable (a partial), are not watched."""
+    import copy
+    model = nn.Sequential(Noisy(), nn.Linear(4, 2))
+    watch = captured_watch(model)
+    assert [w for w in watch._what if w[0] in ("holder", "held")] == [
+        ("holder", 1, "noise"), ("held", 1, "noise.sigma"), ("held", 1, "noise.gain"),
+        ("held", 1, "noise.calls")]
+    model(torch.randn(2, 4))
+    assert watch.after_forward() == [("'0.noise.calls' (Noisy)", 0, 1)]
+    for name, value in (("sigma", 0.3), ("gain", 1.0)):
+        old = getattr(model[0].noise, name)
+        setattr(model[0].noise, name, value)
+        with pytest.raises(NimbleError, match=rf"'0.noise.{name}' \(Noisy\) changed from "
+                                              rf"{old} to {value} after capture"):
+            watch.refuse_replaced_objects()
+        setattr(model[0].noise, name, old)
+    model[0].noise.log_every = 100
+    assert watch.first_changed() == -1
+    model[0].noise = copy.copy(model[0].noise)  # equal numbers: watched from now on
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    model[0].noise = Noise(0.3)
+    with pytest.raises(NimbleError, match=r"'0.noise' \(Noisy\) was replaced by a Noise "
+                                          r"whose 'sigma' is 0.3 after capture, where the "
+                                          r"step's graphs were captured with 'sigma' 0.1"):
+        watch.refuse_replaced_objects()
+
+
 def test_an_installed_packages_modules_configs_are_not_watched():
     """A config an installed package's module reads (a transformers model's self.config) was
     copied into its modules when they were built; only a user's module's is watched."""
