@@ -256,8 +256,12 @@ class ModelWatch:
         self._watch.update(e)
         self._entries[e] = (table, key, _now(table, key))
 
+    def _path(self, i: int, key: str | None = None) -> str:
+        """Module i's attribute `key` as named from the model (``'0.temperature'``'s path)."""
+        return ".".join(part for part in (self.names[i], key) if part)
+
     def _name(self, i: int, key: str | None = None) -> str:
-        name = ".".join(part for part in (self.names[i], key) if part)
+        name = self._path(i, key)
         return f"'{name}'" if name else "the model"
 
     def _entry_name(self, what: str, i: int, key: str) -> str:
@@ -447,7 +451,7 @@ class ModelWatch:
         for e, (what, i, key) in enumerate(self._what):
             now = _now(self._entries[e][0], key) if what == "tensor" else None
             if isinstance(now, torch.Tensor):
-                out.append((".".join(part for part in (self.names[i], key) if part), now))
+                out.append((self._path(i, key), now))
         return out
 
     def _refuse_hooks(self) -> None:
@@ -559,9 +563,10 @@ def _holds_numbers(value: object) -> bool:
     """A plain object whose attributes code reads numbers from: a config (a dataclass, a
     SimpleNamespace, argparse's Namespace, a transformers config), or an object of a class of
     the user's that may be callable (``self.noise(x)``, its ``__call__`` reading its
-    ``sigma``); not a module, tensor, class, function or method (whose classes are Python's)."""
+    ``sigma``); not a module or tensor, nor a function or method (whose classes are Python's;
+    a class's __dict__ is no dict)."""
     return (isinstance(getattr(value, "__dict__", None), dict)
-            and not isinstance(value, (torch.Tensor, torch.nn.Module, types.ModuleType, type))
+            and not isinstance(value, (torch.Tensor, torch.nn.Module, types.ModuleType))
             and (not callable(value) or not _installed(type(value).__module__)))
 
 
