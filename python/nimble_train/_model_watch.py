@@ -5,7 +5,7 @@ A graph runs the modules, parameters and buffers it was captured with. User code
 new ones between calls (``model.fc = nn.Linear(...)``, ``load_state_dict(sd, assign=True)``,
 ``model.bn.running_mean = t``, ``model.eval()``) changes an entry of a module's dicts, not what
 the graph reads. ModelWatch holds those entries and checks them all in one C++ pass
-(``_C.EntryWatch``, about 16 ns an entry) on every call; the slow path says what changed:
+(``_C.EntryWatch``, a few ns an entry) on every call; the slow path says what changed:
 
 - a training mode: refused (check_modes);
 - a constant (an attribute the module's class lists in ``__constants__``: a dropout's ``p``,
@@ -37,9 +37,13 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
 - a hook registered on a module (forward, forward pre-, backward or backward pre-hook; the
   loss module's, or one every module runs) or removed: refused (_refuse_hooks) -- a replay
   runs no Python, so the graphs run the hooks in place at capture, which ran in it (what they
-  do to tensors is replayed). The dicts of hooks are watched by their numbers of keys (a
-  hook removed and another registered between two calls is not seen). What the step's own
-  calls add or remove is taken (after_forward), as is any change before the first capture;
+  do to tensors is replayed). So is a hook registered on a parameter's gradient
+  (``p.register_hook``, ``p.register_post_accumulate_grad_hook``) or removed. The dicts of
+  hooks are watched by their numbers of keys, and torch's count of the hooks ever registered
+  (``RemovableHandle.next_id``) by identity: a hook registered anywhere moves it, so one
+  removed and another registered between two calls is seen too, on the slow path, which takes
+  a hook registered on anything else. What the step's own calls add or remove is taken
+  (after_forward), as is any change before the first capture;
 - a buffer: its values copied into the tensor the graphs read, which goes back in the module
   (replaced_tensors, then put_back), or refused when it no longer fits (another shape, dtype
   or device);
@@ -88,6 +92,7 @@ import types
 from typing import Iterator
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private
 from ._extension import _C
@@ -114,6 +119,9 @@ _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
 # A module's dicts of the hooks that run around its forward and backward, and their kinds.
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
+# The hooks on a parameter's gradient, in gradient_hook_dicts' order: (kind, how registered)
+_GRAD_HOOKS = (("gradient hook", "register_hook"),
+               ("post-accumulate-grad hook", "register_post_accumulate_grad_hook"))
 # The modules whose forward, or their parent's, runs whatever the table holds: their tables
 # keep their keys.
 _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict),
@@ -142,6 +150,10 @@ class ModelWatch:
         # as tables: per dict of hooks (its kind, module index or -1 for every module's, the
         # dict, its keys); a hook added or removed is refused
         hooks: list[tuple[str, int, dict, frozenset]] = []
+        # (module index, name, parameter) per parameter, where modules() first holds it: the
+        # hooks on its gradient are watched
+        self._params: list[tuple[int, str, torch.Tensor]] = []
+        seen_params: set[int] = set()
         # (module index, name, the numbers its code reads) per object holding numbers
         holders: list[tuple[int, str, list[str]]] = []
 
@@ -171,6 +183,10 @@ class ModelWatch:
                     watch("number", i, attributes, key)
             holders += [(i, key, numbers) for key, value in attributes.items()
                         if (numbers := _held_numbers(module, key, value))]
+            for key, p in module._parameters.items():
+                if p is not None and id(p) not in seen_params:
+                    seen_params.add(id(p))
+                    self._params.append((i, key, p))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key in table:
@@ -194,6 +210,11 @@ class ModelWatch:
             for name in numbers:
                 watch("held", i, vars(attributes[key]), name, f"{key}.{name}")
             self._held[holder] = list(range(holder + 1, len(entries)))
+        # Torch's count of the hooks ever registered (a class attribute set anew by each): a
+        # hook registered on a parameter's gradient, or one in place of one removed, moves it.
+        self._hook_count = len(entries)
+        entries.append((RemovableHandle, "next_id", RemovableHandle.next_id))
+        self._what.append(("hook count", -1, "next_id"))
         # Numbers the modules' own code reads from its scope (its closures, the globals of its
         # module), then the loss function's (one both read: watched once, as the module's).
         scope, watched = [], set()
@@ -207,6 +228,10 @@ class ModelWatch:
                 self._what.append((kind, i, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
+        # per parameter, the keys of each kind of hook on its gradient (_GRAD_HOOKS); the
+        # dicts' numbers of keys are watched (a parameter has none until its first hook)
+        self._grad_hooks: list[tuple[frozenset, ...]] = []
+        self._take_grad_hooks()
         # Whether a graph was captured with the values: until then another one is taken.
         self.captured = False
         # The whole check on a step's fast path: -1 when nothing changed.
@@ -230,11 +255,29 @@ class ModelWatch:
         for e, what, _, _, _, read, now in self._tensors_changed():
             if what == "tensor" and not _fits(now, read):
                 self._take(e)  # a tensor that fits goes back where the graphs read it
-        if self._watch.resized():
-            for k, (kind, i, table, _) in enumerate(self._tables):
-                self._tables[k] = (kind, i, table, frozenset(table))
-            self._watch.take_sizes()
+        if self._hooks_moved() or self._watch.resized():
+            self._take_tables()
         return changed
+
+    def _hooks_moved(self) -> bool:
+        """A hook was registered anywhere (torch's count moved), or a dict of hooks on a
+        parameter's gradient holds another number of keys."""
+        return (self._entries[self._hook_count][2] is not RemovableHandle.next_id
+                or self._watch.first_changed(len(self._entries)) >= len(self._entries)
+                + len(self._tables))
+
+    def _take_tables(self) -> None:
+        """The containers' keys and the hooks in place now become the watched ones."""
+        for k, (kind, i, table, _) in enumerate(self._tables):
+            self._tables[k] = (kind, i, table, frozenset(table))
+        self._watch.take_sizes()
+        self._take_grad_hooks()
+        self._take(self._hook_count)
+
+    def _take_grad_hooks(self) -> None:
+        tables = [_torch_private.gradient_hook_dicts(p) for _, _, p in self._params]
+        self._grad_hooks = [tuple(frozenset(table or ()) for table in hooks) for hooks in tables]
+        self._watch.set_sized([table for hooks in tables for table in hooks if table is not None])
 
     def _take_numbers(self) -> list[tuple[str, object, object]]:
         """Each constant and number (a scope's too) that changed, and is still there, becomes
@@ -455,31 +498,27 @@ class ModelWatch:
         return out
 
     def _refuse_hooks(self) -> None:
-        """A hook registered on a module (or on every module) or removed since capture: a
-        replay runs no Python, so the graphs run the hooks they were captured with. Raised
-        before anything runs; before the first capture, taken (that capture runs them)."""
-        if not self.captured:
-            return  # after_forward takes the new numbers of hooks
-        for k in self._watch.resized():
-            if k < self._hooks_start:
-                continue
-            label, i, table, keys = self._tables[k]
-            where = (f"{self._name(i)} ({type(self.modules[i]).__name__})" if i >= 0 else
-                     "every module (torch.nn.modules.module.register_module_*)")
-            added = [key for key in table if key not in keys]
-            if added:
-                hook = table[added[0]]
-                name = getattr(hook, "__qualname__", type(hook).__name__)
-                seen, effect = f"a {label} ({name}) was registered on {where}", "run without it"
-            else:
-                seen = f"a {label} was removed from {where}"
-                effect = "run it as they captured it (what it did to tensors, in every replay)"
-            raise NimbleError(
-                f"nimble_train.Step: {seen} after capture; a replay runs no Python, so the "
-                f"step's graphs {effect}. Register and remove hooks before the Step's first "
-                "call (a hook in place then runs in the capture, and the graphs replay what it "
-                "does to tensors), or build a new Step: step.close(), then nt.Step(model, "
-                "optimizer, ...) again. Nothing was run for this call.")
+        """A hook registered on a module (or on every module) or on a parameter's gradient, or
+        removed, since capture: a replay runs no Python, so the graphs run the hooks they were
+        captured with. Raised before anything runs; before the first capture, taken (that
+        capture runs them), and so is a hook registered on anything else."""
+        if not (self._hooks_moved() or self._watch.resized()):
+            return
+        if self.captured:
+            for label, i, table, keys in self._tables[self._hooks_start:]:
+                if keys != table.keys():
+                    where = (f"{self._name(i)} ({type(self.modules[i]).__name__})" if i >= 0
+                             else "every module (torch.nn.modules.module.register_module_*)")
+                    _refuse_hook_change(label, where, table, keys)
+            for (i, key, p), was in zip(self._params, self._grad_hooks):
+                for (label, how), keys, table in zip(_GRAD_HOOKS, was,
+                                                     _torch_private.gradient_hook_dicts(p)):
+                    if keys != (table or {}).keys():
+                        _refuse_hook_change(label, f"parameter {self._name(i, key)} ({how})",
+                                            table or {}, keys)
+        containers = [k for k in self._watch.resized() if k < self._hooks_start]
+        if not (self.captured and containers):  # else a key removed: its entry refuses it next
+            self._take_tables()
 
     def replaced_tensors(self) -> list[tuple[dict, str, torch.Tensor, torch.Tensor]]:
         """(module's dict, name, tensor the graphs read, tensor now) for each buffer or tensor
@@ -538,7 +577,8 @@ class ModelWatch:
         no values: a capture runs nothing) the one the graphs read, untouched; a number its
         value."""
         for e in self._watch.changed(self._modes_end):
-            _put_back(self._entries[e])
+            if e != self._hook_count:  # torch's count goes on: handles' ids are never reused
+                _put_back(self._entries[e])
 
     @staticmethod
     def put_back(tensors) -> None:
@@ -548,6 +588,25 @@ class ModelWatch:
             for table, key, read, now in tensors:
                 read.copy_(now)
                 table[key] = read
+
+
+def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) -> None:
+    """Raises the refusal of a hook registered on (or removed from) `where` since capture:
+    `table` the dict of its hooks now, `keys` its keys then."""
+    added = [key for key in table if key not in keys]
+    if added:
+        hook = table[added[0]]
+        name = getattr(hook, "__qualname__", type(hook).__name__)
+        seen, effect = f"a {label} ({name}) was registered on {where}", "run without it"
+    else:
+        seen = f"a {label} was removed from {where}"
+        effect = "run it as they captured it (what it did to tensors, in every replay)"
+    raise NimbleError(
+        f"nimble_train.Step: {seen} after capture; a replay runs no Python, so the step's "
+        f"graphs {effect}. Register and remove hooks before the Step's first call (a hook in "
+        "place then runs in the capture, and the graphs replay what it does to tensors), or "
+        "build a new Step: step.close(), then nt.Step(model, optimizer, ...) again. Nothing "
+        "was run for this call.")
 
 
 def _put_back(entry: tuple) -> None:
@@ -602,7 +661,10 @@ def _description(value: object) -> str:
 
 
 def _now(table, key):
-    """What a dict holds under key, or a closure cell holds; _MISSING when none."""
+    """What a dict (a class's own) holds under key, or a closure cell holds; _MISSING when
+    none."""
+    if isinstance(table, type):
+        return vars(table).get(key, _MISSING)
     if isinstance(table, types.CellType):
         try:
             return table.cell_contents

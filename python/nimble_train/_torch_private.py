@@ -235,6 +235,12 @@ def post_accumulate_grad_hooks(p: torch.Tensor) -> dict:
     return getattr(p, "_post_accumulate_grad_hooks", None) or {}
 
 
+def gradient_hook_dicts(p: torch.Tensor) -> tuple[dict | None, dict | None]:
+    """The dicts of the hooks on `p`'s gradient: ``p.register_hook``'s, then
+    ``p.register_post_accumulate_grad_hook``'s; None for one that never held a hook."""
+    return (getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None))
+
+
 def shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors (fake ones included) are views of one storage."""
     return torch._C._is_alias_of(a, b)

@@ -7,10 +7,15 @@
 // model.bn.running_mean = t, model.eval()) changes an entry of a module's dicts, not anything the
 // graph reads; one that adds a module, parameter or buffer (Sequential.append, register_buffer)
 // adds an entry the graph never reads, which the sizes of the dicts whose keys are closed catch.
-// One identity check per entry costs about 16 ns (the CIFAR ResNet-18: 565 entries, about 8.4 us
-// a call on a slow host), so the step checks them all on its fast path and leaves naming what
-// changed to Python's slow path. A closure's cell stands in for a dict too (its contents, the
-// key ignored): the numbers a loss function reads from the scope it was made in.
+// The whole pass costs a few ns an entry (the CIFAR ResNet-18: 566 entries and 253 dicts'
+// numbers of keys, about 5 us a call on a 2-core host), so the step checks them all on its fast
+// path and leaves naming what changed to Python's slow path. A closure's cell stands in for a
+// dict too (its contents, the key ignored): the numbers a loss function reads from the scope it
+// was made in; and a class for its own dict (a class attribute set anew: torch's count of the
+// hooks ever registered, RemovableHandle.next_id, which a hook registered on a parameter's
+// gradient moves). The dicts of hooks a parameter holds appear with its first hook, so the
+// dicts whose numbers of keys must stay are set anew (set_sized) besides those closed at
+// construction.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -27,7 +32,8 @@ namespace {
 class EntryWatch {
  public:
   // entries: (dict, key, value) triples; value is what dict[key] must be, by identity; or
-  // (cell, None, value): what the closure cell must hold.
+  // (cell, None, value): what the closure cell must hold; or (class, key, value): what the
+  // class's own dict must hold (a class of Python code's; a builtin's dict is not kept there).
   // closed: dicts that must keep as many keys as they hold now (those not in entries, too).
   EntryWatch(const py::list& entries, const py::list& closed) {
     entries_.reserve(entries.size());
@@ -39,26 +45,26 @@ class EntryWatch {
                              std::string(py::str(py::type::of(item).attr("__name__"))));
       }
       const auto t = py::reinterpret_borrow<py::tuple>(item);
-      if (!PyDict_Check(t[0].ptr()) && !PyCell_Check(t[0].ptr())) {
+      py::object table = t[0];
+      if (PyType_Check(table.ptr()) &&
+          PyType_HasFeature(reinterpret_cast<PyTypeObject*>(table.ptr()), Py_TPFLAGS_HEAPTYPE)) {
+        table = py::reinterpret_borrow<py::object>(
+            reinterpret_cast<PyTypeObject*>(table.ptr())->tp_dict);
+      }
+      if (!PyDict_Check(table.ptr()) && !PyCell_Check(table.ptr())) {
         throw py::type_error("EntryWatch: entry " + std::to_string(i) +
-                             " must hold a dict or a cell first; got " +
+                             " must hold a dict, a cell or a class of Python code's first; got " +
                              std::string(py::str(py::type::of(t[0]).attr("__name__"))));
       }
-      entries_.push_back({t[0], t[1], t[2]});
+      entries_.push_back({table, t[1], t[2]});
     }
-    for (size_t i = 0; i < closed.size(); ++i) {
-      const py::handle d = closed[i];
-      if (!PyDict_Check(d.ptr())) {
-        throw py::type_error("EntryWatch: closed dict " + std::to_string(i) + " must be a dict; "
-                             "got " + std::string(py::str(py::type::of(d).attr("__name__"))));
-      }
-      closed_.push_back({py::reinterpret_borrow<py::object>(d), PyDict_Size(d.ptr())});
-    }
+    closed_ = sizes_of(closed, "closed");
   }
 
   // The index of the first entry from `start` on whose dict no longer holds its value under
   // its key (another object, or none); else size() + k for the first closed dict k whose number
-  // of keys changed; else -1.
+  // of keys changed; else size() + closed dicts + k for the first such dict k of set_sized's;
+  // else -1.
   int64_t first_changed(int64_t start) const {
     for (size_t i = first(start); i < entries_.size(); ++i) {
       if (value_now(entries_[i]) != entries_[i].value.ptr()) return int64_t(i);
@@ -68,8 +74,16 @@ class EntryWatch {
         return int64_t(entries_.size() + k);
       }
     }
+    for (size_t k = 0; k < sized_.size(); ++k) {
+      if (PyDict_Size(sized_[k].dict.ptr()) != sized_[k].size) {
+        return int64_t(entries_.size() + closed_.size() + k);
+      }
+    }
     return -1;
   }
+
+  // Dicts that must keep as many keys as they hold now, in place of those set before.
+  void set_sized(const py::list& dicts) { sized_ = sizes_of(dicts, "sized"); }
 
   // Every closed dict whose number of keys changed, in order.
   std::vector<int64_t> resized() const {
@@ -163,8 +177,25 @@ class EntryWatch {
     py::object dict;
     Py_ssize_t size;
   };
+
+  static std::vector<Closed> sizes_of(const py::list& dicts, const char* what) {
+    std::vector<Closed> out;
+    out.reserve(dicts.size());
+    for (size_t i = 0; i < dicts.size(); ++i) {
+      const py::handle d = dicts[i];
+      if (!PyDict_Check(d.ptr())) {
+        throw py::type_error("EntryWatch: " + std::string(what) + " dict " + std::to_string(i) +
+                             " must be a dict; got " +
+                             std::string(py::str(py::type::of(d).attr("__name__"))));
+      }
+      out.push_back({py::reinterpret_borrow<py::object>(d), PyDict_Size(d.ptr())});
+    }
+    return out;
+  }
+
   std::vector<Entry> entries_;
   std::vector<Closed> closed_;
+  std::vector<Closed> sized_;  // set_sized's
 };
 
 }  // namespace
@@ -173,13 +204,16 @@ void bind_watch(py::module_& m) {
   py::class_<EntryWatch>(m, "EntryWatch",
                          "Entries of Python dicts as they were: (dict, key, value) triples, "
                          "each compared by identity ((cell, None, value): a closure cell's "
-                         "contents), and the numbers of keys of closed dicts.")
+                         "contents; (class, key, value): the class's own dict's), and the numbers "
+                         "of keys of closed dicts and of set_sized's.")
       .def(py::init<const py::list&, const py::list&>(), py::arg("entries"),
            py::arg("closed") = py::list())
       .def("first_changed", &EntryWatch::first_changed, py::arg("start") = 0,
            "The index of the first entry from start on whose dict no longer holds its value; "
            "else len(self) + k for the first closed dict k with another number of keys; else "
-           "-1.")
+           "len(self) + len(closed) + k for the first such dict k of set_sized's; else -1.")
+      .def("set_sized", &EntryWatch::set_sized, py::arg("dicts"),
+           "Dicts that must keep as many keys as they hold now, in place of those set before.")
       .def("resized", &EntryWatch::resized,
            "Every closed dict (its index in closed) with another number of keys, in order.")
       .def("take_sizes", &EntryWatch::take_sizes,

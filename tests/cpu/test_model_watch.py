@@ -256,6 +256,9 @@ def test_a_hook_registered_or_removed_after_capture_is_refused_naming_it():
                 watch.refuse_replaced_objects()
         finally:
             handle.remove()
+        # torch's count of hooks moved: the slow path finds nothing changed and takes it
+        assert watch.first_changed() >= 0
+        watch.refuse_replaced_objects()
         assert watch.first_changed() == -1
     kept.remove()
     with pytest.raises(NimbleError, match=r"a forward pre-hook was removed from '4' \(Linear\) "
@@ -272,6 +275,88 @@ def test_a_hook_registered_or_removed_after_capture_is_refused_naming_it():
     handle.remove()
     with pytest.raises(NimbleError, match=r"a forward hook was removed from '2' \(ReLU\)"):
         fresh.refuse_replaced_objects()
+
+
+def test_a_hook_on_a_parameters_gradient_or_one_in_place_of_another_is_refused_naming_it():
+    """A hook registered on a parameter's gradient after capture (register_hook, or
+    register_post_accumulate_grad_hook) would never run in a replay, one removed would run
+    on, and a module's hook removed with another registered in its place would leave the old
+    one running: each is refused, naming it and the parameter or module. A hook registered on
+    a tensor the model does not hold is taken on the slow path, and so is any change before
+    the first capture or made by the step's own calls."""
+    model, loss_fn = _model(), nn.CrossEntropyLoss()
+    kept = model[0].weight.register_hook(lambda g: g * 2)  # in place at capture: stays
+    watch = captured_watch(model, loss_fn)
+    cases = [
+        (lambda: model[4].bias.register_hook(_scale),
+         r"a gradient hook \(_scale\) was registered on parameter '4.bias' \(register_hook\) "
+         r"after capture; a replay runs no Python, so the step's graphs run without it"),
+        (lambda: model[1].weight.register_post_accumulate_grad_hook(_record),
+         r"a post-accumulate-grad hook \(_record\) was registered on parameter '1.weight' "
+         r"\(register_post_accumulate_grad_hook\)"),
+        (lambda: model[0].weight.register_hook(_scale),  # a second one: its dict's size grows
+         r"a gradient hook \(_scale\) was registered on parameter '0.weight'"),
+    ]
+    for register, said in cases:
+        handle = register()
+        assert watch.first_changed() >= 0 and watch.objects_changed()
+        with pytest.raises(NimbleError, match=said + r".*Nothing was run"):
+            watch.refuse_replaced_objects()
+        handle.remove()
+        watch.refuse_replaced_objects()  # as captured again: taken
+        assert watch.first_changed() == -1
+    kept.remove()
+    assert watch.first_changed() >= 0  # the dict's number of keys, on the fast path
+    with pytest.raises(NimbleError, match=r"a gradient hook was removed from parameter "
+                                          r"'0.weight' \(register_hook\) after capture.*run "
+                                          r"it as they captured it"):
+        watch.refuse_replaced_objects()
+    kept = model[0].weight.register_hook(lambda g: g * 2)  # in place of the one removed
+    with pytest.raises(NimbleError, match=r"a gradient hook \(.*<lambda>\) was registered on "
+                                          r"parameter '0.weight'"):
+        watch.refuse_replaced_objects()
+    kept.remove()
+    watch.after_forward()  # as if the step's own call had removed it: taken
+    assert watch.first_changed() == -1
+    module_hook = model[2].register_forward_hook(_record)
+    watch.after_forward()
+    module_hook.remove()
+    module_hook = model[2].register_forward_hook(_record)  # as many hooks as before
+    assert watch.first_changed() >= 0
+    with pytest.raises(NimbleError, match=r"a forward hook \(_record\) was registered on "
+                                          r"'2' \(ReLU\) after capture"):
+        watch.refuse_replaced_objects()
+    module_hook.remove()
+    watch.after_forward()
+    elsewhere = torch.zeros(3, requires_grad=True).register_hook(_scale)  # not the model's
+    assert watch.first_changed() >= 0
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    elsewhere.remove()
+    fresh = ModelWatch(model, loss_fn)  # not yet captured: a hook is taken
+    handle = model[4].weight.register_post_accumulate_grad_hook(_record)
+    fresh.refuse_replaced_objects()
+    fresh.captured = True
+    assert fresh.first_changed() == -1
+    handle.remove()
+    with pytest.raises(NimbleError, match=r"a post-accumulate-grad hook was removed from "
+                                          r"parameter '4.weight'"):
+        fresh.refuse_replaced_objects()
+    # A module removed from a container, refused while a hook elsewhere moved torch's count,
+    # then put back: the container as captured again, not one with a module added.
+    watch = captured_watch(model, loss_fn)
+    gone = model._modules.pop("4")
+    elsewhere = torch.zeros(3, requires_grad=True).register_hook(_scale)
+    with pytest.raises(NimbleError, match=r"module '4' \(Linear\) was removed after capture"):
+        watch.refuse_replaced_objects()
+    model._modules["4"] = gone
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    elsewhere.remove()
+
+
+def _scale(grad):
+    return grad * 0.5
 
 
 def test_entry_watch_counts_the_keys_of_closed_dicts():
@@ -453,8 +538,10 @@ def test_numbers_a_loss_function_reads_from_its_scope_are_watched_as_numbers():
     finally:
         RATE = 0.5
     bound = functools.partial(loss_fn)  # through a partial, the same function's scope
-    assert len([w for w in ModelWatch(_model(), bound)._what if w[1] == -1]) == 2
-    assert [w for w in ModelWatch(_model(), F.cross_entropy)._what if w[1] == -1] == []
+    assert len([w for w in ModelWatch(_model(), bound)._what
+                if w[1] == -1 and w[0] in ("closure", "global")]) == 2
+    assert [w for w in ModelWatch(_model(), F.cross_entropy)._what
+            if w[1] == -1 and w[0] in ("closure", "global")] == []
 
 
 def test_a_scope_watch_refuses_another_number_and_takes_an_equal_one():
@@ -515,10 +602,36 @@ def test_entry_watch_compares_by_identity_from_a_start():
     assert watch.first_changed() == 0
     with pytest.raises(IndexError, match=r"start must be in \[0, 2\]; got 3"):
         watch.first_changed(3)
-    with pytest.raises(TypeError, match=r"entry 0 must hold a dict or a cell first; got list"):
+    with pytest.raises(TypeError, match=r"entry 0 must hold a dict, a cell or a class of "
+                                        r"Python code's first; got list"):
         _C.EntryWatch([([], "x", 1)])
+    with pytest.raises(TypeError, match=r"entry 0 must hold .*; got type"):
+        _C.EntryWatch([(int, "real", 1)])  # a builtin class: its dict is not kept there
     with pytest.raises(TypeError, match=r"entry 1 must be a \(dict, key, value\) tuple; got int"):
         _C.EntryWatch([(a, "x", 1), 3])
+
+
+def test_entry_watch_reads_a_class_attribute_and_sizes_dicts_set_anew():
+    class Counter:
+        next_id = 0
+    watch = _C.EntryWatch([(Counter, "next_id", Counter.next_id)])
+    assert watch.first_changed() == -1
+    Counter.next_id += 1  # a class attribute set anew: another object in the class's dict
+    assert watch.first_changed() == 0 and watch.changed() == [0]
+    watch.update(0)
+    assert watch.first_changed() == -1
+    hooks, later = {1: None}, {}
+    watch.set_sized([hooks])
+    later[2] = None  # not sized: left alone
+    assert watch.first_changed() == -1
+    del hooks[1]
+    assert watch.first_changed() == 1 and watch.first_changed(1) == 1
+    watch.set_sized([hooks, later])  # in place of those set before, as they are now
+    assert watch.first_changed() == -1
+    later.clear()
+    assert watch.first_changed() == 2
+    with pytest.raises(TypeError, match=r"sized dict 0 must be a dict; got tuple"):
+        watch.set_sized([()])
 
 
 def test_entry_watch_retargets_an_entry_to_another_dict():

@@ -766,6 +766,39 @@ def test_hooks_in_place_at_capture_run_in_every_replay_and_one_registered_after_
 
 
 @pytest.mark.parametrize("streams", [1, "auto"])
+def test_gradient_hooks_in_place_at_capture_run_in_every_replay_and_one_added_after_is_refused(
+        streams):
+    """A hook on a parameter's gradient registered before the Step's first call (one that
+    scales it) runs in the capture, so every replay scales the gradient as eager steps do. A
+    hook registered on a parameter's gradient after capture is refused, naming it, before
+    anything runs; one on a tensor the model does not hold is taken, and the step trains on
+    as the eager loop, replaying its graph."""
+    torch.manual_seed(23)
+    run = SideBySide(cuda_twin(SmallCNN(), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    for m in (run.m1, run.m2):
+        m.conv1.weight.register_hook(lambda grad: grad * 0.5)
+    batches = classification_batches(10, 16, image=True, device="cuda", seed=23)
+    run.train(batches[:5])
+    assert run.step.stats()["replays"] == 3
+    run.assert_same()
+    before = copy.deepcopy(run.m1.state_dict())
+    handle = run.m1.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+    with pytest.raises(nt.NimbleError, match=r"a post-accumulate-grad hook \(.*<lambda>\) was "
+                                             r"registered on parameter 'head.weight' "
+                                             r"\(register_post_accumulate_grad_hook\) after "
+                                             r"capture.*Nothing was run"):
+        run.step(batches[5])
+    assert_nothing_ran(run.m1, before)
+    handle.remove()
+    elsewhere = torch.zeros(3, device="cuda", requires_grad=True)
+    elsewhere.register_hook(lambda grad: grad)
+    run.train(batches[5:])
+    assert run.step.stats()["replays"] == 8
+    run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
 def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(streams):
     """A running mean kept by assigning the buffer anew (self.avg = 0.9 * self.avg + ...), and
     a call counter kept the same way: each replay leaves the new values where the next one
