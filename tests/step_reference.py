@@ -55,6 +55,29 @@ class RunningMean(torch.nn.Module):
         return y - self.avg
 
 
+class DataMean(torch.nn.Module):
+    """A layer that keeps a running mean of its output by giving its buffer new data
+    (self.avg.data = ...), as older code often writes an update, and counts its calls the
+    same way, in eval mode too; and that, when told to (renorm, set by user code), gives its
+    weight new data too: its rows renormalised."""
+
+    def __init__(self, features=12):
+        super().__init__()
+        self.lin = torch.nn.Linear(features, features)
+        self.register_buffer("avg", torch.zeros(features))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+        self.renorm = False
+
+    def forward(self, x):
+        if self.renorm:
+            self.lin.weight.data = self.lin.weight / self.lin.weight.norm(dim=1, keepdim=True)
+        y = self.lin(x)
+        if self.training:
+            self.avg.data = 0.9 * self.avg + 0.1 * y.detach().mean(0)
+        self.calls.data = self.calls + 1
+        return y - self.avg
+
+
 class Tempered(torch.nn.Module):
     """Tensors in plain attributes: a temperature user code sets (a new tensor each time), a
     state the forward carries from call to call by assigning it anew (self.state =

@@ -174,12 +174,14 @@ class Evaluator:
         def captured():
             out = self._run(static, capturing=True)
             step._model.keep_assigned_tensors()  # a forward's `self.avg = ...`: read by the next
+            step._keep_moved_data()  # and its `self.avg.data = ...`
             return out
 
         try:
             graph.capture_unplanned(entry, captured, step._stream, step._sync.records)
         except NimbleError as failure:
             step._model.undo_capture()  # what fn's forwards assigned or changed: back
+            step._watch.undo_moves()  # and the data they gave (no values: a capture runs nothing)
             scope.put_back()
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too

@@ -121,6 +121,34 @@ class _ModelState:
                     table.update(old)
 
 
+class _DataAssignments:
+    """While a trace runs: the traced values the forward gives new data (``self.avg.data =
+    0.9 * self.avg + ...``, a buffer's or a parameter's), which fx takes as a plain attribute
+    of the proxy, so that the traced graph computes the value without assigning it."""
+
+    def __init__(self):
+        self.names: list[str] = []
+
+    def __enter__(self) -> _DataAssignments:
+        names, self._had = self.names, vars(torch.fx.Proxy).get("__setattr__")
+        assign = self._had or object.__setattr__
+
+        def setattr_(proxy, name, value):
+            if name == "data":
+                node = vars(proxy).get("node")  # an Attribute's is made lazily: left alone
+                held = node is not None and node.op == "get_attr"
+                names.append(f"{node.target if held else 'a tensor'}.data")
+            assign(proxy, name, value)
+        torch.fx.Proxy.__setattr__ = setattr_
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._had is None:
+            del torch.fx.Proxy.__setattr__
+        else:
+            torch.fx.Proxy.__setattr__ = self._had
+
+
 _GONE = object()
 _FX_CONSTANT = re.compile(r"_tensor_constant\d+")
 
@@ -141,10 +169,12 @@ def trace_operators(model: torch.nn.Module, fuse_norms: bool = False) -> Operato
     tracer.proxy_buffer_attributes = True
     state = _ModelState(model)
     try:
-        traced = tracer.trace(model)
+        with _DataAssignments() as data:
+            traced = tracer.trace(model)
     finally:
         assigned = state.changed()
         state.restore()
+    assigned += data.names
     # fx's own: a tensor the forward makes from Python values, held by the trace's root
     constants = [name for name in assigned if _FX_CONSTANT.fullmatch(name)]
     assigned = [name for name in assigned if name not in constants]

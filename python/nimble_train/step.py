@@ -795,6 +795,7 @@ class Step:
                               self._stream, self._sync.records)
         except NimbleError:
             self._model.undo_capture()  # what its forwards assigned or changed: back
+            self._watch.undo_moves()  # and the data they gave (no values: a capture runs nothing)
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             self._iteration.window_grads = saved_window  # not the abandoned graph's tensors
@@ -810,6 +811,7 @@ class Step:
         self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)
 
     def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
+        self._watch.undo_moves()  # a capture abandoned before (tried again on one stream)
         zero, update = kind
         call = Call(zero, update, *self._graph.scales)
         if zero and self._update.fused is not None:
@@ -824,7 +826,30 @@ class Step:
                                     self._graph.valid, forward)
         self._iteration.backward_and_update(loss, call)
         self._model.keep_assigned_tensors()  # a forward's `self.avg = ...`: read by the next
+        self._keep_moved_data()  # and its `self.avg.data = ...`
         return loss
+
+    def _keep_moved_data(self) -> None:
+        """Inside a capture, after the step's forwards: a buffer, tensor attribute or frozen
+        parameter they gave new data (``self.avg.data = 0.9 * self.avg + ...``) has its new
+        values copied where the graphs read it, in the graph, and views that storage again, so
+        that every replay leaves them where the next one reads them, as eager steps leave them
+        in the module. New data of another shape, dtype or device, and a trained parameter's
+        (the fused update writes it where the graphs read it: the new data would never be
+        updated), fail the capture, which puts the data back (_capture)."""
+        watch = self._watch
+        moved = watch.moved()
+        for i in moved:
+            why = ("the fused update writes each trained parameter where the graphs read it, "
+                   "so new data would never be updated" if i < len(self._params) else
+                   watch.why_not_restorable(i))
+            if why:
+                raise NimbleError(
+                    f"nimble_train.Step: the forward gave {self._param_name(i)} new data "
+                    f"(.data = t) in the step's capture, and {why}. Change its values in place "
+                    "(with torch.no_grad(): t.copy_(...)), or keep its shape, dtype and device.")
+        if moved:
+            watch.restore()
 
     # ------------------------------------------------------------------ the rest of the API
 

@@ -255,6 +255,11 @@ void ParamWatch::restore() {
   }
 }
 
+void ParamWatch::undo_moves() {
+  const c10::AutoGradMode no_grad(false);
+  for (const int64_t i : moved()) params_[size_t(i)].set_data(captured_[size_t(i)]);
+}
+
 void reattach(std::vector<FlatTensors>& flats) {
   const c10::AutoGradMode no_grad(false);
   for (FlatTensors& flat : flats) {

@@ -104,8 +104,12 @@ class ParamWatch {
   int64_t shares_memory_with(int64_t i) const;
   // Every moved parameter's new values are copied into the storage the graphs read, and the
   // parameter views it again. All or nothing: throws, changing nothing, when one cannot go
-  // back (why_not_restorable says why first). Host work: outside any capture.
+  // back (why_not_restorable says why first). Between calls, outside any capture; or inside
+  // one, after the step's forwards, whose replays then copy what they give the tensors back.
   void restore();
+  // Every moved parameter views the storage the graphs read again, its values as they are there:
+  // after a failed capture, which ran nothing (the data its forwards gave holds no values).
+  void undo_moves();
 
  private:
   bool is_moved(size_t i) const;

@@ -178,7 +178,9 @@ void bind_optim(py::module_& m) {
       .def("shares_memory_with", &optim::ParamWatch::shares_memory_with, py::arg("i"),
            "The first other parameter whose data shares memory with parameter i's, or -1.")
       .def("restore", &optim::ParamWatch::restore,
-           "Copies each moved parameter's values where the graphs read them; it views them again.");
+           "Copies each moved parameter's values where the graphs read them; it views them again.")
+      .def("undo_moves", &optim::ParamWatch::undo_moves,
+           "Each moved parameter views the storage the graphs read again, values untouched.");
 
   py::class_<optim::UpdateTarget>(m, "UpdateTarget",
                                   "What one pass of the fused update reads and writes.")

@@ -10,8 +10,8 @@ from nimble_train._multistream import (SMALL_OPERATOR_BYTES, build_multistream, 
                                        plan_forward, plan_operators, small_operators,
                                        trace_operators)
 from nimble_train.errors import one_line
-from step_reference import (MLP, InceptionNet, RandomDagNet, RunningMean, SmallSideOperators,
-                            TransformerBlock)
+from step_reference import (MLP, DataMean, InceptionNet, RandomDagNet, RunningMean,
+                            SmallSideOperators, TransformerBlock)
 
 
 def test_inception_cells_plan_four_streams():
@@ -62,6 +62,29 @@ def test_a_forward_that_assigns_module_state_falls_back_and_leaves_the_model_as_
     model.eval()  # the average is not assigned in eval mode; the counter still is
     _, reason = build_multistream(model, "auto", torch.device("cpu"))
     assert "assigns 0.calls, which" in reason and model[0].calls is calls
+
+
+def test_a_forward_that_gives_a_tensor_new_data_falls_back_naming_it():
+    """fx takes `self.avg.data = ...` as a plain attribute of the buffer's proxy: the traced
+    graph would compute the average without assigning it. Named, buffer and parameter alike,
+    and fx's proxies are as they were afterwards."""
+    model = torch.nn.Sequential(DataMean(), torch.nn.ReLU())
+    avg, weight = model[0].avg, model[0].lin.weight
+    forward, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert forward is None
+    assert reason == ("torch.fx could not trace the model (AssignsModuleState: the forward "
+                      "assigns 0.avg.data, 0.calls.data, which a traced graph computes without "
+                      "assigning; the model's own forward runs it)")
+    model[0].renorm = True
+    _, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert "assigns 0.lin.weight.data, 0.avg.data, 0.calls.data, which" in reason, reason
+    assert model[0].avg is avg and model[0].lin.weight is weight
+    assert torch.equal(avg, torch.zeros(12))  # the trace ran on proxies
+    assert "__setattr__" not in vars(torch.fx.Proxy)
+    model.eval()  # the average is not given new data in eval mode; the counter still is
+    model[0].renorm = False
+    _, reason = build_multistream(model, "auto", torch.device("cpu"))
+    assert "assigns 0.calls.data, which" in reason, reason
 
 
 class MakesTensors(torch.nn.Module):

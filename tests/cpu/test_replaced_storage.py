@@ -54,6 +54,25 @@ def test_replaced_data_goes_back_where_the_graphs_read_it_with_the_new_values(in
             assert torch.equal(q.detach(), before)
 
 
+def test_undo_moves_puts_each_tensor_back_on_the_storage_the_graphs_read_untouched():
+    """After a failed capture: the data a forward gave holds no values (a capture runs
+    nothing), so each moved tensor views the storage the graphs read again, as it was."""
+    params = _params(2)
+    watch = _C.ParamWatch(params, 2)
+    watch.fix_storage()
+    where = [p.data_ptr() for p in params]
+    before = [p.detach().clone() for p in params]
+    params[0].data = torch.full((4, 3), float("nan"))
+    params[2].data = torch.empty(5)  # another shape too
+    assert watch.moved() == [0, 2]
+    watch.undo_moves()
+    assert not watch.changed() and watch.moved() == []
+    for p, ptr, values in zip(params, where, before):
+        assert p.data_ptr() == ptr and torch.equal(p.detach(), values)
+    assert params[0].requires_grad
+    watch.undo_moves()  # nothing moved: nothing to do
+
+
 def test_tensors_given_at_fix_storage_take_the_place_of_the_untrained_ones():
     # Warm-up fixed the trained parameters (and a frozen one); capture reads a buffer too, and
     # the frozen one's replacement: those are watched from then on, the one they replace not.

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import nimble_train as nt
-from step_reference import (MLP, RunningMean, SmallCNN, Tempered, assert_same_training,
+from step_reference import (MLP, DataMean, RunningMean, SmallCNN, Tempered, assert_same_training,
                             classification_batches, eager_loop, grad_scaler_loop, twin)
 
 pytestmark = pytest.mark.cuda
@@ -489,6 +489,20 @@ class SideBySide:
         assert_same_training(self.m1, self.o1, self.m2, self.o2, **TOL)
 
 
+def evaluate_side_by_side(run, batches):
+    """A captured evaluator of the Step's model gives the eager model's logits in eval mode,
+    replaying its graph."""
+    ev = run.step.evaluator(lambda m, b: m(b[0]))
+    outs = [ev(b).clone() for b in batches]
+    with torch.no_grad():
+        run.m2.eval()
+        expected = [run.m2(b[0]) for b in batches]
+        run.m2.train()
+    assert ev.stats()["replays"] >= 2
+    for out, logits in zip(outs, expected):
+        torch.testing.assert_close(out, logits, **TOL)
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 @pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
 def test_parameter_data_replaced_after_capture_trains_on_from_the_new_values(make_opt, streams):
@@ -799,6 +813,50 @@ def test_gradient_hooks_in_place_at_capture_run_in_every_replay_and_one_added_af
 
 
 @pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_forward_that_gives_its_buffer_new_data_trains_as_the_eager_loop(streams):
+    """A running mean kept by giving the buffer new data (self.avg.data = 0.9 * self.avg +
+    ...): each replay copies the new values where the next one reads them, as eager steps
+    leave them in the module; on several streams the traced graph would never assign them,
+    so the forward runs as the model's own code, saying why. A forward that gives a trained
+    parameter new data fails the capture, naming it (the fused update writes where the graphs
+    read), with the model as after the last completed step; without it the step captures."""
+    torch.manual_seed(15)
+    model = torch.nn.Sequential(DataMean(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    run = SideBySide(cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    batches = classification_batches(9, 16, device="cuda", seed=15)
+    run.train(batches[:2])  # warm-up
+    before = copy.deepcopy(run.m1.state_dict())
+    run.m1[0].renorm = True  # before the first capture: taken, and the capture runs it
+    with pytest.raises(nt.NimbleError, match=r"the forward gave 0.lin.weight new data \(.data = "
+                                             r"t\) in the step's capture, and the fused update "
+                                             r"writes each trained parameter where the graphs "
+                                             r"read it"):
+        run.step(batches[2])
+    assert_nothing_ran(run.m1, before)
+    run.m1[0].renorm = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # later calls run eagerly after a failed capture
+        run.train(batches[2:4])
+    assert run.step.stats()["replays"] == 0
+    run.assert_same()
+    # A new Step over the same model and optimizer captures.
+    run.step.close()
+    run.step = nt.Step(run.m1, run.o1, per_sample, warmup=2, streams=streams)
+    run.train(batches[4:])
+    stats = run.step.stats()
+    assert stats["replays"] == 3
+    run.assert_same()  # the running mean among the buffers
+    assert not torch.equal(run.m1[0].avg, torch.zeros(12, device="cuda"))
+    assert run.m1[0].calls.item() == 9  # the failed capture's call ran nothing
+    if streams == "auto":
+        assert "the forward assigns 0.avg.data" in stats["single_stream_reason"]
+    evaluate_side_by_side(run, batches[:4])  # its capture keeps the counter's new data
+    assert run.m1[0].calls.item() == run.m2[0].calls.item() == 13
+    run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
 def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(streams):
     """A running mean kept by assigning the buffer anew (self.avg = 0.9 * self.avg + ...), and
     a call counter kept the same way: each replay leaves the new values where the next one
@@ -820,15 +878,7 @@ def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(stream
     if streams == "auto":
         assert "the forward assigns 0.avg, 0.calls" in stats["single_stream_reason"]
         assert any("runs on one stream" in str(w.message) for w in seen)
-    ev = run.step.evaluator(lambda m, b: m(b[0]))
-    outs = [ev(b).clone() for b in batches[:4]]
-    with torch.no_grad():
-        run.m2.eval()
-        expected = [run.m2(b[0]) for b in batches[:4]]
-        run.m2.train()
-    assert ev.stats()["replays"] >= 2
-    for out, logits in zip(outs, expected):
-        torch.testing.assert_close(out, logits, **TOL)
+    evaluate_side_by_side(run, batches[:4])
     assert run.m1[0].calls.item() == run.m2[0].calls.item() == 12
     run.assert_same()
 
