@@ -835,14 +835,14 @@ class Step:
         values copied where the graphs read it, in the graph, and views that storage again, so
         that every replay leaves them where the next one reads them, as eager steps leave them
         in the module. New data of another shape, dtype or device, and a trained parameter's
-        (the fused update writes it where the graphs read it: the new data would never be
-        updated), fail the capture, which puts the data back (_capture)."""
+        (the graphs update it where they read it: the new data would never train), fail the
+        capture, which puts the data back (_capture)."""
         watch = self._watch
         moved = watch.moved()
         for i in moved:
-            why = ("the fused update writes each trained parameter where the graphs read it, "
-                   "so new data would never be updated" if i < len(self._params) else
-                   watch.why_not_restorable(i))
+            why = ("the graphs read and update each trained parameter in the storage they "
+                   "were captured with, so new data would never train" if i < len(self._params)
+                   else watch.why_not_restorable(i))
             if why:
                 raise NimbleError(
                     f"nimble_train.Step: the forward gave {self._param_name(i)} new data "

@@ -818,8 +818,8 @@ def test_a_forward_that_gives_its_buffer_new_data_trains_as_the_eager_loop(strea
     ...): each replay copies the new values where the next one reads them, as eager steps
     leave them in the module; on several streams the traced graph would never assign them,
     so the forward runs as the model's own code, saying why. A forward that gives a trained
-    parameter new data fails the capture, naming it (the fused update writes where the graphs
-    read), with the model as after the last completed step; without it the step captures."""
+    parameter new data fails the capture, naming it (the graphs update it where they read
+    it), with the model as after the last completed step; without it the step captures."""
     torch.manual_seed(15)
     model = torch.nn.Sequential(DataMean(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
     run = SideBySide(cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
@@ -829,9 +829,9 @@ def test_a_forward_that_gives_its_buffer_new_data_trains_as_the_eager_loop(strea
     before = copy.deepcopy(run.m1.state_dict())
     run.m1[0].renorm = True  # before the first capture: taken, and the capture runs it
     with pytest.raises(nt.NimbleError, match=r"the forward gave 0.lin.weight new data \(.data = "
-                                             r"t\) in the step's capture, and the fused update "
-                                             r"writes each trained parameter where the graphs "
-                                             r"read it"):
+                                             r"t\) in the step's capture, and the graphs read "
+                                             r"and update each trained parameter in the storage "
+                                             r"they were captured with"):
         run.step(batches[2])
     assert_nothing_ran(run.m1, before)
     run.m1[0].renorm = False
