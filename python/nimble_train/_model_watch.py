@@ -255,16 +255,15 @@ class ModelWatch:
         for e, what, _, _, _, read, now in self._tensors_changed():
             if what == "tensor" and not _fits(now, read):
                 self._take(e)  # a tensor that fits goes back where the graphs read it
-        if self._hooks_moved() or self._watch.resized():
+        if self._tables_changed():
             self._take_tables()
         return changed
 
-    def _hooks_moved(self) -> bool:
-        """A hook was registered anywhere (torch's count moved), or a dict of hooks on a
-        parameter's gradient holds another number of keys."""
+    def _tables_changed(self) -> bool:
+        """A hook was registered anywhere (torch's count moved), or a container, a dict of
+        hooks or one on a parameter's gradient holds another number of keys."""
         return (self._entries[self._hook_count][2] is not RemovableHandle.next_id
-                or self._watch.first_changed(len(self._entries)) >= len(self._entries)
-                + len(self._tables))
+                or self._watch.first_changed(len(self._entries)) >= 0)
 
     def _take_tables(self) -> None:
         """The containers' keys and the hooks in place now become the watched ones."""
@@ -502,7 +501,7 @@ class ModelWatch:
         removed, since capture: a replay runs no Python, so the graphs run the hooks they were
         captured with. Raised before anything runs; before the first capture, taken (that
         capture runs them), and so is a hook registered on anything else."""
-        if not (self._hooks_moved() or self._watch.resized()):
+        if not self._tables_changed():
             return
         if self.captured:
             for label, i, table, keys in self._tables[self._hooks_start:]:
@@ -513,9 +512,10 @@ class ModelWatch:
             for (i, key, p), was in zip(self._params, self._grad_hooks):
                 for (label, how), keys, table in zip(_GRAD_HOOKS, was,
                                                      _torch_private.gradient_hook_dicts(p)):
-                    if keys != (table or {}).keys():
+                    table = table or {}
+                    if keys != table.keys():
                         _refuse_hook_change(label, f"parameter {self._name(i, key)} ({how})",
-                                            table or {}, keys)
+                                            table, keys)
         containers = [k for k in self._watch.resized() if k < self._hooks_start]
         if not (self.captured and containers):  # else a key removed: its entry refuses it next
             self._take_tables()

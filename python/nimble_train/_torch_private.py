@@ -226,13 +226,13 @@ def global_module_hook_dicts() -> list[tuple[str, dict]]:
 def tensor_hooks(p: torch.Tensor) -> dict:
     """The hooks registered on `p` with ``p.register_hook`` (they see its gradient before it
     is accumulated); empty when there are none."""
-    return getattr(p, "_backward_hooks", None) or {}
+    return gradient_hook_dicts(p)[0] or {}
 
 
 def post_accumulate_grad_hooks(p: torch.Tensor) -> dict:
     """The hooks registered on `p` with ``p.register_post_accumulate_grad_hook`` (they run
     after its ``.grad`` is accumulated); empty when there are none."""
-    return getattr(p, "_post_accumulate_grad_hooks", None) or {}
+    return gradient_hook_dicts(p)[1] or {}
 
 
 def gradient_hook_dicts(p: torch.Tensor) -> tuple[dict | None, dict | None]:
