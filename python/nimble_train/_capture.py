@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import traceback
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
@@ -241,31 +242,43 @@ class CapturedStep:
         written apart."""
         try:
             self._capture_once(entry, body, stream, sync_records)
+            return
         except NimbleError as failure:
-            products = self.compiled_products
-            if (isinstance(failure.__cause__, MisdirectedGradient) and products is not None
-                    and products.off is None):
-                products.off = f"a capture misdirected a gradient ({failure.__cause__})"
-                self.capture(entry, body, stream, sync_records)
-                return
-            several = (self.multistream is not None or self.weight_grads is not None
-                       or self.splits_compiled)
-            if not several or isinstance(failure, SyncError):
+            retry = self._one_more_try(entry, failure)
+            if retry is None:
                 raise
-            cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
-            self.multistream = self.weight_grads = self._split_model = self._inside = None
-            if BATCH_NORM_KERNELS == "auto":  # on one stream cuDNN's kernels are the faster
-                self._native_bn_model = None
-            self.single_stream_reason = f"capture on several streams failed ({cause})"
-            self.weight_grads_off = self.single_stream_reason
-            warn_single_stream(self.single_stream_reason)
-            for other in list(self.outputs):  # every training graph on one stream alike
-                if other != entry and other not in self.unplanned:
-                    self.graph.drop(other)
-                    self.outputs.pop(other, None)
-            if self.splits_compiled:  # compiled code keeps its launches, on this stream now
-                self.compiled_split.on_one_stream = True
-            self._capture_once(entry, body, stream, sync_records)
+        # Out of the handler: the first attempt's failure is gone before the second begins.
+        if retry == "apart":
+            self.capture(entry, body, stream, sync_records)
+            return
+        warn_single_stream(self.single_stream_reason)
+        self._capture_once(entry, body, stream, sync_records)
+
+    def _one_more_try(self, entry: int, failure: NimbleError) -> str | None:
+        """What to try after a failed capture: "apart" (weight products written apart), "one
+        stream" (the plan dropped), or None (nothing: the failure is the user's)."""
+        products = self.compiled_products
+        if (isinstance(failure.__cause__, MisdirectedGradient) and products is not None
+                and products.off is None):
+            products.off = f"a capture misdirected a gradient ({failure.__cause__})"
+            return "apart"
+        several = (self.multistream is not None or self.weight_grads is not None
+                   or self.splits_compiled)
+        if not several or isinstance(failure, SyncError):
+            return None
+        cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
+        self.multistream = self.weight_grads = self._split_model = self._inside = None
+        if BATCH_NORM_KERNELS == "auto":  # on one stream cuDNN's kernels are the faster
+            self._native_bn_model = None
+        self.single_stream_reason = f"capture on several streams failed ({cause})"
+        self.weight_grads_off = self.single_stream_reason
+        for other in list(self.outputs):  # every training graph on one stream alike
+            if other != entry and other not in self.unplanned:
+                self.graph.drop(other)
+                self.outputs.pop(other, None)
+        if self.splits_compiled:  # compiled code keeps its launches, on this stream now
+            self.compiled_split.on_one_stream = True
+        return "one stream"
 
     def capture_unplanned(self, entry: int, body: Callable, stream: torch.cuda.Stream,
                           sync_records: list) -> None:
@@ -328,6 +341,10 @@ class CapturedStep:
                     from ._inductor_wgrad import join_pending
                     join_pending(stream)
                 result = self.graph.abandon_capture()
+                # The frames the failure left (the body's, the forward's) hold the abandoned
+                # capture's tensors, in the graphs' pool, and its autograd graph, for as long as
+                # anyone holds the error: it keeps its lines, not their locals.
+                traceback.clear_frames(exc.__traceback__)
                 raise failure(result.invalidated, root_message(exc), sync_records) from exc
             result = self.graph.end_capture()
         if not result.ok:

@@ -223,7 +223,7 @@ class Step:
         self._padding: str | None = None  # "proven" or "refused: why", once checked
         self._graph: CapturedStep | None = None
         self._stream = torch.cuda.Stream(self._device) if self._will_capture else None
-        self._capture_error: BaseException | None = None
+        self._capture_error: str | None = None  # its message: no frames or tensors kept
         self._last_entry = -1  # the graph the last call launched (-1: it ran eagerly)
         self._norms: dict[int, torch.Tensor | None] = {}  # update entry -> its gradient norm
         self._counts = {"steps": 0, "updates": 0, "eager_steps": 0, "replays": 0,
@@ -767,7 +767,7 @@ class Step:
                 if b not in self._met and self.buckets is not None:
                     self._deferred[b] = str(failure).splitlines()[0]
                     continue
-                self._capture_error = failure
+                self._capture_error = str(failure)
                 for entries in self._launch_entry:
                     entries[:] = [-1] * self.accumulate
                 self._enter(Phase.EAGER)
@@ -903,7 +903,7 @@ class Step:
                                                   "pool_bytes": None}),
             "warmup_left": max(0, self._warmup_steps - self._counts["steps"]),
             "host_syncs_in_warmup": [str(r) for r in self._sync.records] if self._sync else [],
-            "capture_error": None if self._capture_error is None else str(self._capture_error),
+            "capture_error": self._capture_error,
             "padding": self._padding,
             "shape_buckets": self._bucket_stats(),
             "evaluators": [e.stats() for e in self._evaluators],
