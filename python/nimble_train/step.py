@@ -812,6 +812,9 @@ class Step:
 
     def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
         self._watch.undo_moves()  # a capture abandoned before (tried again on one stream)
+        # A graph user code still holds (a loss kept without .detach()) keeps each parameter's
+        # gradient accumulation on the stream its step ran on, outside this capture.
+        _C.bind_grad_accumulators([p for p in self.model.parameters() if p.requires_grad])
         zero, update = kind
         call = Call(zero, update, *self._graph.scales)
         if zero and self._update.fused is not None:

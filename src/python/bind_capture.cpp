@@ -6,6 +6,7 @@
 #include <tuple>
 #include <vector>
 
+#include "capture/grad_accumulators.h"
 #include "capture/static_inputs.h"
 #include "capture/staging_ring.h"
 #include "common/check.h"
@@ -280,6 +281,10 @@ void bind_step_graph(py::module_& m) {
 void bind_capture(py::module_& m) {
   bind_staging(m);
   bind_static_inputs(m);
+  m.def("bind_grad_accumulators", &capture::bind_grad_accumulators, py::arg("leaves"),
+        "Binds the gradient accumulator of each leaf that has one alive (an earlier autograd "
+        "graph holds it) to the current stream, as if made now; returns how many were bound "
+        "to another stream. See src/capture/grad_accumulators.h.");
 #if NT_HAVE_CUDA
   bind_step_graph(m);
 #endif

@@ -385,3 +385,25 @@ def test_our_passes_run_after_the_users_and_leave_them_set():
             pass
     with config.patch(pre_grad_custom_pass=NoUuid()), _torch_private.pre_grad_pass(Named("x")):
         assert config.pre_grad_custom_pass.uuid() is None  # inductor bypasses its caches
+
+
+def test_binding_grad_accumulators_keeps_a_held_graph_accumulating_into_the_leaves():
+    """_C.bind_grad_accumulators remakes the input metadata of a leaf's accumulator that an
+    earlier graph keeps alive (torch's Node API, clear_input_metadata/add_input_metadata): the
+    held graph's backward then still accumulates into the same leaves, as a fresh graph's does.
+    On the CPU every tensor is on the one default stream, so none is bound to another; the CUDA
+    case (a loss kept from an eager step) is tests/gpu/test_step_cuda.py's."""
+    from nimble_train._extension import _C
+    torch.manual_seed(3)
+    lin, ref = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    ref.load_state_dict(lin.state_dict())
+    x = torch.randn(5, 4)
+    assert _C.bind_grad_accumulators(list(lin.parameters())) == 0  # none alive yet
+    held = lin(x).square().sum()
+    assert _C.bind_grad_accumulators(list(lin.parameters())) == 0
+    held.backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="takes leaf tensors .* got a non-leaf tensor"):
+        _C.bind_grad_accumulators([held])

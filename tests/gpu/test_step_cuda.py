@@ -863,6 +863,41 @@ def test_a_forward_that_gives_its_buffer_new_data_trains_as_the_eager_loop(strea
 
 
 @pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("user_stream", ["default", "its own"])
+def test_a_loss_kept_from_an_eager_step_leaves_the_step_captured_as_planned(user_stream,
+                                                                            streams):
+    """User code that ran a step eagerly and kept its loss without .detach() holds that step's
+    autograd graph, which binds each parameter's gradient accumulation to the stream it ran
+    on (the legacy default stream, or a stream of its own): the Step still captures, on
+    several streams under "auto", and trains as the eager loop."""
+    torch.manual_seed(16)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    run = SideBySide(cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
+                     streams=streams)
+    batches = classification_batches(8, 16, device="cuda", seed=16)
+    stream = torch.cuda.default_stream() if user_stream == "default" else torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kept = per_sample(run.m1(batches[0][0]), batches[0][1]).mean()
+        kept.backward()
+        run.o1.step()
+        run.o1.zero_grad()
+    torch.cuda.current_stream().wait_stream(stream)
+    eager_loop(run.m2, run.o2, per_sample, batches[:1])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run.train(batches[1:])
+    stats = run.step.stats()
+    assert kept.grad_fn is not None
+    assert stats["replays"] == 5, stats["capture_error"]
+    assert not [w for w in seen if "runs on one stream" in str(w.message)], (
+        [str(w.message) for w in seen])
+    if streams == "auto":
+        assert stats["weight_grad_layers"] == 2
+    run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
 def test_a_forward_that_assigns_its_buffers_anew_trains_as_the_eager_loop(streams):
     """A running mean kept by assigning the buffer anew (self.avg = 0.9 * self.avg + ...), and
     a call counter kept the same way: each replay leaves the new values where the next one
