@@ -231,12 +231,13 @@ class CapturedStep:
         self._small_conv_model = model if SMALL_CONV_KERNELS == "ours" else None
 
     def capture(self, entry: int, body: Callable, stream: torch.cuda.Stream,
-                sync_records: list) -> None:
+                sync_records: list, undo: Callable[[], None] = lambda: None) -> None:
         """Captures `body(forward)`, which returns the loss, on `stream` (`forward` is the
         multi-stream forward, or None for the model itself); on failure raises SyncError or
         CaptureError, the capture abandoned. The plan's streams are an optimisation: when a
         capture on several streams fails for another reason than a host sync, it is tried once
-        more on one stream. `body` must start from scratch each time (zeroing gradients).
+        more on one stream. `body` must start from scratch each time (zeroing gradients);
+        `undo()` puts back, before it is tried again, what its forwards did to the model.
         A capture whose backward left a gradient in another parameter's flat view (a compiled
         model's weight product written into the wrong one) is made again with the products
         written apart."""
@@ -248,8 +249,9 @@ class CapturedStep:
             if retry is None:
                 raise
         # Out of the handler: the first attempt's failure is gone before the second begins.
+        undo()
         if retry == "apart":
-            self.capture(entry, body, stream, sync_records)
+            self.capture(entry, body, stream, sync_records, undo)
             return
         warn_single_stream(self.single_stream_reason)
         self._capture_once(entry, body, stream, sync_records)

@@ -180,8 +180,7 @@ class Evaluator:
         try:
             graph.capture_unplanned(entry, captured, step._stream, step._sync.records)
         except NimbleError as failure:
-            step._model.undo_capture()  # what fn's forwards assigned or changed: back
-            step._watch.undo_moves()  # and the data they gave (no values: a capture runs nothing)
+            step._undo_forwards()  # what fn's forwards assigned, changed or gave new data
             scope.put_back()
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too

@@ -792,10 +792,9 @@ class Step:
         try:
             with self._update.lr_on_device(graph.update_values):
                 graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
-                              self._stream, self._sync.records)
+                              self._stream, self._sync.records, undo=self._undo_forwards)
         except NimbleError:
-            self._model.undo_capture()  # what its forwards assigned or changed: back
-            self._watch.undo_moves()  # and the data they gave (no values: a capture runs nothing)
+            self._undo_forwards()
             for p, grad in zip(self._params, saved_grads):
                 p.grad = grad
             self._iteration.window_grads = saved_window  # not the abandoned graph's tensors
@@ -810,8 +809,14 @@ class Step:
         recaptures = self._counts["captures"] - len(self._captured_entries)
         self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)
 
+    def _undo_forwards(self) -> None:
+        """After a failed capture (given up, or tried again on one stream): what its forwards
+        assigned or changed is back as after the last completed call, and so is the data they
+        gave (no values: a capture runs nothing)."""
+        self._model.undo_capture()
+        self._watch.undo_moves()
+
     def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
-        self._watch.undo_moves()  # a capture abandoned before (tried again on one stream)
         # A graph user code still holds (a loss kept without .detach()) keeps each parameter's
         # gradient accumulation on the stream its step ran on, outside this capture.
         _C.bind_grad_accumulators([p for p in self.model.parameters() if p.requires_grad])

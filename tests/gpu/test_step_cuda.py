@@ -1062,6 +1062,40 @@ def test_a_number_a_captured_forward_changes_is_warned_of_once_and_a_buffer_coun
     assert "CallCounter" not in said[0]  # warned of already
 
 
+def test_a_capture_tried_again_on_one_stream_starts_from_the_model_as_the_call_found_it():
+    """A capture on several streams that fails after the forward (here the loss function,
+    once) is tried again on one stream from the model as the call found it: the buffers the
+    forward assigned anew and the number it counts are back, so the graph reads the running
+    mean the last completed call left, and a number it counts moves once for the call."""
+    torch.manual_seed(19)
+    model = torch.nn.Sequential(RunningMean(), CallCounter(), torch.nn.ReLU(),
+                                torch.nn.Linear(12, 5))
+    (m1, o1), (m2, o2) = cuda_twin(model, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    batches = classification_batches(6, 16, device="cuda", seed=19)
+    failed = []
+
+    def fails_once_in_capture(out, y):
+        if torch.cuda.is_current_stream_capturing() and not failed:
+            failed.append(True)
+            raise RuntimeError("a loss that fails once")
+        return per_sample(out, y)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        step = nt.Step(m1, o1, fails_once_in_capture, warmup=2, streams="auto")
+        for b in batches:
+            step(b)
+    eager_loop(m2, o2, per_sample, batches)
+    stats = step.stats()
+    assert failed and stats["replays"] == 4
+    assert "capture on several streams failed (RuntimeError: a loss that fails once)" in (
+        stats["single_stream_reason"])
+    # two warm-up calls and the capture's forward, counted once (replays run no Python)
+    assert m1[1].calls == 3, [str(w.message) for w in seen]
+    assert m1[0].calls.item() == m2[0].calls.item() == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)  # the running mean among the buffers
+
+
 def test_numbers_a_failed_captures_forwards_changed_are_as_after_the_last_completed_call():
     """A module counting its calls: a capture that fails (a host sync in the forward, or in an
     evaluator's fn) leaves the count as the completed calls left it, as the eager loop's; so
