@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 import nimble_train as nt
 from step_reference import (MLP, DataMean, RunningMean, SmallCNN, Tempered, assert_same_training,
-                            classification_batches, eager_loop, grad_scaler_loop, twin)
+                            classification_batches, eager_loop, grad_scaler_loop, twin,
+                            with_short)
 
 pytestmark = pytest.mark.cuda
 
@@ -859,6 +860,58 @@ def test_a_forward_that_gives_its_buffer_new_data_trains_as_the_eager_loop(strea
         assert stats["weight_grad_layers"] == 2, [str(w.message) for w in seen]
     evaluate_side_by_side(run, batches[:4])  # its capture keeps the counter's new data
     assert run.m1[0].calls.item() == run.m2[0].calls.item() == 13
+    run.assert_same()
+
+
+class RenormsShortBatches(torch.nn.Module):
+    """A linear layer whose forward, given a batch shorter than 16, renormalises its weight's
+    rows by giving it new data."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(12, 12)
+
+    def forward(self, x):
+        if x.shape[0] < 16:
+            self.lin.weight.data = self.lin.weight / self.lin.weight.norm(dim=1, keepdim=True)
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
+def test_eager_steps_whose_forward_gives_a_trained_parameter_new_data_train_it_as_the_eager_loop(
+        make_opt):
+    """Steps that run eagerly -- warm-up (the last one with the fused update), the calls after
+    a capture that failed on it, a short batch while the step replays -- with a forward that
+    gives a trained parameter new data (self.weight.data = w / w.norm()) update the new data,
+    as the eager loop does: the fused update copies it into the flat buffers, where the
+    parameter views it again, before it runs, and the replays after read it there."""
+    torch.manual_seed(16)
+    model = torch.nn.Sequential(DataMean(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    run = SideBySide(cuda_twin(model, make_opt), partial_batch="eager")
+    run.m1[0].renorm = run.m2[0].renorm = True
+    batches = classification_batches(6, 16, device="cuda", seed=16)
+    run.train(batches[:2])  # warm-up
+    run.assert_same()
+    before = copy.deepcopy(run.m1.state_dict())
+    with pytest.raises(nt.NimbleError, match=r"the forward gave 0.lin.weight new data"):
+        run.step(batches[2])
+    assert_nothing_ran(run.m1, before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # later calls run eagerly after a failed capture
+        run.train(batches[3:])
+    stats = run.step.stats()
+    assert (stats["replays"], stats["eager_steps"]) == (0, 5)
+    run.assert_same()
+    assert not torch.equal(run.m1[0].lin.weight, before["0.lin.weight"])
+
+    # A step that replays, and a short batch, run eagerly, whose forward renormalises.
+    torch.manual_seed(17)
+    model = torch.nn.Sequential(RenormsShortBatches(), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+    run = SideBySide(cuda_twin(model, make_opt), partial_batch="eager")
+    batches = with_short(classification_batches(8, 16, device="cuda", seed=17), 4, 10)
+    run.train(batches)
+    stats = run.step.stats()
+    assert (stats["replays"], stats["eager_steps"]) == (5, 3)
     run.assert_same()
 
 
