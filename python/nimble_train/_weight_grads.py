@@ -347,19 +347,34 @@ def _accepts(p: torch.Tensor, gradients) -> bool:
     return not _torch_private.post_accumulate_grad_hooks(p)
 
 
+def _own_parameters(m: nn.Module) -> list[torch.Tensor] | None:
+    """The layer's weight and bias when they are its own parameters, the leaves whose ``.grad``
+    a side stream adds into; None when either is a tensor computed from others
+    (``torch.nn.utils.weight_norm``, ``spectral_norm`` and ``prune`` replace the parameter by
+    one their forward pre-hook computes, whose gradient autograd must carry back to the
+    parameters it was computed from)."""
+    weight, bias = m._parameters.get("weight"), getattr(m, "bias", None)
+    if weight is None or m.weight is not weight:
+        return None
+    if bias is not None and m._parameters.get("bias") is not bias:
+        return None
+    return [weight] if bias is None else [weight, bias]
+
+
 def eligible(m: nn.Module, gradients=None) -> bool:
     """Modules whose weight gradient may leave the critical path: plain convolutions and linear
-    layers whose weight requires a gradient and whose parameters a side stream accepts
-    (`gradients`: data parallel, the GradientSync; see _accepts)."""
+    layers whose weight and bias are their own parameters (see _own_parameters), whose weight
+    requires a gradient and whose parameters a side stream accepts (`gradients`: data
+    parallel, the GradientSync; see _accepts)."""
     if type(m) in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         ok = _conv_padding(m) is not None
     elif type(m) is nn.Linear:
         ok = True
     else:
         return False
-    params = [p for p in (m.weight, getattr(m, "bias", None)) if p is not None]
-    return ok and m.weight.requires_grad and all(p.requires_grad and _accepts(p, gradients)
-                                                 for p in params)
+    params = _own_parameters(m)
+    return (ok and params is not None and m.weight.requires_grad
+            and all(p.requires_grad and _accepts(p, gradients) for p in params))
 
 
 def _split_forward(module: nn.Module, side: SideStream, small_convs: bool):

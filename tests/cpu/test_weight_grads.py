@@ -1,8 +1,11 @@
 """Which layers the backward plan moves to a side stream, and when Step plans none (CPU)."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import prune
 
 from nimble_train import _weight_grads
 from nimble_train._weight_grads import (SideStream, _conv_padding, eligible, plan_weight_grads,
@@ -26,6 +29,19 @@ def test_convolutions_and_linear_layers_are_eligible_unless_autograd_must_see_th
     class MyLinear(nn.Linear):  # a subclass may change forward: left alone
         pass
     assert not eligible(MyLinear(4, 3))
+    # A weight computed by a forward pre-hook from parameters of other names: its gradient
+    # must reach them through autograd.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations'
+        assert not eligible(nn.utils.weight_norm(nn.Linear(4, 3)))
+    assert not eligible(nn.utils.spectral_norm(nn.Conv2d(3, 8, 3)))
+    pruned = nn.Linear(4, 3)
+    prune.l1_unstructured(pruned, "weight", amount=0.5)
+    assert not eligible(pruned)
+    pruned = nn.Conv2d(3, 8, 3)
+    prune.random_unstructured(pruned, "bias", amount=0.5)
+    assert not eligible(pruned)
+    assert not eligible(nn.utils.parametrizations.weight_norm(nn.Linear(4, 3)))
 
 
 @pytest.mark.parametrize("kwargs, expected", [

@@ -8,8 +8,10 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as checkpoint
 
 import nimble_train as nt
+from bucket_reference import eager_own_loss_loop, mlm_batches, tiny_bert
 from step_reference import (MLP, DataMean, RunningMean, SmallCNN, Tempered, assert_same_training,
                             classification_batches, eager_loop, grad_scaler_loop, twin,
                             with_short)
@@ -861,6 +863,61 @@ def test_a_forward_that_gives_its_buffer_new_data_trains_as_the_eager_loop(strea
     evaluate_side_by_side(run, batches[:4])  # its capture keeps the counter's new data
     assert run.m1[0].calls.item() == run.m2[0].calls.item() == 13
     run.assert_same()
+
+
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing: one block recomputed in the backward
+    (torch.utils.checkpoint, reentrant or not), then a sequence of blocks in segments."""
+
+    def __init__(self, reentrant):
+        super().__init__()
+        self.block = torch.nn.Sequential(torch.nn.Linear(12, 32), torch.nn.GELU(),
+                                         torch.nn.Linear(32, 12))
+        self.layers = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(12, 12),
+                                                                torch.nn.Tanh())
+                                            for _ in range(4)])
+        self.head = torch.nn.Linear(12, 5)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        x = x + checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        x = checkpoint.checkpoint_sequential(self.layers, 2, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_activation_checkpointing_trains_as_the_eager_loop(reentrant, streams):
+    """Blocks recomputed in the backward (torch.utils.checkpoint) are captured with it: every
+    replay recomputes them, and the step trains as the eager loop."""
+    torch.manual_seed(18)
+    run = SideBySide(cuda_twin(Checkpointed(reentrant),
+                               lambda p: torch.optim.AdamW(p, lr=1e-3)), streams=streams)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reentrant: an input that needs no gradient
+        run.train(classification_batches(6, 16, device="cuda", seed=18))
+    assert run.step.stats()["replays"] == 4
+    run.assert_same()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_a_hugging_face_model_with_gradient_checkpointing_trains_as_the_eager_loop(streams):
+    """gradient_checkpointing_enable() (what Trainer's gradient_checkpointing=True calls):
+    each layer recomputed in the backward, in every replay, as the eager loop does."""
+    m1 = tiny_bert("mlm", device="cuda", seed=0)
+    m1.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (m1, m2))
+    batches = [{k: F.pad(v, (0, 40 - v.shape[1]), value=-100 if k == "labels" else 0)
+                for k, v in b.items()} for b in mlm_batches(6, 4, 40, seed=2, device="cuda")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # on one stream: fx cannot trace a Hugging Face model
+        step = nt.Step(m1, o1, streams=streams, warmup=2)
+        losses = [step(b).clone() for b in batches]
+    expected = eager_own_loss_loop(m2, o2, batches)
+    assert step.stats()["replays"] == 4
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOL)
+    assert_same_training(m1, o1, m2, o2, **TOL)
 
 
 class RenormsShortBatches(torch.nn.Module):

@@ -1,16 +1,18 @@
 """Weight gradients on a side stream equal autograd's, and Step uses them only where safe."""
 
 import copy
+import warnings
 import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 
 import nimble_train as nt
 from nimble_train._weight_grads import SideStream, eligible, split_weight_grads
-from step_reference import classification_batches, eager_loop
+from step_reference import assert_same_training, classification_batches, eager_loop
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -305,6 +307,57 @@ def test_step_with_the_backward_planned_equals_one_stream_and_eager(make_opt):
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert not any("forward" in vars(m) for m in models[0].modules())
+
+
+class Reparametrized(nn.Module):
+    """Layers whose weight a forward pre-hook computes from parameters of other names
+    (torch.nn.utils' weight_norm, spectral_norm, pruning of a weight and of a bias), and a
+    plain head."""
+
+    def __init__(self):
+        super().__init__()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # deprecated for parametrizations'
+            self.conv = nn.utils.weight_norm(nn.Conv2d(3, 8, 3, padding=1))
+        self.conv2 = nn.utils.spectral_norm(nn.Conv2d(8, 8, 3, padding=1))
+        self.fc = nn.Linear(8, 16)
+        prune.l1_unstructured(self.fc, "weight", amount=0.3)
+        self.fc2 = nn.Linear(16, 16)
+        prune.l1_unstructured(self.fc2, "bias", amount=0.5)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        x = F.relu(self.conv(x))
+        x = F.relu(self.conv2(x)).mean((2, 3))
+        return self.head(F.relu(self.fc2(F.relu(self.fc(x)))))
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("make_opt", [
+    lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    lambda p: torch.optim.AdamW(p, lr=1e-3),
+], ids=["sgd", "adamw"])
+def test_layers_whose_weight_a_hook_computes_train_as_the_eager_loop(make_opt, streams):
+    """A layer whose weight or bias a forward pre-hook computes from parameters of other names
+    keeps autograd's path, which carries its gradient back to them (the weight_norm'ed
+    convolution's g and v, the pruned layer's weight_orig): planned on several streams, only
+    the plain head's weight gradient moves to a side stream, and the step trains as the eager
+    loop. (Split, their gradient went into the computed tensor's .grad, and the parameters
+    they were computed from did not train.)"""
+    models = []
+    for _ in range(2):  # weight_norm's computed weight cannot be deep-copied
+        torch.manual_seed(6)
+        models.append(Reparametrized().cuda())
+    opts = [make_opt(m.parameters()) for m in models]
+    batches = classification_batches(7, 8, classes=5, device="cuda", image=True, seed=6)
+    step = nt.Step(models[0], opts[0], per_sample, streams=streams, warmup=2)
+    losses = torch.stack([step(b).clone() for b in batches])
+    expected = torch.stack(eager_loop(models[1], opts[1], per_sample, batches))
+    stats = step.stats()
+    assert stats["replays"] == 5
+    assert stats["weight_grad_layers"] == (1 if streams == "auto" else 0)
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+    assert_same_training(models[0], opts[0], models[1], opts[1], rtol=1e-4, atol=1e-5)
 
 
 def test_a_capture_failing_in_the_backward_leaves_the_step_as_it_was():
