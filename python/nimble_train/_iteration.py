@@ -13,6 +13,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from . import _torch_private
+from ._weight_grads import steps_backward
 
 AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -184,7 +185,8 @@ class Iteration:
             self._fused_backward_and_update(loss, call)
             return
         scaler = self.update.grad_scaler
-        (scaler.scale(loss) if scaler else loss).backward()
+        with steps_backward():
+            (scaler.scale(loss) if scaler else loss).backward()
         self._note_gradients()
         if self.accumulate > 1:
             self.window_grads = [p.grad for p in self.params]
@@ -245,7 +247,7 @@ class Iteration:
         else:
             around = (products.writing if capturing else products.learning)(handed, self.params)
         try:
-            with around:
+            with around, steps_backward():
                 (loss if scaler is None else scaler.scale_loss(loss)).backward()
             take_back_grads(handed, zero_unreached=capturing)
         except BaseException:

@@ -34,7 +34,7 @@ from . import _torch_private
 from ._extension import _C
 from ._forwards import replaced_forwards
 from ._max_pool import _pair
-from ._weight_grads import _accumulate, _amp_cast, _conv_padding
+from ._weight_grads import _accumulate, _amp_cast, _conv_padding, splits
 
 # The layers a capture gives the kernels: a stem's input channels (an image's 1 to 4), and what
 # the kernels take (src/ops/small_conv.h): input channels × kernel positions, output channels.
@@ -70,7 +70,7 @@ class _SmallConv(torch.autograd.Function):
             return _C.small_conv2d_weight_grad(g, x, weight, stride, padding, dilation,
                                                with_bias)
 
-        if ctx.side is None:
+        if ctx.side is None or not splits():
             gw, gb = weight_grads()
             return None, gw, gb, None, None, None, None, None
         module, side = ctx.module, ctx.side

@@ -14,6 +14,10 @@ backward ends, before the backward returns; the tensors a launch reads are kept 
 bounded `lag` has the launching stream wait on each launch that many of its own launches later
 instead, so that those tensors are released sooner; Step leaves it unbounded (LAG), which
 never stalls the critical path on a slow weight gradient and, measured, costs little memory.
+Only the step's own backward splits (steps_backward): any other that runs through these layers
+(``torch.autograd.grad`` in a forward or loss, a backward that builds a graph of itself) gets
+their gradients back as autograd's layers give them. So does a call whose weight or bias is not
+the layer's own parameter (a hook or ``torch.func.functional_call`` computed it from others).
 
 Each stream that launches (a layer's forward stream: autograd runs the layer's backward there)
 has a side stream of its own. With one side stream for all of them, branches the forward plan
@@ -153,6 +157,34 @@ LAG: int | None = None
 WEIGHT_GRADS_FIRST = "auto"
 
 
+# Whether the step's own backward is running (see steps_backward). Global, not thread-local:
+# autograd runs a CUDA backward's nodes on a thread of its own.
+_in_steps_backward = False
+
+
+@contextlib.contextmanager
+def steps_backward() -> Iterator[None]:
+    """The step's own backward (its loss's ``.backward()``) runs inside this block: the only
+    backward whose split layers hand their weight gradients to a side stream, which adds them
+    into ``.grad``. Any other -- ``torch.autograd.grad`` in a forward or loss (an input-gradient
+    penalty, adversarial examples, a penalty on parameters' gradients), a backward that builds
+    a graph of itself -- runs them as autograd would: their weight gradients go back to
+    autograd, which accumulates them only where that backward asks, and can differentiate
+    them."""
+    global _in_steps_backward
+    before, _in_steps_backward = _in_steps_backward, True
+    try:
+        yield
+    finally:
+        _in_steps_backward = before
+
+
+def splits() -> bool:
+    """In a split layer's backward: whether to hand its weight gradients to the side stream
+    (the step's own backward, building no graph) or give them back to autograd."""
+    return _in_steps_backward and not torch.is_grad_enabled()
+
+
 def weight_grads_first(share_on_main: float | None) -> bool:
     """Whether to fork each weight gradient before its layer's data gradient, given the share
     of the split layers the forward plan runs on the launching (capture) stream (None: the
@@ -271,6 +303,11 @@ class _Conv(torch.autograd.Function):
         module, has_bias = ctx.module, ctx.has_bias
         bias_sizes = [w.shape[0]] if has_bias else None
         zeros = [0] * len(stride)
+        if not splits():  # autograd's own: the gradients go back to it
+            return (*torch.ops.aten.convolution_backward(
+                grad_y, x, w, bias_sizes, stride, padding, dilation, False, zeros, groups,
+                [ctx.needs_input_grad[0], True, has_bias]),
+                None, None, None, None, None, None)
 
         def data_grad():
             if not ctx.needs_input_grad[0]:
@@ -309,6 +346,11 @@ class _Linear(torch.autograd.Function):
 
         def data_grad():
             return grad_y.matmul(w) if ctx.needs_input_grad[0] else None
+
+        if not splits():  # autograd's own: the gradients go back to it
+            g2 = grad_y.reshape(-1, grad_y.shape[-1])
+            return (data_grad(), g2.t().mm(x.reshape(-1, x.shape[-1])),
+                    g2.sum(0) if has_bias else None, None, None)
 
         def weight_grads():
             g2 = grad_y.reshape(-1, grad_y.shape[-1])
@@ -378,9 +420,18 @@ def eligible(m: nn.Module, gradients=None) -> bool:
 
 
 def _split_forward(module: nn.Module, side: SideStream, small_convs: bool):
+    weight, bias = module.weight, module.bias
+
+    def own(x) -> bool:
+        """Whether this call may split: on the GPU, with autograd on, and the layer's own
+        parameters in place (torch.func.functional_call puts tensors computed from others
+        there for the call, whose gradient autograd must carry back to them)."""
+        return (x.is_cuda and torch.is_grad_enabled() and module.weight is weight
+                and module.bias is bias)
+
     if isinstance(module, nn.Linear):
         def forward(x):
-            if not (x.is_cuda and torch.is_grad_enabled()):
+            if not own(x):
                 return type(module).forward(module, x)
             return _Linear.apply(x, module.weight, module.bias, module, side)
         return forward
@@ -389,7 +440,7 @@ def _split_forward(module: nn.Module, side: SideStream, small_convs: bool):
     small = small_convs and _small_conv.is_candidate(module)
 
     def forward(x):
-        if not (x.is_cuda and torch.is_grad_enabled()):
+        if not own(x):
             return type(module).forward(module, x)
         if small and _small_conv.takes(x, module.weight):
             return _small_conv.apply(x, module, side)

@@ -132,3 +132,22 @@ def test_data_parallel_splits_the_layers_that_alone_use_their_parameters_once():
     side, why = plan_weight_grads(nn.Sequential(net.b), "auto", torch.device("cpu"),
                                   gradients=sync)
     assert side is None and "data parallel: only layers that alone use their parameters" in why
+
+
+def test_only_the_steps_own_backward_without_a_graph_of_itself_splits():
+    assert not _weight_grads.splits()  # a forward's torch.autograd.grad, a user's backward
+    with torch.no_grad():  # as a backward runs its nodes
+        assert not _weight_grads.splits()
+        with _weight_grads.steps_backward():
+            assert _weight_grads.splits()
+            with _weight_grads.steps_backward():  # a reentrant checkpoint's inner backward
+                assert _weight_grads.splits()
+            assert _weight_grads.splits()
+            with torch.enable_grad():  # create_graph: autograd must see the gradients
+                assert not _weight_grads.splits()
+        assert not _weight_grads.splits()
+    with pytest.raises(RuntimeError, match="fails"):
+        with _weight_grads.steps_backward():
+            raise RuntimeError("the backward fails")
+    with torch.no_grad():
+        assert not _weight_grads.splits()  # left as it was

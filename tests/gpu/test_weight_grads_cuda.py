@@ -11,8 +11,9 @@ from torch import nn
 from torch.nn.utils import prune
 
 import nimble_train as nt
-from nimble_train._weight_grads import SideStream, eligible, split_weight_grads
-from step_reference import assert_same_training, classification_batches, eager_loop
+from nimble_train._weight_grads import SideStream, eligible, split_weight_grads, steps_backward
+from step_reference import (assert_same_training, classification_batches, eager_accumulation_loop,
+                            eager_loop)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("deterministic_cudnn")]
 
@@ -34,7 +35,7 @@ def grads_both_ways(model, inputs, *, amp=None, backwards=1, lag=1, calls=None, 
             out.float().square().sum().backward()
 
     run(ref)
-    with split_weight_grads(split, side) as layers:
+    with split_weight_grads(split, side) as layers, steps_backward():
         run(split)
     # the backward's end joined the side stream: the gradients are ready on this stream
     assert layers > 0 and side.launched == (calls or layers) * backwards
@@ -332,22 +333,44 @@ class Reparametrized(nn.Module):
         return self.head(F.relu(self.fc2(F.relu(self.fc(x)))))
 
 
+class CallsALayerFunctionally(nn.Module):
+    """A layer called through torch.func.functional_call with a weight computed from its own
+    and a learned scale (as weight-space ensembles and meta-learning do), and called plainly."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3, 12)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 12).unsqueeze(1))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x):
+        x = x.mean((2, 3))
+        scaled = torch.func.functional_call(
+            self.fc, {"weight": self.fc.weight * self.scale, "bias": self.fc.bias}, (x,))
+        return self.head(torch.tanh(scaled) + self.fc(x))
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 @pytest.mark.parametrize("make_opt", [
     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     lambda p: torch.optim.AdamW(p, lr=1e-3),
 ], ids=["sgd", "adamw"])
-def test_layers_whose_weight_a_hook_computes_train_as_the_eager_loop(make_opt, streams):
-    """A layer whose weight or bias a forward pre-hook computes from parameters of other names
-    keeps autograd's path, which carries its gradient back to them (the weight_norm'ed
-    convolution's g and v, the pruned layer's weight_orig): planned on several streams, only
-    the plain head's weight gradient moves to a side stream, and the step trains as the eager
-    loop. (Split, their gradient went into the computed tensor's .grad, and the parameters
-    they were computed from did not train.)"""
+@pytest.mark.parametrize("make_model, split", [(Reparametrized, 1),
+                                               (CallsALayerFunctionally, 2)],
+                         ids=["hooks", "functional_call"])
+def test_layers_whose_weight_is_computed_from_parameters_train_as_the_eager_loop(
+        make_model, split, make_opt, streams):
+    """A layer whose weight or bias is computed from parameters, by a forward pre-hook
+    (weight_norm, spectral_norm, pruning) or for one call (torch.func.functional_call), keeps
+    autograd's path there, which carries its gradient back to them (the weight_norm'ed
+    convolution's g and v, the pruned layer's weight_orig, the learned scale): planned on
+    several streams, only the plain layers' calls move their weight gradients to a side stream,
+    and the step trains as the eager loop. (Split, their gradient went into the computed
+    tensor's .grad, and the parameters it was computed from did not train.)"""
     models = []
     for _ in range(2):  # weight_norm's computed weight cannot be deep-copied
         torch.manual_seed(6)
-        models.append(Reparametrized().cuda())
+        models.append(make_model().cuda())
     opts = [make_opt(m.parameters()) for m in models]
     batches = classification_batches(7, 8, classes=5, device="cuda", image=True, seed=6)
     step = nt.Step(models[0], opts[0], per_sample, streams=streams, warmup=2)
@@ -355,9 +378,59 @@ def test_layers_whose_weight_a_hook_computes_train_as_the_eager_loop(make_opt, s
     expected = torch.stack(eager_loop(models[1], opts[1], per_sample, batches))
     stats = step.stats()
     assert stats["replays"] == 5
-    assert stats["weight_grad_layers"] == (1 if streams == "auto" else 0)
+    assert stats["weight_grad_layers"] == (split if streams == "auto" else 0)
     torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
     assert_same_training(models[0], opts[0], models[1], opts[1], rtol=1e-4, atol=1e-5)
+
+
+class AsksAutogradInside(nn.Module):
+    """A loss that asks autograd for gradients inside the forward: of the input, to train on
+    adversarial examples (FGSM), or of the input with a graph of them, for a penalty on them."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+            nn.Flatten(), nn.Linear(8 * 8 * 8, 32), nn.ReLU(), nn.Linear(32, 5))
+        self.kind = kind
+
+    def forward(self, x, labels):
+        x0 = x.detach().requires_grad_()
+        if self.kind == "adversarial":
+            g, = torch.autograd.grad(F.cross_entropy(self.net(x0), labels), x0)
+            return F.cross_entropy(self.net(x + 0.05 * g.sign()), labels)
+        out = self.net(x0)
+        g, = torch.autograd.grad(out.logsumexp(1).sum(), x0, create_graph=True)
+        return F.cross_entropy(out, labels) + 0.1 * g.square().sum((1, 2, 3)).mean()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("kind", ["adversarial", "penalty"])
+def test_autograd_asked_inside_the_forward_leaves_the_split_layers_gradients_as_eager(
+        kind, accumulate):
+    """torch.autograd.grad inside the forward runs the split layers' backward too: there they
+    give their gradients back to autograd, which adds none into .grad (the input's gradient
+    alone was asked for) or builds their graph (create_graph); only the step's own backward
+    moves them to the side stream. The step captures on several streams and trains as the
+    eager loop, accumulating or not. (The side stream added the adversarial pass's weight
+    gradients into .grad, which accumulation kept; with a graph asked for, the capture on
+    several streams failed.)"""
+    torch.manual_seed(8)
+    m1 = AsksAutogradInside(kind).cuda()
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (m1, m2))
+    batches = [{"x": x, "labels": y}
+               for x, y in classification_batches(8, 8, device="cuda", image=True, seed=8)]
+    step = nt.Step(m1, o1, streams="auto", warmup=2, accumulate=accumulate)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fx cannot trace autograd.grad: the backward is planned
+        losses = torch.stack([step(b).clone() for b in batches])
+    expected = torch.stack(eager_accumulation_loop(m2, o2, lambda loss, batch: loss, batches,
+                                                   accumulate))
+    stats = step.stats()
+    assert stats["replays"] == 6 and stats["weight_grad_layers"] == 4
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+    assert_same_training(m1, o1, m2, o2, rtol=1e-4, atol=1e-5)
 
 
 def test_a_capture_failing_in_the_backward_leaves_the_step_as_it_was():
