@@ -161,6 +161,25 @@ def at_end_of_backward(callback) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def backward_asks(ctx, i: int) -> bool:
+    """In a custom autograd function's backward: whether the running backward uses the
+    gradient of the function's `i`-th tensor input (a tensor argument of ``apply``, Nones and
+    other values not counted). ``ctx.needs_input_grad`` says only whether the input required
+    one when the forward ran; ``torch.autograd.grad(loss, x)`` asks for none of the
+    parameters', and autograd's own operators then skip them (their
+    ``task_should_compute_output``). True for a gradient ``torch.autograd.grad`` returns, and
+    wherever the engine cannot say (it raises for a leaf whose gradient it returns)."""
+    if i >= len(ctx.next_functions):
+        return False
+    node = ctx.next_functions[i][0]
+    if node is None:  # needs no gradient
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+
+
 def cuda_sleep(cycles: int) -> None:
     """Enqueues a kernel that spins for `cycles` GPU clock cycles (tests and benchmarks keep the
     GPU busy with it while the host runs ahead)."""

@@ -16,8 +16,10 @@ instead, so that those tensors are released sooner; Step leaves it unbounded (LA
 never stalls the critical path on a slow weight gradient and, measured, costs little memory.
 Only the step's own backward splits (steps_backward): any other that runs through these layers
 (``torch.autograd.grad`` in a forward or loss, a backward that builds a graph of itself) gets
-their gradients back as autograd's layers give them. So does a call whose weight or bias is not
-the layer's own parameter (a hook or ``torch.func.functional_call`` computed it from others).
+their gradients back as autograd's layers give them, and only those it asks for, as autograd's
+own layers compute (adversarial examples' ``torch.autograd.grad(loss, x)`` asks for no
+weight's). So does a call whose weight or bias is not the layer's own parameter (a hook or
+``torch.func.functional_call`` computed it from others).
 
 Each stream that launches (a layer's forward stream: autograd runs the layer's backward there)
 has a side stream of its own. With one side stream for all of them, branches the forward plan
@@ -303,11 +305,12 @@ class _Conv(torch.autograd.Function):
         module, has_bias = ctx.module, ctx.has_bias
         bias_sizes = [w.shape[0]] if has_bias else None
         zeros = [0] * len(stride)
-        if not splits():  # autograd's own: the gradients go back to it
+        if not splits():  # autograd's own: the gradients go back to it, those it asks for
+            mask = [_torch_private.backward_asks(ctx, 0), _torch_private.backward_asks(ctx, 1),
+                    has_bias and _torch_private.backward_asks(ctx, 2)]
             return (*torch.ops.aten.convolution_backward(
                 grad_y, x, w, bias_sizes, stride, padding, dilation, False, zeros, groups,
-                [ctx.needs_input_grad[0], True, has_bias]),
-                None, None, None, None, None, None)
+                mask), None, None, None, None, None, None)
 
         def data_grad():
             if not ctx.needs_input_grad[0]:
@@ -347,10 +350,12 @@ class _Linear(torch.autograd.Function):
         def data_grad():
             return grad_y.matmul(w) if ctx.needs_input_grad[0] else None
 
-        if not splits():  # autograd's own: the gradients go back to it
+        if not splits():  # autograd's own: the gradients go back to it, those it asks for
             g2 = grad_y.reshape(-1, grad_y.shape[-1])
-            return (data_grad(), g2.t().mm(x.reshape(-1, x.shape[-1])),
-                    g2.sum(0) if has_bias else None, None, None)
+            asks = _torch_private.backward_asks
+            return (grad_y.matmul(w) if asks(ctx, 0) else None,
+                    g2.t().mm(x.reshape(-1, x.shape[-1])) if asks(ctx, 1) else None,
+                    g2.sum(0) if has_bias and asks(ctx, 2) else None, None, None)
 
         def weight_grads():
             g2 = grad_y.reshape(-1, grad_y.shape[-1])

@@ -897,3 +897,37 @@ def test_models_are_exported_with_the_advertised_sizes():
     assert branchy(torch.randn(2, 3, 32, 32)).shape == (2, 10)
     cells = [m for m in branchy.modules() if type(m).__name__ == "BranchyCell"]
     assert len(cells) == 8
+
+
+def test_bench_adversarial_attacks_within_eps_and_prints_the_gains(capsys):
+    bench = _bench_script("bench_adversarial")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3))
+    images, labels = torch.randn(4, 3, 2, 2), torch.tensor([0, 2, 1, 0])
+    fgsm = bench.Adversarial(net, torch.nn.functional.cross_entropy, 1, eps=0.1)
+    x = images.clone().requires_grad_()
+    torch.nn.functional.cross_entropy(net(x), labels).backward()
+    want = torch.nn.functional.cross_entropy(net(images + 0.1 * x.grad.sign()), labels)
+    torch.testing.assert_close(fgsm(images, labels), want)
+    net.zero_grad()
+    fgsm(images, labels).backward()  # the attack's gradients reach no parameter's .grad
+    want_grads = torch.autograd.grad(want, list(net.parameters()))
+    for p, g in zip(net.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, g)
+    seen = []
+    net.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach()))
+    bench.Adversarial(net, torch.nn.functional.cross_entropy, 3, eps=0.1)(images, labels)
+    assert len(seen) == 4  # three attack steps, then the examples trained on
+    assert torch.equal(seen[0], images)
+    for x in seen[1:]:
+        assert 0 < (x - images).abs().max() <= 0.1 + 1e-6
+    row = {"workload": "resnet18 b32", "attack": "PGD-3",
+           **dict(zip(bench.WAYS, (20.0, 8.0, 6.0, 7.2)))}
+    bench.print_table([row])
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| workload | attack | eager | step | step-auto |")
+    assert table[2] == ("| resnet18 b32 | PGD-3 | 20.000 | 8.000 | 6.000 | 7.200 | **3.33x** "
+                        "| **1.200x** |")
+    if not torch.cuda.is_available():
+        assert bench.main([]) == 2
+        assert "CUDA GPU" in capsys.readouterr().err

@@ -197,6 +197,34 @@ def test_a_callback_runs_once_the_backward_has_finished_every_node():
     assert len(seen) == 2
 
 
+def test_backward_asks_says_which_inputs_gradients_the_running_backward_uses():
+    asked = []
+
+    class Scale(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, b, k):  # b may be None, k is no tensor: neither counts
+            return x * w * k
+
+        @staticmethod
+        def backward(ctx, grad):
+            asked.append(tuple(_torch_private.backward_asks(ctx, i) for i in range(3)))
+            return grad, grad, None, None
+
+    w = torch.ones(3, requires_grad=True)
+    x0 = torch.ones(3, requires_grad=True)
+    frozen = torch.ones(3)
+    for ask, want in [(lambda y, x: y.backward(), (True, True, False)),
+                      (lambda y, x: torch.autograd.grad(y, x), (True, False, False)),
+                      (lambda y, x: torch.autograd.grad(y, w), (False, True, False)),
+                      (lambda y, x: torch.autograd.grad(y, [x0]), (True, False, False)),
+                      (lambda y, x: y.backward(inputs=[w]), (False, True, False))]:
+        x = x0 * 2
+        ask(Scale.apply(x, w, None, 2.0).sum(), x)
+        assert asked.pop() == want
+    Scale.apply(x0 * 2, frozen, None, 2.0).sum().backward()  # needs no gradient
+    assert asked.pop() == (True, False, False)
+
+
 def test_fake_tensor_values_give_shapes_and_leave_the_module_alone():
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.BatchNorm1d(4))
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 from torch.nn.utils import prune
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from nimble_train import _weight_grads
 from nimble_train._weight_grads import (SideStream, _conv_padding, eligible, plan_weight_grads,
@@ -151,3 +152,73 @@ def test_only_the_steps_own_backward_without_a_graph_of_itself_splits():
             raise RuntimeError("the backward fails")
     with torch.no_grad():
         assert not _weight_grads.splits()  # left as it was
+
+
+class _Ops(TorchDispatchMode):
+    """The aten operators run inside the block (a backward's too), convolution_backward with
+    its output mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.ops.append((name, tuple(args[-1])) if name == "convolution_backward" else name)
+        return func(*args, **(kwargs or {}))
+
+
+_ASKS = {  # a backward other than the step's own, and the gradients it asks for
+    "backward": (lambda loss, x, m: loss.backward(), ("x", "weight", "bias")),
+    "grad of the input": (lambda loss, x, m: torch.autograd.grad(loss, x), ("x",)),
+    "grad of the weight": (lambda loss, x, m: torch.autograd.grad(loss, m.weight), ("weight",)),
+    "backward into the bias": (lambda loss, x, m: loss.backward(inputs=[m.bias]), ("bias",)),
+    "grad of the input and weight": (
+        lambda loss, x, m: torch.autograd.grad(loss, [x, m.weight]), ("x", "weight")),
+}
+
+
+@pytest.mark.parametrize("asks", list(_ASKS))
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_a_backward_not_the_steps_gets_the_gradients_it_asks_for_and_computes_no_others(
+        kind, asks):
+    """Outside the step's own backward a split layer gives autograd its gradients, as torch's
+    layers do, and, as they do, computes only those the backward asks for: an adversarial
+    example's torch.autograd.grad(loss, x) runs no weight gradient (they were computed and
+    thrown away, as much work again as the data gradient). The gradients against torch's own
+    layers in float64."""
+    torch.manual_seed(3)
+    ask, asked = _ASKS[asks]
+    if kind == "conv":
+        m = nn.Conv2d(3, 4, 3, padding=1).double()
+        x = torch.randn(2, 3, 5, 5, dtype=torch.float64, requires_grad=True)
+        split = lambda: _weight_grads._Conv.apply(x, m.weight, m.bias, m, None, [1, 1], [1, 1],
+                                                  [1, 1], 1)
+    else:
+        m = nn.Linear(3, 4).double()
+        x = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+        split = lambda: _weight_grads._Linear.apply(x, m.weight, m.bias, m, None)
+    target = torch.randn(m(x).shape, dtype=torch.float64)
+
+    def run(forward):
+        x.grad = m.weight.grad = m.bias.grad = None
+        loss = (forward() * target).sum()
+        with _Ops() as seen:
+            got = ask(loss, x, m)
+        grads = dict(zip(asked, got)) if got is not None else {
+            n: t.grad for n, t in (("x", x), ("weight", m.weight), ("bias", m.bias))
+            if t.grad is not None}
+        return grads, seen.ops
+
+    want, torch_ops = run(lambda: m(x))
+    got, ops = run(split)
+    assert set(got) == set(want) == set(asked)
+    for name in asked:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+    if kind == "conv":  # the output mask torch's convolution asks for
+        assert ([op for op in ops if op[0] == "convolution_backward"]
+                == [op for op in torch_ops if op[0] == "convolution_backward"]
+                == [("convolution_backward", tuple(n in asked for n in ("x", "weight", "bias")))])
+    else:  # a product per gradient of x or the weight, a sum for the bias
+        assert ops.count("mm") == ("x" in asked) + ("weight" in asked)
+        assert ops.count("sum") == ("bias" in asked)
