@@ -1,12 +1,15 @@
-"""The batch norms of a captured step: PyTorch's own kernels where several streams share the
-GPU, and one kernel for all their batch counters.
+"""The batch norms of a captured step: PyTorch's own kernels where the planned forward shares
+the GPU between streams, and one kernel for all their batch counters.
 
 On CUDA, ``F.batch_norm`` calls cuDNN when it is enabled. For channels-last activations cuDNN
 runs semi-persistent kernels (``batchnorm_fwtr_nhwc_semiPersist`` and its backward), whose
 grids fill every SM of the GPU: whatever another stream has queued (a parallel branch, a
 weight gradient on a side stream) waits until they end. PyTorch's native kernels take the
 GPU block by block and share it. On one stream cuDNN's are the faster, so a step uses them
-there and the native ones only where its plan runs kernels side by side.
+there and the native ones only where its forward is planned. Where only the backward is (a
+forward torch.fx cannot trace), cuDNN's too: the weight gradients beside the backward have
+the slack to wait out each of its kernels (bench/bench_streams.py's "backward only" row; the
+README's "Streams" has the figures).
 
 Measured on an H100 (torch 2.11.0+cu130, ms per step, alternating rounds in one process; one
 stream with cuDNN's, then streams="auto" with cuDNN's and with the native kernels): the

@@ -36,9 +36,10 @@ from .errors import CaptureError, NimbleError, SyncError, one_line
 PLAN_FORWARD = True
 FORWARD_OFF = "the forward's plan is switched off"
 # Which batch-norm kernels a training capture runs (see _batch_norm.py): "auto", PyTorch's
-# native ones where the plan runs kernels side by side and cuDNN's on one stream; "cudnn",
-# cuDNN's everywhere (bench/bench_streams.py times both); "native", the native ones in every
-# training capture (tests compare one stream with several on the same kernels).
+# native ones where the forward is planned and cuDNN's where it runs on one stream (the
+# backward's plan alone included); "cudnn", cuDNN's everywhere (bench/bench_streams.py times
+# both); "native", the native ones in every training capture (tests compare one stream with
+# several on the same kernels).
 BATCH_NORM_KERNELS = "auto"
 # Which max-pooling kernels every capture runs (see _max_pool.py): "ours" on the inputs they
 # take, torch's on the rest; "torch", torch's everywhere (benchmarks time one against the other).
@@ -213,12 +214,11 @@ class CapturedStep:
             share = (self.multistream.share_on_main(lambda m: eligible(m, gradients))
                      if self.multistream is not None else None)
             self.weight_grads.first = weight_grads_first(share)
-        several = self.multistream is not None or self.weight_grads is not None
         kernels = BATCH_NORM_KERNELS
         if kernels not in ("auto", "cudnn", "native"):
             raise ValueError("BATCH_NORM_KERNELS must be 'auto', 'cudnn' or 'native'; got "
                              f"{kernels!r}")
-        native = kernels == "native" or (kernels == "auto" and several)
+        native = kernels == "native" or (kernels == "auto" and self.multistream is not None)
         self._native_bn_model = model if native else None
         self._bn_model = model
         if MAX_POOL_KERNELS not in ("ours", "torch"):
