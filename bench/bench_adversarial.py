@@ -24,7 +24,7 @@ from torch import nn
 
 import nimble_train as nt
 from nimble_train import _torch_private
-from nimble_train.bench.timing import alternating_ms
+from nimble_train.bench.timing import alternating_ms, captured
 from nimble_train.bench.workloads import CIFAR_MODELS, make_workload
 
 WAYS = ("eager", "step", "step-auto", "step-auto, every weight gradient")
@@ -70,17 +70,9 @@ def build(w, attack_steps: int, way: str):
             optimizer.step()
         return step
     step = nt.Step(model, w.make_optimizer(model), streams=1 if way == "step" else "auto")
-    asks = _torch_private.backward_asks
-    if way == "step-auto, every weight gradient":
-        _torch_private.backward_asks = _every_weight_gradient
-    try:
-        for i in range(step.stats()["warmup_left"] + 2):
-            step(w.batches[i % len(w.batches)])
-    finally:
-        _torch_private.backward_asks = asks
-    if not step.stats()["captured"]:
-        raise RuntimeError(f"{way}: the step was not captured: {step.stats()['capture_error']}")
-    return step
+    every = way == "step-auto, every weight gradient"
+    return captured(step, w.batches, way, [(_torch_private, "backward_asks",
+                                            _every_weight_gradient)] if every else [])
 
 
 def print_table(rows: list[dict]) -> None:

@@ -24,7 +24,7 @@ import torch
 import nimble_train as nt
 from nimble_train import _iteration
 from nimble_train.bench.modes import MODES
-from nimble_train.bench.timing import alternating_ms
+from nimble_train.bench.timing import alternating_ms, captured
 from nimble_train.bench.workloads import make_workload
 
 STEP_MODES = {"step": 1, "step-auto": "auto", "step-compile": "auto"}
@@ -40,16 +40,7 @@ def build_step(w, mode: str, hand_over: bool):
     if mode == "step-compile":
         model = torch.compile(model)  # no dynamo reset: the other variant's graph stays valid
     step = nt.Step(model, optimizer, w.loss_fn, streams=STEP_MODES[mode], amp=w.amp)
-    saved = _iteration.HAND_OVER_GRADIENTS
-    _iteration.HAND_OVER_GRADIENTS = hand_over
-    try:
-        for i in range(step.stats()["warmup_left"] + 2):
-            step(w.batches[i % len(w.batches)])
-    finally:
-        _iteration.HAND_OVER_GRADIENTS = saved
-    if not step.stats()["captured"]:
-        raise RuntimeError(f"{mode}: the step was not captured: {step.stats()['capture_error']}")
-    return step
+    return captured(step, w.batches, mode, [(_iteration, "HAND_OVER_GRADIENTS", hand_over)])
 
 
 def measure(spec: str, args) -> dict:

@@ -39,7 +39,7 @@ from torch import nn
 
 import nimble_train as nt
 from nimble_train import _batch_norm_act, _capture, _weight_grads
-from nimble_train.bench.timing import alternating_ms
+from nimble_train.bench.timing import alternating_ms, captured
 from nimble_train.bench.workloads import cifar_optimizer, make_workload
 
 # (name, streams, switches of nimble_train._capture, _weight_grads or _batch_norm_act while it
@@ -130,18 +130,8 @@ def build(name: str, batch: int, streams, device: torch.device, switches: dict |
         model = w.make_model()
         optimizer, loss_fn, batches, amp = w.make_optimizer(model), w.loss_fn, w.batches, w.amp
     step = nt.Step(model, optimizer, loss_fn, streams=streams, amp=amp)
-    saved = {key: getattr(_switched(key), key) for key in switches or {}}
-    for key, value in (switches or {}).items():
-        setattr(_switched(key), key, value)
-    try:
-        for i in range(step.stats()["warmup_left"] + 2):
-            step(batches[i % len(batches)])
-    finally:
-        for key, value in saved.items():
-            setattr(_switched(key), key, value)
-    if not step.stats()["captured"]:
-        raise RuntimeError(f"{name}: the step was not captured: {step.stats()['capture_error']}")
-    return step, batches
+    settings = [(_switched(key), key, value) for key, value in (switches or {}).items()]
+    return captured(step, batches, name, settings), batches
 
 
 def alternate(built: dict, args) -> dict[str, float]:

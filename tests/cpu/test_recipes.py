@@ -931,3 +931,36 @@ def test_bench_adversarial_attacks_within_eps_and_prints_the_gains(capsys):
     if not torch.cuda.is_available():
         assert bench.main([]) == 2
         assert "CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_captured_calls_a_step_through_its_capture_under_switches_set_back_after():
+    from types import SimpleNamespace
+
+    from nimble_train.bench.timing import captured
+
+    switches = SimpleNamespace(A=1, B="x")
+
+    class FakeStep:  # warm-up 2 calls, then the capture, then replays; records the switches
+        def __init__(self, captures=True, fails_at=None):
+            self.calls, self.captures, self.fails_at = [], captures, fails_at
+
+        def stats(self):
+            return {"warmup_left": max(0, 2 - len(self.calls)),
+                    "captured": self.captures and len(self.calls) > 2,
+                    "capture_error": None if self.captures else "a host sync"}
+
+        def __call__(self, batch):
+            if len(self.calls) == self.fails_at:
+                raise RuntimeError("the step failed")
+            self.calls.append((batch, switches.A, switches.B))
+
+    step = FakeStep()
+    assert captured(step, ["b0", "b1", "b2"], "way", [(switches, "A", 2), (switches, "B", "y")]
+                    ) is step
+    assert step.calls == [("b0", 2, "y"), ("b1", 2, "y"), ("b2", 2, "y"), ("b0", 2, "y")]
+    assert (switches.A, switches.B) == (1, "x")
+    with pytest.raises(RuntimeError, match="the step failed"):
+        captured(FakeStep(fails_at=1), ["b"], "way", [(switches, "A", 3)])
+    assert switches.A == 1
+    with pytest.raises(RuntimeError, match="auto: the step was not captured: a host sync"):
+        captured(FakeStep(captures=False), ["b"], "auto")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -42,6 +42,26 @@ def time_to_first_fast_step(build: Callable[[], StepFn], batches: Sequence,
         step(batches[i % len(batches)])
     torch.cuda.synchronize()
     return time.perf_counter() - start, step
+
+
+def captured(step, batches: Sequence, what: str,
+             settings: Iterable[tuple[object, str, Any]] = ()):
+    """`step`, an nt.Step, called through its warm-up, its capture and two replays with each
+    module switch of `settings` ((module, name, value)) set, and set back after: the graph
+    keeps what it was captured under. Raises, naming `what`, when the step did not capture."""
+    settings = list(settings)
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in settings]
+    for owner, name, value in settings:
+        setattr(owner, name, value)
+    try:
+        for i in range(step.stats()["warmup_left"] + 2):
+            step(batches[i % len(batches)])
+    finally:
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+    if not step.stats()["captured"]:
+        raise RuntimeError(f"{what}: the step was not captured: {step.stats()['capture_error']}")
+    return step
 
 
 def ms_per_step(step: StepFn, batches: Sequence, *, steps: int = 50, repeats: int = 5,
