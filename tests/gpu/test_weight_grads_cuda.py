@@ -441,6 +441,57 @@ def test_autograd_asked_inside_the_forward_leaves_the_split_layers_gradients_as_
     assert_same_training(m1, o1, m2, o2, rtol=1e-4, atol=1e-5)
 
 
+class MovesItsParameters(nn.Module):
+    """The loss's gradients by every parameter (torch.autograd.grad) and the loss again at
+    parameters moved along them (torch.func.functional_call), whose gradients the step's
+    backward carries back to the parameters where they are: sharpness-aware minimization
+    ("sam": up the gradients, scaled to a norm of rho, taken as constants) or a MAML-style
+    inner step ("maml": down them, differentiated through, a second-order gradient)."""
+
+    def __init__(self, net: nn.Module, kind: str):
+        super().__init__()
+        self.net, self.kind = net, kind
+
+    def forward(self, x, labels):
+        params = dict(self.net.named_parameters())
+        grads = torch.autograd.grad(per_sample(self.net(x), labels).mean(), list(params.values()),
+                                    create_graph=self.kind == "maml")
+        if self.kind == "sam":
+            scale = 0.05 / (torch.stack([g.norm() for g in grads]).norm() + 1e-12)
+        else:
+            scale = -0.1
+        moved = {name: p + g * scale for (name, p), g in zip(params.items(), grads)}
+        return per_sample(torch.func.functional_call(self.net, moved, (x,)), labels).mean()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("kind", ["sam", "maml"])
+def test_a_forward_that_moves_its_parameters_along_their_gradients_trains_as_the_eager_loop(
+        kind, streams):
+    """torch.autograd.grad by the parameters inside the forward asks the split layers for their
+    weight gradients (a leaf's that the call returns), with a graph of them or not; the second
+    forward's layers run on weights functional_call put in place, which keep autograd's path,
+    and the step's backward runs through the first forward's split layers again where the
+    gradients were differentiated. The step, batch norms' running statistics included, trains
+    as the same module in the eager loop."""
+    torch.manual_seed(9)
+    m1 = MovesItsParameters(SmallCnn(), kind).cuda()
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (m1, m2))
+    batches = [{"x": x, "labels": y}
+               for x, y in classification_batches(6, 8, classes=5, device="cuda", image=True)]
+    step = nt.Step(m1, o1, streams=streams, warmup=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # fx cannot trace autograd.grad: the backward is planned
+        losses = torch.stack([step(b).clone() for b in batches])
+    expected = torch.stack(eager_loop(m2, o2, lambda loss, batch: loss, batches))
+    stats = step.stats()
+    assert stats["replays"] == 4
+    assert stats["weight_grad_layers"] == (4 if streams == "auto" else 0)  # no fallback
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=1e-5)
+    assert_same_training(m1, o1, m2, o2, rtol=1e-4, atol=1e-5)
+
+
 def test_a_capture_failing_in_the_backward_leaves_the_step_as_it_was():
     torch.manual_seed(5)
     batches = classification_batches(4, 8, classes=5, device="cuda", image=True)
