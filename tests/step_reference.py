@@ -517,3 +517,71 @@ class UsesALayerTwice(torch.nn.Module):
 
     def forward(self, x):
         return self.head(self.b(torch.relu(self.b(torch.relu(self.a(x))))))
+
+
+class IntStepAdam(torch.optim.Optimizer):
+    """A hand-written Adam in the common third-party form: a Python int step count, the bias
+    corrections computed from it on the host."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999)):
+        super().__init__(params, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                m = state["m"] / (1 - b1 ** state["step"])
+                v = state["v"] / (1 - b2 ** state["step"])
+                p.addcdiv_(m, v.sqrt().add_(1e-8), value=-group["lr"])
+
+
+class GroupCountSGD(torch.optim.Optimizer):
+    """SGD whose step size decays with a count kept in the param group (timm's Lamb and Adan
+    keep theirs there)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["count"] = group.get("count", 0) + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / group["count"] ** 0.5)
+
+
+class ReassigningAdam(torch.optim.Optimizer):
+    """Adam whose step() assigns its moments anew (``m = b1 * m + (1 - b1) * g``) rather than
+    updating them in place; its step count is a device tensor counted in place."""
+
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999)):
+        super().__init__(params, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros((), device=p.device)
+                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
+                state["step"].add_(1)
+                state["m"] = b1 * state["m"] + (1 - b1) * p.grad
+                state["v"] = b2 * state["v"] + (1 - b2) * p.grad * p.grad
+                m = state["m"] / (1 - b1 ** state["step"])
+                v = state["v"] / (1 - b2 ** state["step"])
+                p.addcdiv_(m, v.sqrt().add_(1e-8), value=-group["lr"])

@@ -27,6 +27,7 @@ from ._extension import _C
 from ._iteration import MisdirectedGradient
 from ._multistream import (CHAIN, COMPILED, build_multistream, traced_submodule,
                            untraced_reason, warn_single_stream)
+from ._optimizer_state import HostStateError
 from ._weight_grads import eligible, plan_weight_grads, split_weight_grads, weight_grads_first
 from .errors import CaptureError, NimbleError, SyncError, one_line
 
@@ -266,7 +267,8 @@ class CapturedStep:
             return "apart"
         several = (self.multistream is not None or self.weight_grads is not None
                    or self.splits_compiled)
-        if not several or isinstance(failure, SyncError):
+        if (not several or isinstance(failure, SyncError)
+                or isinstance(failure.__cause__, HostStateError)):
             return None
         cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
         self.multistream = self.weight_grads = self._split_model = self._inside = None
@@ -399,9 +401,10 @@ def failure(invalidated: bool, cause: str, sync_records: list) -> NimbleError:
             "are as after the last step; later calls run eagerly. Cause: " + cause)
     how = (" (CUDA invalidated the capture: a call it forbids while capturing ran, such as a "
            "host synchronisation or a synchronous copy)" if invalidated else "")
+    end = "" if cause.endswith(".") and not cause.endswith("...") else "."
     return CaptureError(
-        f"capturing the step as a CUDA graph failed{how}: {cause}. The model and optimizer are "
-        "as after the last completed step; later calls run eagerly (capture=False does that "
+        f"capturing the step as a CUDA graph failed{how}: {cause}{end} The model and optimizer "
+        "are as after the last completed step; later calls run eagerly (capture=False does that "
         "from the start).")
 
 
@@ -410,4 +413,6 @@ def root_message(exc: BaseException) -> str:
     seen = exc
     while seen.__context__ is not None and seen.__context__ is not seen:
         seen = seen.__context__
+    if isinstance(seen, NimbleError):  # ours, written to be read whole: what to do is at its end
+        return f"{type(seen).__name__}: {seen}"
     return one_line(f"{type(seen).__name__}: {seen}")

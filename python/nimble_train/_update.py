@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from . import _capturable
+from ._optimizer_state import HostState
 from ._sync import warn_at_user
 from .errors import NimbleError
 
@@ -38,6 +39,7 @@ class Update:
         # and whether optimizer.load_state_dict replaced them since (settle_state).
         self._state_read: list[tuple[int, int, str, torch.Tensor]] = []
         self._load_hook = None
+        self.host_state: HostState | None = None  # captured as it is: HostState
         self.loaded = False
         self._groups = len(optimizer.param_groups)
         self._params = sum(len(group["params"]) for group in optimizer.param_groups)
@@ -59,6 +61,8 @@ class Update:
             f"fused update (one kernel per tensor group, hyper-parameters other than lr baked "
             f"into the graph): {self.fuse_reason}.")
         self.staged_lr = _capturable.make_capturable(optimizer)
+        # what its step() does outside the device, checked at each capture of it
+        self.host_state = HostState(optimizer, self.staged_lr)
 
     @property
     def kind(self) -> str:

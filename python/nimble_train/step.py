@@ -789,6 +789,10 @@ class Step:
         self._iteration.keep_accumulated_grads()  # every graph of a window: one set
         saved_grads = [p.grad for p in self._params]
         saved_window = self._iteration.window_grads
+        host = self._update.host_state if kind[1] else None
+        if host is not None:  # an optimizer captured as it is: what its step() does on the host
+            names = {id(p): name for name, p in self.model.named_parameters()}
+            host.take(lambda p: names.get(id(p), f"a parameter of shape {tuple(p.shape)}"))
         try:
             with self._update.lr_on_device(graph.update_values):
                 graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
@@ -799,6 +803,9 @@ class Step:
                 p.grad = grad
             self._iteration.window_grads = saved_window  # not the abandoned graph's tensors
             raise
+        finally:
+            if host is not None:
+                host.release()
         if kind[1]:
             self._update.bake()
             self._norms[entry] = self._iteration.grad_norm
@@ -815,6 +822,9 @@ class Step:
         gave (no values: a capture runs nothing)."""
         self._model.undo_capture()
         self._watch.undo_moves()
+        host = self._update.host_state
+        if host is not None:  # and what the optimizer's step() did on the host
+            host.restore()
 
     def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
         # A graph user code still holds (a loss kept without .detach()) keeps each parameter's
@@ -833,6 +843,9 @@ class Step:
         loss = self._iteration.loss(self._graph.batches[bucket], self._template.batch_size,
                                     self._graph.valid, forward)
         self._iteration.backward_and_update(loss, call)
+        host = self._update.host_state
+        if update and host is not None and host.taken:
+            host.check_and_keep()  # state it assigned anew read by the next replay; or refused
         self._model.keep_assigned_tensors()  # a forward's `self.avg = ...`: read by the next
         self._keep_moved_data()  # and its `self.avg.data = ...`
         return loss

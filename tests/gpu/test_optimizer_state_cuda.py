@@ -1,0 +1,129 @@
+"""Optimizers Step captures as they are, whose step() keeps state on the host or assigns its state
+tensors anew: a captured step trains as the eager loop, or refuses, saying why, with the model
+and optimizer as after the last completed call -- never trains otherwise, silently."""
+
+import warnings
+
+import pytest
+import torch
+
+import nimble_train as nt
+from nimble_train.errors import CaptureError
+from step_reference import (MLP, GroupCountSGD, IntStepAdam, ReassigningAdam,
+                            assert_same_training, classification_batches, twin)
+
+pytestmark = pytest.mark.cuda
+
+TOL = {"rtol": 1e-4, "atol": 1e-5}  # capturable torch.optim paths: other rounding
+loss_fn = torch.nn.functional.cross_entropy
+
+
+def eager(model, optimizer, batches):
+    for x, y in batches:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+
+def run_through_refusals(step, batches) -> list[str]:
+    """The calls as a loop that catches a failed capture and calls again would make them: the
+    Step's later calls run eagerly. Returns the errors it caught."""
+    errors = []
+    for batch in batches:
+        try:
+            step(batch)
+        except CaptureError as error:
+            errors.append(str(error))
+            step(batch)
+    return errors
+
+
+HOST_COUNTERS = {
+    "adagrad-lr-decay": (lambda p: torch.optim.Adagrad(p, lr=0.1, lr_decay=0.05),
+                         "['step'] went from a CPU tensor 2.0 to a CPU tensor 3.0"),
+    "python-int-step": (lambda p: IntStepAdam(p), "['step'] went from 2 to 3"),
+    "param-group-count": (lambda p: GroupCountSGD(p), "param_groups[0]['count'] went from 2 to 3"),
+}
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("kind", list(HOST_COUNTERS))
+def test_an_optimizer_counting_on_the_host_is_refused_at_capture_and_trains_eagerly_after(
+        kind, streams):
+    make, seen = HOST_COUNTERS[kind]
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), make)
+    batches = classification_batches(8, 16, device="cuda", seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "captures the optimizer's own step"
+        step = nt.Step(m1, o1, loss_fn, warmup=2, streams=streams)
+        step(batches[0])
+        step(batches[1])
+        with pytest.raises(CaptureError) as error:
+            step(batches[2])
+    message = str(error.value)
+    assert seen in message and "cannot carry from one replay to the next" in message, message
+    assert "capturable=True" in message and "capture=False" in message, message
+    eager(m2, o2, batches[:2])
+    assert_same_training(m1, o1, m2, o2, **TOL)  # as after the last completed call
+    for x, y in batches[2:]:
+        step((x, y))  # eagerly from here on
+    eager(m2, o2, batches[2:])
+    stats = step.stats()
+    assert not stats["captured"] and stats["eager_steps"] == 8, stats
+    assert seen in stats["capture_error"]
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+def test_an_optimizer_assigning_its_state_tensors_anew_trains_as_the_eager_loop(streams):
+    """Each replay must read the moments the last one wrote: the capture copies the new ones
+    into the tensors it began with."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), lambda p: ReassigningAdam(p))
+    batches = classification_batches(12, 16, device="cuda", seed=2)
+    began = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = nt.Step(m1, o1, loss_fn, warmup=2, streams=streams)
+        for i, batch in enumerate(batches):
+            step(batch)
+            if i == 1:
+                began = [o1.state[p]["m"] for p in m1.parameters()]
+    eager(m2, o2, batches)
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 10, stats
+    assert all(o1.state[p]["m"] is m for p, m in zip(m1.parameters(), began))
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def _zoo():
+    cases = [pytest.param(lambda p, c=c: c(p, lr=1e-2), id=c.__name__) for c in (
+        torch.optim.Adagrad, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+        torch.optim.ASGD, torch.optim.Rprop, torch.optim.Adadelta, torch.optim.RMSprop)]
+    for name in ("adamp", "sgdp", "adabelief", "lamb", "lars", "lion", "adan", "nadamw",
+                 "madgrad", "novograd", "adafactor", "adopt", "laprop", "mars"):
+        cases.append(pytest.param(name, id=f"timm-{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("make", _zoo())
+def test_torch_and_timm_optimizers_train_as_the_eager_loop_or_refuse(make):
+    """Whatever an optimizer's step() does -- a sync, a count on the host, state assigned anew
+    -- the Step trains as the eager loop: its captured replays, or its eager calls after a
+    capture it refused (a failed capture leaves the optimizer as after the last step)."""
+    if isinstance(make, str):
+        timm_optim = pytest.importorskip("timm.optim", reason="timm's optimizers")
+        make = (lambda name: lambda p: timm_optim.create_optimizer_v2(
+            list(p), name, lr=1e-2))(make)
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), make)
+    batches = classification_batches(10, 16, device="cuda", seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = nt.Step(m1, o1, loss_fn, warmup=2, streams=1)
+        errors = run_through_refusals(step, batches)
+    eager(m2, o2, batches)
+    stats = step.stats()
+    assert stats["captured"] != bool(errors), (stats, errors)
+    assert_same_training(m1, o1, m2, o2, **TOL)
