@@ -58,6 +58,9 @@ class Iteration:
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
         self._got_grad = [False] * len(params)  # which parameters a backward reached
+        # A step to be captured: the first parameter an eager backward gave a sparse gradient
+        # (nn.Embedding(sparse=True)), which neither the flat buffers nor a graph can hold.
+        self.sparse_grad: int | None = None
         # The gradient tensors a window's calls accumulate into (accumulate > 1, not fused:
         # the fused update keeps them as views of its flat buffers).
         self.window_grads: list[torch.Tensor | None] | None = None
@@ -188,6 +191,9 @@ class Iteration:
         with steps_backward():
             (scaler.scale(loss) if scaler else loss).backward()
         self._note_gradients()
+        if self.sparse_grad is None and self.update.will_capture:
+            self.sparse_grad = next((i for i, p in enumerate(self.params) if p.grad is not None
+                                     and p.grad.layout != torch.strided), None)
         if self.accumulate > 1:
             self.window_grads = [p.grad for p in self.params]
         if not call.update:

@@ -591,6 +591,7 @@ class Step:
         buffers give parameters and gradients new addresses, and that step lets cuDNN and
         cuBLAS meet them before capture (their caches are keyed by alignment, and nothing can
         be autotuned inside a capture)."""
+        self._refuse_sparse_gradients()
         sync = self._gradsync
         shards = sync.world.size if sync is not None and sync.sharded else 1
         # Data parallel: the ranks' flat buffers must hold the same parameters.
@@ -606,6 +607,22 @@ class Step:
                              update_in_buckets=self._why_not_in_buckets() is None)
         if self._ema is not None:
             self._ema.use_flat(self._update.fused)
+
+    def _refuse_sparse_gradients(self) -> None:
+        """Before the update is fused or the step captured, nothing run yet for this call."""
+        i = self._iteration.sparse_grad
+        if i is None:
+            return
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        p = self._params[i]
+        raise NimbleError(
+            f"nimble_train.Step: {names.get(id(p), f'parameter {i} of the optimizer')} gets a "
+            f"sparse gradient ({p.grad.layout}: an nn.Embedding or nn.EmbeddingBag built with "
+            "sparse=True), and a captured step keeps every gradient dense: in the fused "
+            "update's flat buffers, and in a graph, whose tensors cannot change size with the "
+            "batch's indices. Build the layer with sparse=False (its dense gradient is made in "
+            "the graph), or train with nt.Step(..., capture=False). Nothing was run for this "
+            "call; the warm-up steps before it trained as eager steps do.")
 
     def _fix_trainable(self) -> None:
         """From here on the flat buffers and the graphs hold which parameters train."""
@@ -745,6 +762,7 @@ class Step:
         docstring), the current batch's `bucket` among them. On success the phase is REPLAY.
         A failure raises, with nothing changed, and the phase becomes EAGER; except for a
         bucket no eager step has met, which is deferred."""
+        self._refuse_sparse_gradients()
         graph = self._graph
         self._copy_in(bucket, tensors, samples)
         graph.plan_streams(self.model, self.streams, self._device,

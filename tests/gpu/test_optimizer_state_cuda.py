@@ -1,6 +1,7 @@
 """Optimizers Step captures as they are, whose step() keeps state on the host or assigns its state
-tensors anew: a captured step trains as the eager loop, or refuses, saying why, with the model
-and optimizer as after the last completed call -- never trains otherwise, silently."""
+tensors anew, and sparse gradients: a captured step trains as the eager loop, or refuses, saying
+why, with the model and optimizer as after the last completed call -- never trains otherwise,
+silently."""
 
 import warnings
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import nimble_train as nt
-from nimble_train.errors import CaptureError
+from nimble_train.errors import CaptureError, NimbleError
 from step_reference import (MLP, GroupCountSGD, IntStepAdam, ReassigningAdam,
                             assert_same_training, classification_batches, twin)
 
@@ -126,4 +127,35 @@ def test_torch_and_timm_optimizers_train_as_the_eager_loop_or_refuse(make):
     eager(m2, o2, batches)
     stats = step.stats()
     assert stats["captured"] != bool(errors), (stats, errors)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+class SparseBag(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding = torch.nn.EmbeddingBag(40, 12, sparse=True)
+        self.head = torch.nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.head(self.embedding((x.abs() * 13).long().clamp(max=39)))
+
+
+@pytest.mark.parametrize("make, refused_at", [
+    (lambda p: torch.optim.SGD(p, lr=0.1), 1),        # fused at the second warm-up call
+    (lambda p: torch.optim.Adagrad(p, lr=0.1), 2),    # captured as it is, after warm-up
+], ids=["sgd-fused", "adagrad-as-is"])
+def test_a_sparse_gradient_is_refused_before_anything_runs(make, refused_at):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(SparseBag().cuda(), make)
+    batches = classification_batches(4, 16, device="cuda", seed=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        step = nt.Step(m1, o1, loss_fn, warmup=2, streams=1)
+        for batch in batches[:refused_at]:
+            step(batch)
+        for _ in range(2):  # refused again, not half-done
+            with pytest.raises(NimbleError, match=r"embedding\.weight gets a sparse gradient "
+                                                  r"\(torch\.sparse_coo"):
+                step(batches[refused_at])
+    eager(m2, o2, batches[:refused_at])
     assert_same_training(m1, o1, m2, o2, **TOL)
