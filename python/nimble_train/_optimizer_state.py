@@ -79,14 +79,18 @@ class _Held:
     objects it held and their pictures, before the capture."""
 
     def __init__(self, label: str, values: dict, keys: list, ignored: frozenset = frozenset(),
-                 attributes: bool = False):
-        self.label, self.values, self.attributes = label, values, attributes
+                 *, every_key: bool = True, dotted: bool = False):
+        self.label, self.values, self.dotted = label, values, dotted
         self.ignored = ignored  # keys not watched: a group's params, its lr while staged
+        self.every_key = every_key  # False: only `keys` are watched (an object's numbers)
         self.before = {key: (values[key], _picture(values[key])) for key in keys}
 
+    def name(self, key) -> str:
+        return f"{self.label}.{key}" if self.dotted else f"{self.label}[{key!r}]"
+
     def added(self) -> list:
-        """Keys made since (not watched for an optimizer's attributes: only its numbers are)."""
-        if self.attributes:
+        """Keys made since, where every key is watched."""
+        if not self.every_key:
             return []
         return [k for k in self.values if k not in self.before and k not in self.ignored]
 
@@ -116,10 +120,20 @@ class HostState:
                 state = opt.state.get(p)
                 if state is not None:
                     held.append(_Held(f"the state of {name(p)}", state, list(state)))
+        # state kept under keys of its own (optimizer.state["step"], a dict of global values)
+        params = {id(p) for group in opt.param_groups for p in group["params"]}
+        own = [k for k in opt.state if id(k) not in params]
+        for key in own:
+            if isinstance(opt.state[key], dict):
+                held.append(_Held(f"optimizer.state[{key!r}]", opt.state[key],
+                                  list(opt.state[key])))
+        held.append(_Held("optimizer.state", opt.state,
+                          [k for k in own if not isinstance(opt.state[k], dict)],
+                          every_key=False))
         attributes = vars(opt)
         held.append(_Held(type(opt).__name__, attributes,
                           [k for k, v in attributes.items() if isinstance(v, _NUMBERS)],
-                          attributes=True))
+                          every_key=False, dotted=True))
         self._held = held
         self._stateful = {id(p) for p in opt.state}
 
@@ -133,7 +147,7 @@ class HostState:
                 changes += self._check(held)
         added = [p for p in self.optimizer.state if id(p) not in self._stateful]
         if added:
-            changes.append(f"the state of {len(added)} parameter(s) that had none was made")
+            changes.append(f"optimizer.state was given {len(added)} new entries")
         if changes:
             more = f" (and {len(changes) - 1} more)" if len(changes) > 1 else ""
             raise HostStateError(
@@ -150,7 +164,7 @@ class HostState:
         values, changes = held.values, []
         for key, (obj, picture) in held.before.items():
             if key not in values:
-                changes.append(f"{held.label}[{key!r}] was removed")
+                changes.append(f"{held.name(key)} was removed")
                 continue
             new = values[key]
             if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
@@ -161,14 +175,13 @@ class HostState:
                     obj.copy_(new)  # in the graph: the replays carry it to the next step
                     values[key] = obj
                     continue
-                changes.append(f"{held.label}[{key!r}] went from {_shown(obj)} to {_shown(new)}")
+                changes.append(f"{held.name(key)} went from {_shown(obj)} to {_shown(new)}")
             elif not _same(picture, _picture(new)):
                 was = picture[1] if isinstance(picture, tuple) and picture[:1] == (
                     "cpu tensor",) else obj
-                where = f"{held.label}.{key}" if held.attributes else f"{held.label}[{key!r}]"
-                changes.append(f"{where} went from {_shown(was)} to {_shown(new)}")
+                changes.append(f"{held.name(key)} went from {_shown(was)} to {_shown(new)}")
         for key in held.added():
-            changes.append(f"{held.label}[{key!r}] was added ({_shown(values[key])})")
+            changes.append(f"{held.name(key)} was added ({_shown(values[key])})")
         return changes
 
     def restore(self) -> None:

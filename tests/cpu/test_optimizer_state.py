@@ -250,3 +250,26 @@ def test_a_failed_capture_says_our_refusal_whole_and_cuts_foreign_messages():
     assert message.endswith("later calls run eagerly (capture=False does that from the start).")
     foreign = str(failure(False, root_message(RuntimeError("x" * 1000)), []))
     assert "RuntimeError: " + "x" * 300 in foreign and "x" * 500 not in foreign
+
+
+def test_state_kept_under_keys_of_its_own_is_watched_and_put_back():
+    """Some optimizers keep global values in optimizer.state under a key of their own."""
+    ps = params()
+
+    def action(opt):
+        opt.state["step"] += 1
+        opt.state["global"]["decay"] *= 0.5
+
+    optimizer = Scripted(ps, action)
+    optimizer.state["step"] = 10
+    optimizer.state["global"] = {"decay": 1.0}
+    host = HostState(optimizer, [False])
+    host.take(name)
+    optimizer.step()
+    with pytest.raises(HostStateError) as error:
+        host.check_and_keep()
+    message = str(error.value)
+    assert "optimizer.state['global']['decay'] went from 1.0 to 0.5 (and 1 more)" in message, \
+        message
+    host.restore()
+    assert optimizer.state["step"] == 10 and optimizer.state["global"] == {"decay": 1.0}
