@@ -149,6 +149,18 @@ def mark_optimizer_stepped(optimizer: torch.optim.Optimizer) -> None:
     optimizer._opt_called = True
 
 
+def optimizer_step_hooks(optimizer: torch.optim.Optimizer) -> tuple:
+    """The hooks optimizer.step() runs besides the update: its own (register_step_pre_hook,
+    register_step_post_hook) and every optimizer's (register_optimizer_step_pre_hook, ..._post_
+    hook), as (kind, handle id, hook), in the order step() runs them."""
+    from torch.optim import optimizer as module
+    kinds = (("pre-hook", module._global_optimizer_pre_hooks),
+             ("pre-hook", getattr(optimizer, "_optimizer_step_pre_hooks", {})),
+             ("post-hook", getattr(optimizer, "_optimizer_step_post_hooks", {})),
+             ("post-hook", module._global_optimizer_post_hooks))
+    return tuple((kind, key, hook) for kind, hooks in kinds for key, hook in hooks.items())
+
+
 def declare_amp_scaling(optimizer: torch.optim.Optimizer) -> None:
     """Tells GradScaler that optimizer.step() unscales gradients itself (fused SGD sets this only
     when built with fused=True; Step switches groups to fused after construction)."""

@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-from . import _capturable
+from . import _capturable, _torch_private
 from ._optimizer_state import HostState
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -40,6 +40,7 @@ class Update:
         self._state_read: list[tuple[int, int, str, torch.Tensor]] = []
         self._load_hook = None
         self.host_state: HostState | None = None  # captured as it is: HostState
+        self._hooks: tuple | None = None  # captured as it is: the step hooks its graphs ran
         self.loaded = False
         self._groups = len(optimizer.param_groups)
         self._params = sum(len(group["params"]) for group in optimizer.param_groups)
@@ -133,6 +134,7 @@ class Update:
         if self.fused is not None:
             return
         self._baked = _capturable.hyperparameters(self.optimizer, self.staged_lr)
+        self._hooks = self._hook_keys()
         state = self.optimizer.state
         self._state_read = [(g, i, key, value)
                             for g, group in enumerate(self.optimizer.param_groups)
@@ -189,6 +191,30 @@ class Update:
                 "clipping and its flat buffers once; add every group before building the Step, "
                 "or build a new Step (step.close() first).")
 
+    def _hook_keys(self) -> tuple:
+        return tuple((kind, key) for kind, key, _ in
+                     _torch_private.optimizer_step_hooks(self.optimizer))
+
+    def check_step_hooks(self, fusing: bool = False) -> None:
+        """The fused update is not optimizer.step(): the hooks step() would run are refused,
+        before anything runs for the call (at fusing, and on the slow path after)."""
+        if not (fusing or self.fused is not None):
+            return
+        hooks = _torch_private.optimizer_step_hooks(self.optimizer)
+        if not hooks:
+            return
+        names = ", ".join(f"{getattr(hook, '__qualname__', type(hook).__name__)} (a step "
+                          f"{kind})" for kind, _, hook in hooks[:3])
+        more = f" and {len(hooks) - 3} more" if len(hooks) > 3 else ""
+        name = type(self.optimizer).__name__
+        raise NimbleError(
+            f"nimble_train.Step: {name} has hooks that its step() runs: {names}{more}. A "
+            f"captured step runs {name}'s update as a fused kernel of its own over the flat "
+            "buffers, not optimizer.step(), so they would stop running after warm-up. Do their "
+            "work in the loop after each call (it runs eagerly there, between the graph's "
+            "launches), or use nt.Step(..., capture=False), whose steps call "
+            "optimizer.step(). Nothing was run for this call.")
+
     def changed(self) -> bool:
         """Whether a hyper-parameter the graph baked in changed since (a recapture is due), a
         param group was added, or a loaded state awaits settle_state (the slow path sees to
@@ -197,6 +223,8 @@ class Update:
             return True
         if self.fused is not None or self._baked is None:
             return False  # the fused update reads every hyper-parameter on the device
+        if self._hook_keys() != self._hooks:
+            return True  # a step hook registered or removed: the graphs ran the old ones
         now = _capturable.hyperparameters(self.optimizer, self.staged_lr)
         return not _capturable.same_hyperparameters(now, self._baked)
 

@@ -314,6 +314,7 @@ class Step:
         if self._phase is Phase.TEMPLATE:
             return self._first_call(batch)
         self._update.check_groups()
+        self._update.check_step_hooks()
         if self._phase in (Phase.CAPTURE, Phase.REPLAY):
             self._model.check_modes()
         self._settle_model()
@@ -592,6 +593,7 @@ class Step:
         cuBLAS meet them before capture (their caches are keyed by alignment, and nothing can
         be autotuned inside a capture)."""
         self._refuse_sparse_gradients()
+        self._update.check_step_hooks(fusing=True)
         sync = self._gradsync
         shards = sync.world.size if sync is not None and sync.sharded else 1
         # Data parallel: the ranks' flat buffers must hold the same parameters.

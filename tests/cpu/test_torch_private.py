@@ -6,6 +6,8 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
 
 from nimble_train import _torch_private
 
@@ -435,3 +437,33 @@ def test_binding_grad_accumulators_keeps_a_held_graph_accumulating_into_the_leav
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
     with pytest.raises(ValueError, match="takes leaf tensors .* got a non-leaf tensor"):
         _C.bind_grad_accumulators([held])
+
+
+def test_optimizer_step_hooks_are_the_instances_and_every_optimizers_in_step_order():
+    p = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([p], lr=0.1)
+    assert _torch_private.optimizer_step_hooks(optimizer) == ()
+    ran = []
+
+    def hook(name):
+        def run(opt, args, kwargs):
+            ran.append(name)
+        run.__qualname__ = name
+        return run
+
+    handles = [register_optimizer_step_post_hook(hook("global post")),
+               optimizer.register_step_post_hook(hook("post")),
+               optimizer.register_step_pre_hook(hook("pre")),
+               register_optimizer_step_pre_hook(hook("global pre"))]
+    try:
+        found = _torch_private.optimizer_step_hooks(optimizer)
+        p.grad = torch.ones(2)
+        optimizer.step()
+        assert [h.__qualname__ for _, _, h in found] == ran  # the order step() runs them in
+        assert [kind for kind, _, _ in found] == ["pre-hook"] * 2 + ["post-hook"] * 2
+        assert ran == ["global pre", "pre", "post", "global post"]
+        assert len({key for _, key, _ in found}) == 4
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert _torch_private.optimizer_step_hooks(optimizer) == ()

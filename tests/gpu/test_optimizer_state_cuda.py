@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import nimble_train as nt
 from nimble_train.errors import CaptureError, NimbleError
@@ -158,4 +159,83 @@ def test_a_sparse_gradient_is_refused_before_anything_runs(make, refused_at):
                                                   r"\(torch\.sparse_coo"):
                 step(batches[refused_at])
     eager(m2, o2, batches[:refused_at])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def clamp_weights(optimizer, args, kwargs):
+    """A step post-hook, as a WGAN critic's weight clipping can be written."""
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.clamp_(-0.05, 0.05)
+
+
+def shrink_weights(optimizer, args, kwargs):
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                p.mul_(0.99)
+
+
+def test_step_hooks_of_a_fused_optimizer_are_refused_before_anything_runs():
+    """The fused update is not optimizer.step(): a hook would stop running after warm-up."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    o1.register_step_post_hook(clamp_weights)
+    o2.register_step_post_hook(clamp_weights)
+    batches = classification_batches(6, 16, device="cuda", seed=5)
+    step = nt.Step(m1, o1, loss_fn, warmup=2, streams=1)
+    step(batches[0])  # warm-up, eager: optimizer.step() and its hook
+    for _ in range(2):
+        with pytest.raises(NimbleError, match=r"SGD has hooks that its step\(\) runs: "
+                                              r"clamp_weights \(a step post-hook\)"):
+            step(batches[1])
+    eager(m2, o2, batches[:1])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_a_step_hook_registered_after_capture_is_refused_and_once_removed_training_goes_on():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), lambda p: torch.optim.AdamW(p, lr=1e-2))
+    batches = classification_batches(8, 16, device="cuda", seed=6)
+    step = nt.Step(m1, o1, loss_fn, warmup=2, streams=1)
+    for batch in batches[:4]:
+        step(batch)
+    handle = register_optimizer_step_post_hook(shrink_weights)
+    try:
+        with pytest.raises(NimbleError, match=r"AdamW has hooks .* shrink_weights"):
+            step(batches[4])
+    finally:
+        handle.remove()
+    for batch in batches[4:]:
+        step(batch)
+    eager(m2, o2, batches)
+    stats = step.stats()
+    assert stats["captured"] and stats["replays"] == 6, stats
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_step_hooks_of_an_optimizer_captured_as_it_is_run_in_its_graphs_and_a_new_one_recaptures():
+    """Captured as it is, optimizer.step() runs in the capture, its hooks with it (what they do
+    to tensors replays); a hook registered after capture has the update captured again."""
+    make = lambda p: torch.optim.RMSprop(p, lr=1e-2)  # noqa: E731
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(MLP().cuda(), make)
+    o1.register_step_post_hook(clamp_weights)
+    o2.register_step_post_hook(clamp_weights)
+    batches = classification_batches(10, 16, device="cuda", seed=7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "captures the optimizer's own step"
+        step = nt.Step(m1, o1, loss_fn, warmup=2, streams=1)
+        for batch in batches[:5]:
+            step(batch)
+        captures = step.stats()["captures"]
+        o1.register_step_post_hook(shrink_weights)
+        for batch in batches[5:]:
+            step(batch)
+    eager(m2, o2, batches[:5])
+    o2.register_step_post_hook(shrink_weights)
+    eager(m2, o2, batches[5:])
+    stats = step.stats()
+    assert captures == 1 and stats["captures"] == 2 and stats["replays"] == 8, stats
     assert_same_training(m1, o1, m2, o2, **TOL)
