@@ -519,9 +519,8 @@ class UsesALayerTwice(torch.nn.Module):
         return self.head(self.b(torch.relu(self.b(torch.relu(self.a(x))))))
 
 
-class IntStepAdam(torch.optim.Optimizer):
-    """A hand-written Adam in the common third-party form: a Python int step count, the bias
-    corrections computed from it on the host."""
+class _HandWrittenAdam(torch.optim.Optimizer):
+    """Adam as third-party code writes it; a subclass says how it keeps and advances its state."""
 
     def __init__(self, params, lr=1e-2, betas=(0.9, 0.999)):
         super().__init__(params, dict(lr=lr, betas=betas))
@@ -535,14 +534,38 @@ class IntStepAdam(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    state["step"] = 0
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["step"] += 1
-                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
-                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                    state.update(self.initial_state(p))
+                self.advance(state, p.grad, b1, b2)
                 m = state["m"] / (1 - b1 ** state["step"])
                 v = state["v"] / (1 - b2 ** state["step"])
                 p.addcdiv_(m, v.sqrt().add_(1e-8), value=-group["lr"])
+
+
+class IntStepAdam(_HandWrittenAdam):
+    """The common third-party form: a Python int step count, the bias corrections computed from
+    it on the host."""
+
+    def initial_state(self, p):
+        return {"step": 0, "m": torch.zeros_like(p), "v": torch.zeros_like(p)}
+
+    def advance(self, state, g, b1, b2):
+        state["step"] += 1
+        state["m"].mul_(b1).add_(g, alpha=1 - b1)
+        state["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
+
+
+class ReassigningAdam(_HandWrittenAdam):
+    """Moments assigned anew (``m = b1 * m + (1 - b1) * g``) rather than updated in place; the
+    step count a device tensor counted in place."""
+
+    def initial_state(self, p):
+        return {"step": torch.zeros((), device=p.device), "m": torch.zeros_like(p),
+                "v": torch.zeros_like(p)}
+
+    def advance(self, state, g, b1, b2):
+        state["step"].add_(1)
+        state["m"] = b1 * state["m"] + (1 - b1) * g
+        state["v"] = b2 * state["v"] + (1 - b2) * g * g
 
 
 class GroupCountSGD(torch.optim.Optimizer):
@@ -559,29 +582,3 @@ class GroupCountSGD(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-group["lr"] / group["count"] ** 0.5)
-
-
-class ReassigningAdam(torch.optim.Optimizer):
-    """Adam whose step() assigns its moments anew (``m = b1 * m + (1 - b1) * g``) rather than
-    updating them in place; its step count is a device tensor counted in place."""
-
-    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999)):
-        super().__init__(params, dict(lr=lr, betas=betas))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            b1, b2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.zeros((), device=p.device)
-                    state["m"], state["v"] = torch.zeros_like(p), torch.zeros_like(p)
-                state["step"].add_(1)
-                state["m"] = b1 * state["m"] + (1 - b1) * p.grad
-                state["v"] = b2 * state["v"] + (1 - b2) * p.grad * p.grad
-                m = state["m"] / (1 - b1 ** state["step"])
-                v = state["v"] / (1 - b2 ** state["step"])
-                p.addcdiv_(m, v.sqrt().add_(1e-8), value=-group["lr"])

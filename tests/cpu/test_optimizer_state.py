@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nimble_train._optimizer_state import HostState, HostStateError
-from step_reference import IntStepAdam
+from step_reference import IntStepAdam, ReassigningAdam
 
 
 class Scripted(torch.optim.Optimizer):
@@ -36,6 +36,14 @@ def params(n=2, device="cpu"):
 
 def name(p):
     return f"p{tuple(p.shape)}"
+
+
+def stepped(optimizer, staged):
+    """A snapshot taken, then one step(): what the check inside a capture meets."""
+    host = HostState(optimizer, staged)
+    host.take(name)
+    optimizer.step()
+    return host
 
 
 def snapshot(optimizer):
@@ -65,9 +73,7 @@ def test_a_step_count_advanced_on_the_host_is_refused_and_put_back(make, seen):
     optimizer = make(ps)
     optimizer.step()  # warm-up made the state
     before = snapshot(optimizer)
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     with pytest.raises(HostStateError) as error:
         host.check_and_keep()
     message = str(error.value)
@@ -89,9 +95,7 @@ def test_a_count_in_a_param_group_is_refused_and_put_back():
 
     optimizer = Scripted(ps, action)
     optimizer.param_groups[0]["step"] = 4
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     with pytest.raises(HostStateError) as error:
         host.check_and_keep()
     assert "param_groups[0]['step'] went from 4 to 5 (and 1 more)" in str(error.value)
@@ -107,9 +111,7 @@ def test_the_optimizers_own_numbers_are_watched():
 
     optimizer = Scripted(ps, action)
     optimizer.t = 7
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     with pytest.raises(HostStateError, match=r"Scripted\.t went from 7 to 8"):
         host.check_and_keep()
     host.restore()
@@ -127,9 +129,7 @@ def test_a_device_tensor_assigned_anew_goes_back_where_the_graph_reads_it():
 
     optimizer = Scripted(ps, action)
     began = {id(p): optimizer.state[p]["m"] for p in ps}
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     host.check_and_keep()  # nothing refused
     for p in ps:
         assert optimizer.state[p]["m"] is began[id(p)]  # the tensor the next replay reads
@@ -145,9 +145,7 @@ def test_a_device_tensor_assigned_in_another_shape_is_refused_and_put_back():
 
     optimizer = Scripted(ps, action)
     began = optimizer.state[ps[1]]["m"]
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     with pytest.raises(HostStateError, match=r"\['m'\] went from a meta tensor of shape "
                                              r"\(3, 4\) to a meta tensor of shape \(5,\)"):
         host.check_and_keep()
@@ -167,9 +165,7 @@ def test_state_made_or_removed_in_the_step_is_refused_and_put_back():
     optimizer.add_param_group({"params": [ps[2]]})  # no state yet
     assert ps[2] not in optimizer.state
     before = {id(p): dict(optimizer.state[p]) for p in ps[:2]}
-    host = HostState(optimizer, [False, False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False, False])
     with pytest.raises(HostStateError) as error:
         host.check_and_keep()
     message = str(error.value)
@@ -189,9 +185,7 @@ def test_a_step_that_changes_only_device_tensors_in_place_passes():
 
     optimizer = Scripted(ps, action)
     optimizer.param_groups[0]["betas"] = (0.9, 0.99)
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     host.check_and_keep()
 
 
@@ -203,9 +197,7 @@ def test_a_staged_learning_rate_is_not_watched():
         opt.param_groups[0]["lr"] = 0.2
 
     optimizer = Scripted(ps, action)
-    host = HostState(optimizer, [True])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [True])
     host.check_and_keep()
     unstaged = HostState(optimizer, [False])
     unstaged.take(name)
@@ -226,9 +218,7 @@ def test_nan_stays_nan_and_equal_values_in_new_objects_pass():
     for p in ps:
         optimizer.state[p]["decay"] = float("nan")
         optimizer.state[p]["scale"] = torch.tensor([float("nan"), 1.0])
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     host.check_and_keep()
 
 
@@ -238,9 +228,7 @@ def test_a_failed_capture_says_our_refusal_whole_and_cuts_foreign_messages():
     ps = params()
     optimizer = IntStepAdam(ps)
     optimizer.step()
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     with pytest.raises(HostStateError) as refusal:
         host.check_and_keep()
     ours = str(refusal.value)
@@ -263,9 +251,7 @@ def test_state_kept_under_keys_of_its_own_is_watched_and_put_back():
     optimizer = Scripted(ps, action)
     optimizer.state["step"] = 10
     optimizer.state["global"] = {"decay": 1.0}
-    host = HostState(optimizer, [False])
-    host.take(name)
-    optimizer.step()
+    host = stepped(optimizer, [False])
     with pytest.raises(HostStateError) as error:
         host.check_and_keep()
     message = str(error.value)
@@ -273,3 +259,19 @@ def test_state_kept_under_keys_of_its_own_is_watched_and_put_back():
         message
     host.restore()
     assert optimizer.state["step"] == 10 and optimizer.state["global"] == {"decay": 1.0}
+
+
+@pytest.mark.parametrize("make", [IntStepAdam, ReassigningAdam])
+def test_the_hand_written_adams_the_gpu_tests_use_are_torch_adam(make):
+    """Their state is kept otherwise (which the GPU tests are about); their update is Adam's."""
+    ours, reference = params(), params()
+    a, b = make(ours, lr=1e-2), torch.optim.Adam(reference, lr=1e-2, eps=1e-8)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for p, q in zip(ours, reference):
+            p.grad = torch.randn(p.shape, generator=g)
+            q.grad = p.grad.clone()
+        a.step()
+        b.step()
+    for p, q in zip(ours, reference):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
