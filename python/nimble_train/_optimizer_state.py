@@ -65,11 +65,13 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _shown(value: Any) -> str:
+    """A value for a message; a device tensor's values are not read (inside a capture a read
+    would synchronise)."""
     if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.numel() == 1:
+            return f"a CPU tensor {value.item()!r}"
         where = "a CPU tensor" if value.device.type == "cpu" else f"a {value.device.type} tensor"
-        if value.numel() == 1:
-            return f"{where} {value.item()!r}"
-        return f"{where} of shape {tuple(value.shape)}"
+        return f"{where} of shape {tuple(value.shape)} ({str(value.dtype).replace('torch.', '')})"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 

@@ -147,7 +147,8 @@ def test_a_device_tensor_assigned_in_another_shape_is_refused_and_put_back():
     began = optimizer.state[ps[1]]["m"]
     host = stepped(optimizer, [False])
     with pytest.raises(HostStateError, match=r"\['m'\] went from a meta tensor of shape "
-                                             r"\(3, 4\) to a meta tensor of shape \(5,\)"):
+                                             r"\(3, 4\) \(float32\) to a meta tensor of "
+                                             r"shape \(5,\) \(float32\)"):
         host.check_and_keep()
     host.restore()
     assert optimizer.state[ps[1]]["m"] is began
@@ -275,3 +276,20 @@ def test_the_hand_written_adams_the_gpu_tests_use_are_torch_adam(make):
         b.step()
     for p, q in zip(ours, reference):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_a_device_scalar_is_named_without_reading_it():
+    """Inside a capture, reading a device value would synchronise: the message shows its shape
+    and dtype (a meta tensor, which cannot be read, stands for it)."""
+    ps = params()
+
+    def action(opt):
+        opt.state[ps[0]]["count"] = torch.zeros((), dtype=torch.float64, device="meta")
+
+    optimizer = Scripted(ps, action)
+    optimizer.state[ps[0]]["count"] = torch.zeros((), device="meta")
+    host = stepped(optimizer, [False])
+    with pytest.raises(HostStateError, match=r"\['count'\] went from a meta tensor of shape "
+                                             r"\(\) \(float32\) to a meta tensor of shape "
+                                             r"\(\) \(float64\)"):
+        host.check_and_keep()
