@@ -354,6 +354,10 @@ class Step::Impl {
 
   // The fused update.
   void fuse();
+  // The first parameter whose gradient is sparse (an Embedding built with sparse(true)), named
+  // for an error; empty when none. The flat buffers hold dense gradients only.
+  std::string sparse_grad_name() const;
+  std::string sparse_grad_refusal(const std::string& name) const;
   void check_structure() const;
   void fix_trainable();  // from here on, which parameters train is fixed
   // ... and a parameter frozen or unfrozen since is refused; from capture on, a parameter's or
@@ -417,6 +421,7 @@ class Step::Impl {
 
   // The fused update.
   bool fused_ = false;
+  bool sparse_ = false;  // a gradient was sparse: torch::optim's step() runs (no capture)
   std::vector<optim::FlatTensors> flats_;
   std::vector<optim::UpdateTarget> targets_;
   at::Tensor partials_;
@@ -717,7 +722,39 @@ std::vector<float> Step::Impl::staged_values() const {
   return values;
 }
 
+std::string Step::Impl::sparse_grad_name() const {
+  auto& groups = optimizer_.param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& params = groups[g].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& grad = params[i].grad();
+      if (!grad.defined() || grad.layout() == at::kStrided) continue;
+      const std::string place =
+          "param_groups()[" + std::to_string(g) + "].params()[" + std::to_string(i) + "]";
+      for (const auto& named : module_->named_parameters()) {
+        if (named.value().is_same(params[i])) {
+          return "the module's " + named.key() + " (" + place + ")";
+        }
+      }
+      return place;
+    }
+  }
+  return "";
+}
+
+std::string Step::Impl::sparse_grad_refusal(const std::string& name) const {
+  return "nimble_train::Step: " + name + " gets a sparse gradient (an Embedding or "
+         "EmbeddingBag built with sparse(true)), and a captured step keeps every gradient dense: "
+         "in the fused update's flat buffers, and in a graph, whose tensors cannot change size "
+         "with the batch's indices. Build the layer with sparse(false), or "
+         "StepOptions().set_capture(false), whose steps give the sparse gradient to "
+         "torch::optim's step(). Nothing was run for this call; the steps before it trained as "
+         "torch::optim does.";
+}
+
 void Step::Impl::fuse() {
+  const std::string sparse = sparse_grad_name();  // warmup == 1: the first step showed it
+  if (!sparse.empty()) throw Error(sparse_grad_refusal(sparse));
   // Parameters that got no gradient in the first step are left out, as torch::optim skips
   // them: no update, no state.
   std::vector<std::pair<int64_t, at::Tensor>> params;
@@ -861,8 +898,14 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
   if (warmup && side_.has_value()) on_side.emplace(*side_, device_.index());
 #endif
   // The first step runs the optimizer as it is (it shows which parameters get gradients); the
-  // update is fused from the second on.
-  if (!fused_ && kind_ != Kind::kOther && eager_steps_ >= 1) fuse();
+  // update is fused from the second on, unless a gradient is sparse: then, without a capture,
+  // torch::optim's step() takes it every step.
+  if (!fused_ && !sparse_ && kind_ != Kind::kOther && eager_steps_ >= 1) {
+    const std::string sparse = sparse_grad_name();
+    if (!sparse.empty() && will_capture_) throw Error(sparse_grad_refusal(sparse));
+    sparse_ = !sparse.empty();
+    if (!sparse_) fuse();
+  }
   at::Tensor loss;
   if (fused_) {
     keep_state_bound();

@@ -323,6 +323,32 @@ TEST(StepCpu, AfterCloseTheOptimizerTrainsInAPlainLoop) {
   EXPECT_LT(max_diff(net, ref), 1e-5);
 }
 
+// A sparse gradient (an EmbeddingBag built with sparse(true)) cannot live in the flat buffers:
+// without a capture, torch::optim's own step() takes it at every step, as in the plain loop.
+TEST(StepCpu, ASparseGradientGoesToTorchOptimsStepAtEveryStep) {
+  auto make = [] {
+    torch::manual_seed(0);
+    return torch::nn::Sequential(
+        torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(30, 8).sparse(true)),
+        torch::nn::Linear(8, 4));
+  };
+  auto net = make(), ref = make();
+  ASSERT_EQ(max_diff(net, ref), 0);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  torch::manual_seed(3);
+  for (int i = 0; i < 6; ++i) {
+    const nt::Batch b{torch::randint(0, 30, {16, 5}), torch::randint(0, 4, {16})};
+    const double loss = step(b).item<double>();
+    EXPECT_NEAR(loss, reference_step(ref, ref_opt, b), 1e-5) << "step " << i;
+  }
+  EXPECT_TRUE(net[0]->parameters()[0].grad().is_sparse());
+  EXPECT_LT(max_diff(net, ref), kTol);
+  EXPECT_EQ(step.stats().update, "eager");
+  EXPECT_EQ(step.stats().calls, 6);
+}
+
 TEST(StepCpu, AClosedStepRefusesCalls) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
