@@ -110,9 +110,10 @@ class HostState:
     def taken(self) -> bool:
         return self._held is not None
 
-    def take(self, name: Callable[[torch.Tensor], str]) -> None:
-        """Before a capture: every value step() may change. `name(p)` names a parameter."""
-        opt, held = self.optimizer, []
+    def take(self, name: Callable[[int], str]) -> None:
+        """Before a capture: every value step() may change. `name(k)` names the k-th parameter
+        of the param groups, in their order."""
+        opt, held, k = self.optimizer, [], 0
         for g, group in enumerate(opt.param_groups):
             staged = g < len(self.staged_lr) and self.staged_lr[g]
             ignored = frozenset(("params", "lr") if staged else ("params",))
@@ -121,7 +122,8 @@ class HostState:
             for p in group["params"]:
                 state = opt.state.get(p)
                 if state is not None:
-                    held.append(_Held(f"the state of {name(p)}", state, list(state)))
+                    held.append(_Held(f"the state of {name(k)}", state, list(state)))
+                k += 1
         # state kept under keys of its own (optimizer.state["step"], a dict of global values)
         params = {id(p) for group in opt.param_groups for p in group["params"]}
         own = [k for k in opt.state if id(k) not in params]
@@ -179,8 +181,7 @@ class HostState:
                     continue
                 changes.append(f"{held.name(key)} went from {_shown(obj)} to {_shown(new)}")
             elif not _same(picture, _picture(new)):
-                was = picture[1] if isinstance(picture, tuple) and picture[:1] == (
-                    "cpu tensor",) else obj
+                was = picture[1] if isinstance(obj, torch.Tensor) else obj  # a CPU tensor's copy
                 changes.append(f"{held.name(key)} went from {_shown(was)} to {_shown(new)}")
         for key in held.added():
             changes.append(f"{held.name(key)} was added ({_shown(values[key])})")

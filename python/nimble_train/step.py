@@ -615,11 +615,9 @@ class Step:
         i = self._iteration.sparse_grad
         if i is None:
             return
-        names = {id(p): name for name, p in self.model.named_parameters()}
-        p = self._params[i]
         raise NimbleError(
-            f"nimble_train.Step: {names.get(id(p), f'parameter {i} of the optimizer')} gets a "
-            f"sparse gradient ({p.grad.layout}: an nn.Embedding or nn.EmbeddingBag built with "
+            f"nimble_train.Step: {self._param_name(i)} gets a sparse gradient "
+            f"({self._params[i].grad.layout}: an nn.Embedding or nn.EmbeddingBag built with "
             "sparse=True), and a captured step keeps every gradient dense: in the fused "
             "update's flat buffers, and in a graph, whose tensors cannot change size with the "
             "batch's indices. Build the layer with sparse=False (its dense gradient is made in "
@@ -644,7 +642,9 @@ class Step:
         return [t for t in unique_tensors(held) if id(t) not in known]
 
     def _param_name(self, i: int) -> str:
-        t = self._watched[i]
+        """The name of the i-th tensor the graphs read: the optimizer's parameters (from the
+        first call on), then, once the trainable set is fixed, the model's others."""
+        t = self._params[i] if i < len(self._params) else self._watched[i]
         names = {id(q): name for name, q in self.model.named_parameters()}
         if id(t) in names:
             return names[id(t)]
@@ -811,8 +811,7 @@ class Step:
         saved_window = self._iteration.window_grads
         host = self._update.host_state if kind[1] else None
         if host is not None:  # an optimizer captured as it is: what its step() does on the host
-            names = {id(p): name for name, p in self.model.named_parameters()}
-            host.take(lambda p: names.get(id(p), f"a parameter of shape {tuple(p.shape)}"))
+            host.take(self._param_name)
         try:
             with self._update.lr_on_device(graph.update_values):
                 graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
