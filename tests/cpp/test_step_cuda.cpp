@@ -2,9 +2,9 @@
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
-// a module left in eval mode, a child replaced or a parameter member assigned anew is refused,
-// and a parameter given new data, BatchNorm's statistics assigned anew, or a checkpoint loaded
-// with torch::load, trains on from it.
+// a module left in eval mode, a child replaced, a parameter member assigned anew or a sparse
+// gradient in a captured step is refused, and a parameter given new data, BatchNorm's
+// statistics assigned anew, or a checkpoint loaded with torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -360,6 +360,47 @@ TEST_F(StepCuda, AModuleLeftInEvalAfterCaptureIsRefusedAndTrainResumesTheGraph) 
   r.train(5, r.batches.size());
   EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
   EXPECT_EQ(r.step.stats().captures, 1);
+}
+
+// A sparse gradient cannot live in a graph (its size follows the batch's indices): a captured
+// Step refuses it at the second call, naming the parameter, before anything runs; without a
+// capture, torch::optim's step() takes it at every step.
+TEST_F(StepCuda, ASparseGradientIsRefusedByACapturedStepAndTrainsWithoutOne) {
+  auto make = [this] {
+    torch::manual_seed(0);
+    torch::nn::Sequential net(
+        torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(30, 8).sparse(true)),
+        torch::nn::Linear(8, 4));
+    net->to(device);
+    return net;
+  };
+  torch::manual_seed(3);
+  const auto ints = torch::TensorOptions(device).dtype(torch::kLong);
+  std::vector<nt::Batch> batches;
+  for (int i = 0; i < 6; ++i) {
+    batches.push_back({torch::randint(0, 30, {16, 5}, ints), torch::randint(0, 4, {16}, ints)});
+  }
+  for (const bool capture : {true, false}) {
+    auto net = make(), ref = make();
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_capture(capture));
+    step(batches[0]);
+    reference_step(ref, ref_opt, batches[0]);
+    if (capture) {
+      expect_refused(step, batches[1], {"0.weight", "sparse gradient", "sparse(false)"});
+      EXPECT_LT(max_diff(net, ref), 1e-6);  // nothing ran
+      EXPECT_EQ(step.stats().captures, 0);
+      continue;
+    }
+    for (size_t i = 1; i < batches.size(); ++i) {
+      step(batches[i]);
+      reference_step(ref, ref_opt, batches[i]);
+    }
+    EXPECT_TRUE(net[0]->parameters()[0].grad().is_sparse());
+    EXPECT_LT(max_diff(net, ref), 1e-5);
+    EXPECT_EQ(step.stats().update, "eager");
+  }
 }
 
 #else
