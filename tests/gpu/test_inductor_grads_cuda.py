@@ -67,13 +67,21 @@ def trained(data, *, streams=1, amp="bf16", poison=False):
     return step, model, opt, torch.stack(losses)
 
 
-@pytest.mark.parametrize("streams", [1, "auto"])
-def test_products_written_in_place_train_bit_for_bit_as_written_apart(streams, monkeypatch):
+# inductor pads a product whose sizes are not multiples of 8 (in bf16) where it timed the
+# padded one faster (pad_mm, shape_padding): the up and head layers' here (12 inputs, 5
+# outputs). Its product is then sliced, not an output of the graph as it is, and stays apart.
+@pytest.mark.parametrize("streams,padded", [(1, False), ("auto", False), (1, True)])
+def test_products_written_in_place_train_bit_for_bit_as_written_apart(streams, padded,
+                                                                       monkeypatch):
+    from torch._inductor import config
+    monkeypatch.setattr(config, "shape_padding", padded)  # else a timing decides
+    monkeypatch.setattr(config, "force_shape_pad", padded)
     data = batches()
     step, model, opt, losses = trained(data, streams=streams, poison=True)
     stats = step.stats()
     assert stats["captured"] and stats["replays"] == 5, stats
-    assert stats["weight_products_in_place"] == 4, stats  # every linear layer's weight
+    # every linear layer's weight, or the two whose products were not padded (mid1, mid2)
+    assert stats["weight_products_in_place"] == (2 if padded else 4), stats
     monkeypatch.setattr(_inductor_grads, "INTO_FLAT", False)
     step_b, model_b, opt_b, losses_b = trained(data, streams=streams)
     assert step_b.stats()["captured"] and step_b.stats()["weight_products_in_place"] == 0
