@@ -340,6 +340,8 @@ class Step::Impl {
   void make_template(const Batch& batch);
   int64_t check_batch(const Batch& batch) const;
   at::Tensor eager_step(const Batch& batch, int64_t samples, bool warmup);
+  // The fused update of an eager step, its values staged where the graph's would be.
+  void fused_eager_update(int64_t samples);
   at::Tensor capture_and_launch(const Batch& batch);
   at::Tensor launch(const Batch& batch);
   bool can_pad() const {
@@ -354,10 +356,19 @@ class Step::Impl {
 
   // The fused update.
   void fuse();
+  // The first of the optimizer's parameters for which `pred` holds, named for a message (its
+  // module's name for it and its place in param_groups()); empty when none.
+  std::string first_param_where(const std::function<bool(const at::Tensor&)>& pred) const;
   // The first parameter whose gradient is sparse (an Embedding built with sparse(true)), named
   // for an error; empty when none. The flat buffers hold dense gradients only.
   std::string sparse_grad_name() const;
   std::string sparse_grad_refusal(const std::string& name) const;
+  // The first parameter left out of the fused update (no gradient in the first step) that has
+  // one now, named; empty when none.
+  std::string late_grad_name() const;
+  // From here on torch::optim's step() runs every step, eagerly: a parameter the fused update
+  // left out got a gradient (`name`), which the update must not drop.
+  void unfuse(const std::string& name);
   void check_structure() const;
   void fix_trainable();  // from here on, which parameters train is fixed
   // ... and a parameter frozen or unfrozen since is refused; from capture on, a parameter's or
@@ -421,7 +432,10 @@ class Step::Impl {
 
   // The fused update.
   bool fused_ = false;
-  bool sparse_ = false;  // a gradient was sparse: torch::optim's step() runs (no capture)
+  // torch::optim's step() runs every step (no capture): a gradient was sparse, or a parameter
+  // left out of the fused update got one.
+  bool optim_steps_ = false;
+  std::vector<at::Tensor> left_out_;  // trained parameters the first step gave no gradient
   std::vector<optim::FlatTensors> flats_;
   std::vector<optim::UpdateTarget> targets_;
   at::Tensor partials_;
@@ -722,13 +736,13 @@ std::vector<float> Step::Impl::staged_values() const {
   return values;
 }
 
-std::string Step::Impl::sparse_grad_name() const {
+std::string Step::Impl::first_param_where(
+    const std::function<bool(const at::Tensor&)>& pred) const {
   auto& groups = optimizer_.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     const auto& params = groups[g].params();
     for (size_t i = 0; i < params.size(); ++i) {
-      const at::Tensor& grad = params[i].grad();
-      if (!grad.defined() || grad.layout() == at::kStrided) continue;
+      if (!pred(params[i])) continue;
       const std::string place =
           "param_groups()[" + std::to_string(g) + "].params()[" + std::to_string(i) + "]";
       for (const auto& named : module_->named_parameters()) {
@@ -740,6 +754,44 @@ std::string Step::Impl::sparse_grad_name() const {
     }
   }
   return "";
+}
+
+std::string Step::Impl::sparse_grad_name() const {
+  return first_param_where([](const at::Tensor& p) {
+    return p.grad().defined() && p.grad().layout() != at::kStrided;
+  });
+}
+
+std::string Step::Impl::late_grad_name() const {
+  if (std::none_of(left_out_.begin(), left_out_.end(),
+                   [](const at::Tensor& p) { return p.grad().defined(); })) {
+    return "";  // the common case: a name is looked up only when one is due
+  }
+  return first_param_where([this](const at::Tensor& p) {
+    return p.grad().defined() &&
+           std::any_of(left_out_.begin(), left_out_.end(),
+                       [&](const at::Tensor& q) { return q.is_same(p); });
+  });
+}
+
+void Step::Impl::unfuse(const std::string& name) {
+  own_grads();  // torch::optim's zero_grad() detaches gradients in place, which a view refuses
+  fused_ = false;
+  optim_steps_ = true;
+  const std::string why =
+      name + " got a gradient at call " + std::to_string(calls_ + 1) + ", and none in the "
+      "first step, so the fused update had left it out (as torch::optim's step() skips a "
+      "parameter without a gradient). From here on torch::optim's step() runs every step, "
+      "eagerly, and trains it";
+  if (will_capture_) {
+    TORCH_WARN("nimble_train::Step: ", why, ", without a CUDA graph (the graph's update holds "
+               "the parameters the first step gave gradients). For the graph, give every "
+               "trained parameter a gradient in the first step, or freeze the others "
+               "(requires_grad false) before building the Step.");
+    capture_error_ = why;
+  }
+  will_capture_ = false;
+  if (phase_ != Phase::kClosed) phase_ = Phase::kEager;
 }
 
 std::string Step::Impl::sparse_grad_refusal(const std::string& name) const {
@@ -761,7 +813,12 @@ void Step::Impl::fuse() {
   auto& groups = optimizer_.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     for (const at::Tensor& p : groups[g].params()) {
-      if (p.requires_grad() && p.grad().defined()) params.emplace_back(int64_t(g), p);
+      if (!p.requires_grad()) continue;
+      if (p.grad().defined()) {
+        params.emplace_back(int64_t(g), p);
+      } else {
+        left_out_.push_back(p);
+      }
     }
   }
   fix_trainable();
@@ -888,6 +945,31 @@ at::Tensor Step::Impl::fused_update() {
 
 // ------------------------------------------------------------------ the steps
 
+void Step::Impl::fused_eager_update(int64_t samples) {
+  const std::vector<float> values = staged_values();
+  std::vector<float> slot;
+#if NT_HAVE_CUDA
+  if (graph_) {
+    graph_->stage_eager(samples, values);
+  } else
+#endif
+  {
+    slot.reserve(values.size() + 1);
+    slot.push_back(float(samples));
+    slot.insert(slot.end(), values.begin(), values.end());
+    ring_->stage(slot);
+    try {
+      ring_->fetch();
+    } catch (...) {
+      ring_->unstage();
+      throw;
+    }
+    ring_->launched();
+  }
+  fused_update();
+  after_update();
+}
+
 at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warmup) {
   const bool record = warmup && device_.is_cuda();
 #if NT_HAVE_CUDA
@@ -900,11 +982,11 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
   // The first step runs the optimizer as it is (it shows which parameters get gradients); the
   // update is fused from the second on, unless a gradient is sparse: then, without a capture,
   // torch::optim's step() takes it every step.
-  if (!fused_ && !sparse_ && kind_ != Kind::kOther && eager_steps_ >= 1) {
+  if (!fused_ && !optim_steps_ && kind_ != Kind::kOther && eager_steps_ >= 1) {
     const std::string sparse = sparse_grad_name();
     if (!sparse.empty() && will_capture_) throw Error(sparse_grad_refusal(sparse));
-    sparse_ = !sparse.empty();
-    if (!sparse_) fuse();
+    optim_steps_ = !sparse.empty();
+    if (!optim_steps_) fuse();
   }
   at::Tensor loss;
   if (fused_) {
@@ -916,28 +998,14 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
       loss = loss_of(batch, samples, at::Tensor());
       loss.backward();
     }
-    const std::vector<float> values = staged_values();
-    std::vector<float> slot;
-#if NT_HAVE_CUDA
-    if (graph_) {
-      graph_->stage_eager(samples, values);
-    } else
-#endif
-    {
-      slot.reserve(values.size() + 1);
-      slot.push_back(float(samples));
-      slot.insert(slot.end(), values.begin(), values.end());
-      ring_->stage(slot);
-      try {
-        ring_->fetch();
-      } catch (...) {
-        ring_->unstage();
-        throw;
-      }
-      ring_->launched();
+    const std::string late = late_grad_name();
+    if (late.empty()) {
+      fused_eager_update(samples);
+    } else {
+      unfuse(late);  // this step's update too: torch::optim's step() over these gradients
+      clip_unfused();
+      optimizer_.step();
     }
-    fused_update();
-    after_update();
   } else {
     if (kind_ != Kind::kOther) check_structure();
     optimizer_.zero_grad(true);
@@ -961,7 +1029,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
   c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
   const std::vector<at::Tensor>& statics = graph_->inputs(entry_).buffers();
   const bool masked = per_sample_ == 1;
-  std::string cause;
+  std::string cause, late;
   bool failed = false;
   capture::CaptureResult result;
   {
@@ -982,6 +1050,8 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
         throw std::runtime_error("injected failure inside the capture (a rollback test)");
       }
       loss.backward();
+      late = late_grad_name();
+      if (!late.empty()) throw std::runtime_error(late + " got a gradient it had not had");
       fused_update();
       graph_loss_ = loss.detach().to(at::kFloat);
       result = graph_->end_capture();
@@ -993,6 +1063,13 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
       cause = e.what();
       cause = cause.substr(0, cause.find('\n'));
     }
+  }
+  if (!late.empty()) {
+    // A parameter the fused update left out got a gradient in the captured forward: nothing
+    // captured ran, so this step runs eagerly with torch::optim's step(), as every later one.
+    for (at::Tensor& p : left_out_) p.mutable_grad().reset();
+    unfuse(late);
+    return eager_step(batch, batch_size_, false);
   }
   if (failed) {
     capture_error_ = cause;
@@ -1063,7 +1140,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
   switch (phase_) {
     case Phase::kWarmup:
       loss = eager_step(batch, samples, /*warmup=*/true);
-      if (eager_steps_ >= options_.warmup) {
+      if (phase_ == Phase::kWarmup && eager_steps_ >= options_.warmup) {
         fix_trainable();  // an optimizer captured as it is: from here on
         watch_->fix_storage();  // the graph reads the data where the warm-up left it
         modules_.emplace(module_);

@@ -76,6 +76,29 @@ inline void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }
 
+// A model whose second layer runs only from call `from` on (a curriculum, or a branch on host
+// data): the first step gives that layer no gradient. Set `call` before each call.
+struct LateLayer {
+  static torch::nn::Sequential make(torch::Device device) {
+    torch::manual_seed(0);
+    torch::nn::Sequential net(torch::nn::Linear(8, 4), torch::nn::Linear(4, 4));
+    net->to(device);
+    return net;
+  }
+  torch::Tensor logits(torch::nn::Sequential& net, const torch::Tensor& x) const {
+    torch::Tensor h = net[0]->as<torch::nn::Linear>()->forward(x);
+    return call >= from ? net[1]->as<torch::nn::Linear>()->forward(h) : h;
+  }
+  ForwardLoss forward_loss(torch::nn::Sequential net) {
+    return [this, net](const Batch& b) mutable {
+      return F::cross_entropy(logits(net, b[0]), b[1],
+                              F::CrossEntropyFuncOptions().reduction(torch::kNone));
+    };
+  }
+  int64_t from;
+  int64_t call = 0;
+};
+
 // The call is refused: a nimble_train::Error whose message says each of `said`.
 inline void expect_refused(Step& step, const Batch& batch,
                            std::initializer_list<const char*> said) {

@@ -15,6 +15,7 @@
 namespace nt = nimble_train;
 namespace F = torch::nn::functional;
 using nimble_train::testing::expect_refused;
+using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
@@ -365,4 +366,35 @@ TEST(StepCpu, BadOptionsAreClearErrors) {
   EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_grad_clip(-1)),
                nt::Error);
   EXPECT_THROW(nt::Step(net, opt, nt::ForwardLoss()), nt::Error);
+}
+
+TEST(StepCpu, AParameterTheFirstStepGaveNoGradientTrainsFromTheStepThatGivesItOne) {
+  for (const bool adam : {false, true}) {
+    auto net = LateLayer::make(torch::kCPU), ref = LateLayer::make(torch::kCPU);
+    std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
+    if (adam) {
+      const auto options = torch::optim::AdamOptions(1e-2);
+      opt = std::make_unique<torch::optim::Adam>(net->parameters(), options);
+      ref_opt = std::make_unique<torch::optim::Adam>(ref->parameters(), options);
+    } else {
+      const auto options = torch::optim::SGDOptions(0.1).momentum(0.9);
+      opt = std::make_unique<torch::optim::SGD>(net->parameters(), options);
+      ref_opt = std::make_unique<torch::optim::SGD>(ref->parameters(), options);
+    }
+    LateLayer late{3};
+    nt::Step step(net, *opt, late.forward_loss(net));
+    const auto batches = make_batches(7, 16, 2);
+    for (size_t i = 0; i < batches.size(); ++i) {
+      late.call = int64_t(i);
+      const double loss = step(batches[i]).item<double>();
+      ref_opt->zero_grad();
+      torch::Tensor expected = F::cross_entropy(late.logits(ref, batches[i][0]), batches[i][1]);
+      expected.backward();
+      ref_opt->step();
+      EXPECT_NEAR(loss, expected.item<double>(), 1e-5) << "adam " << adam << ", step " << i;
+      EXPECT_LT(max_diff(net, ref), kTol) << "adam " << adam << ", step " << i;
+      // fused from the second step until the late layer's first gradient, torch::optim's after
+      EXPECT_EQ(step.stats().update, i >= 1 && i < 3 ? "fused" : "eager") << "step " << i;
+    }
+  }
 }

@@ -3,8 +3,9 @@
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
 // a module left in eval mode, a child replaced, a parameter member assigned anew or a sparse
-// gradient in a captured step is refused, and a parameter given new data, BatchNorm's
-// statistics assigned anew, or a checkpoint loaded with torch::load, trains on from it.
+// gradient in a captured step is refused, a parameter given its first gradient late trains
+// eagerly with torch::optim, and a parameter given new data, BatchNorm's statistics assigned
+// anew, or a checkpoint loaded with torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -26,6 +27,7 @@
 namespace nt = nimble_train;
 namespace F = torch::nn::functional;
 using nimble_train::testing::expect_refused;
+using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
@@ -400,6 +402,38 @@ TEST_F(StepCuda, ASparseGradientIsRefusedByACapturedStepAndTrainsWithoutOne) {
     EXPECT_TRUE(net[0]->parameters()[0].grad().is_sparse());
     EXPECT_LT(max_diff(net, ref), 1e-5);
     EXPECT_EQ(step.stats().update, "eager");
+  }
+}
+
+// A parameter the first step gave no gradient is left out of the fused update (as
+// torch::optim's step() skips it); one that gets a gradient later, in a warm-up step or in the
+// captured forward, is not dropped: that step and every later one run torch::optim's step(),
+// eagerly, and the call that was to capture loses nothing.
+TEST_F(StepCuda, AParameterGivenItsFirstGradientInWarmUpOrCaptureTrainsEagerlyWithTorchOptim) {
+  const auto batches = nimble_train::testing::make_mlp_batches(7, 16, 4, {8, 16, 4}, device);
+  for (const int64_t from : {1, 3}) {  // a warm-up step's (fused) forward, the capture's
+    auto net = LateLayer::make(device), ref = LateLayer::make(device);
+    const auto options = torch::optim::AdamOptions(1e-2);
+    torch::optim::Adam opt(net->parameters(), options), ref_opt(ref->parameters(), options);
+    LateLayer late{from};
+    nt::Step step(net, opt, late.forward_loss(net), nt::StepOptions().set_warmup(3));
+    for (size_t i = 0; i < batches.size(); ++i) {
+      late.call = int64_t(i);
+      const double loss = step(batches[i]).item<double>();
+      ref_opt.zero_grad();
+      torch::Tensor expected = F::cross_entropy(late.logits(ref, batches[i][0]), batches[i][1]);
+      expected.backward();
+      ref_opt.step();
+      EXPECT_NEAR(loss, expected.item<double>(), 1e-5) << "from " << from << ", step " << i;
+      EXPECT_LT(max_diff(net, ref), 1e-5) << "from " << from << ", step " << i;
+    }
+    const nt::StepStats stats = step.stats();
+    EXPECT_EQ(stats.captures, 0);
+    EXPECT_EQ(stats.phase, nt::Phase::kEager);
+    EXPECT_EQ(stats.update, "eager");
+    EXPECT_NE(stats.capture_error.find("1.weight (param_groups()[0].params()[2]) got a "
+                                       "gradient at call " + std::to_string(from + 1)),
+              std::string::npos) << stats.capture_error;
   }
 }
 
