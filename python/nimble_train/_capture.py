@@ -24,7 +24,7 @@ from ._batch_norm import CapturedBatchNorms
 from ._max_pool import our_max_pool
 from ._small_conv import candidates as small_conv_candidates, small_convs
 from ._extension import _C
-from ._iteration import MisdirectedGradient
+from ._iteration import LateGradient, MisdirectedGradient
 from ._multistream import (CHAIN, COMPILED, build_multistream, traced_submodule,
                            untraced_reason, warn_single_stream)
 from ._optimizer_state import HostStateError
@@ -268,7 +268,7 @@ class CapturedStep:
         several = (self.multistream is not None or self.weight_grads is not None
                    or self.splits_compiled)
         if (not several or isinstance(failure, SyncError)
-                or isinstance(failure.__cause__, HostStateError)):
+                or isinstance(failure.__cause__, (HostStateError, LateGradient))):
             return None
         cause = root_message(failure.__cause__) if failure.__cause__ else str(failure)
         self.multistream = self.weight_grads = self._split_model = self._inside = None

@@ -14,6 +14,7 @@ import torch
 
 from . import _torch_private
 from ._weight_grads import steps_backward
+from .errors import NimbleError
 
 AMP_DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,6 +43,10 @@ class Call(NamedTuple):
 FULL_STEP = Call()
 
 
+class LateGradient(NimbleError):
+    """A backward gave a gradient to a parameter the fused update had left out."""
+
+
 class Iteration:
     """Forward, loss, backward and update of `model` with `update` (an _update.Update)."""
 
@@ -64,6 +69,10 @@ class Iteration:
         # The gradient tensors a window's calls accumulate into (accumulate > 1, not fused:
         # the fused update keeps them as views of its flat buffers).
         self.window_grads: list[torch.Tensor | None] | None = None
+        # Trained parameters the fused update left out (no gradient in warm-up), by position;
+        # a backward that gives one a gradient raises LateGradient (check_left_out).
+        self.left_out: list[int] = []
+        self.name_of: Callable[[int], str] = str  # a parameter's name for an error (Step's)
 
     # ------------------------------------------------------------------ forward and loss
 
@@ -256,6 +265,7 @@ class Iteration:
             with around, steps_backward():
                 (loss if scaler is None else scaler.scale_loss(loss)).backward()
             take_back_grads(handed, zero_unreached=capturing)
+            self.check_left_out()
         except BaseException:
             take_back_grads(handed, copy=False)  # the views back; the capture is abandoned
             if sync is not None:
@@ -275,6 +285,30 @@ class Iteration:
                 self.grad_norm = norm
         if self.ema is not None:
             self.ema.update()
+
+    def check_left_out(self) -> None:
+        """After a fused step's backward: a parameter the update left out that got a gradient
+        would silently never train. Its gradient is dropped and LateGradient raised, before
+        the update."""
+        late = [i for i in self.left_out if self.params[i].grad is not None]
+        if not late:
+            return
+        for i in late:
+            self.params[i].grad = None
+        names = ", ".join(self.name_of(i) for i in late[:3])
+        more = f" and {len(late) - 3} more" if len(late) > 3 else ""
+        raise LateGradient(
+            f"nimble_train.Step: {names}{more} got a gradient, and none in the warm-up steps "
+            "before the update was fused (the first max(warmup - 1, 1) calls), so the fused "
+            "update and the graphs were planned without it, as torch.optim's step() skips a "
+            "parameter without a gradient: it would never train. Give every trained parameter "
+            "a gradient in those calls (with shape buckets, a forward of another length may use "
+            "layers a shorter one does not: put a batch of the longest length first), freeze "
+            "the ones that should not train "
+            "(requires_grad_(False)) before building the Step, or train with "
+            "nt.Step(..., capture=False), whose steps call optimizer.step(). Nothing was "
+            "applied for this call: the parameters, buffers and optimizer are as after the "
+            "last completed call.")
 
     def hands_over(self, call: Call) -> bool:
         """Whether `call`'s backward hands the gradients to autograd: captured calls whose

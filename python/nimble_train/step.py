@@ -43,7 +43,7 @@ from ._ema import EMA, check_decay, unique_tensors
 from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
-from ._iteration import Call, Iteration, model_arguments
+from ._iteration import Call, Iteration, LateGradient, model_arguments
 from ._model_watch import ModelWatch, refuse_replaced, warn_replays_keep
 from ._multistream import traced_submodule
 from ._padding import mixing_reason
@@ -565,8 +565,9 @@ class Step:
                 # The fused update and accumulation's scales read the staged values.
                 self._graph.graph.stage_eager(samples, self._call_values(samples))
             captured = self._graph is not None and self._graph.captured
-            loss = self._iteration.step(batch, samples, None, captured,
-                                        self._eager_call(samples))
+            with self._buffers_kept_if_late():
+                loss = self._iteration.step(batch, samples, None, captured,
+                                            self._eager_call(samples))
         self._last_entry = -1
         self._counts["eager_steps"] += 1
         self._bucket_counts[bucket][1] += 1
@@ -580,12 +581,34 @@ class Step:
         self._padded += 1
         static = self._template.unflatten(self._inputs[bucket].buffers)
         valid = torch.tensor(float(samples), device=self._device)
-        loss = self._iteration.step(static, self._template.batch_size, valid, captured=False,
-                                    call=self._eager_call(samples))
+        with self._buffers_kept_if_late():
+            loss = self._iteration.step(static, self._template.batch_size, valid,
+                                        captured=False, call=self._eager_call(samples))
         self._last_entry = -1
         self._counts["eager_steps"] += 1
         self._bucket_counts[bucket][1] += 1
         return loss
+
+    @contextlib.contextmanager
+    def _buffers_kept_if_late(self):
+        """Around an eager step whose fused update left parameters out: if one gets a gradient
+        (LateGradient, raised before the update), the buffers its forward moved (a batch
+        norm's statistics) are put back."""
+        if not self._iteration.left_out:
+            yield
+            return
+        buffers = [b for b in self.model.buffers() if b is not None]
+        if isinstance(self.loss_fn, torch.nn.Module):
+            buffers += [b for b in self.loss_fn.buffers() if b is not None]
+        with torch.no_grad():
+            kept = [b.clone() for b in buffers]
+        try:
+            yield
+        except LateGradient:
+            with torch.no_grad():
+                for b, value in zip(buffers, kept):
+                    b.copy_(value)
+            raise
 
     def _fuse(self) -> None:
         """The update moves to the fused optimizer before the last warm-up step: the flat
@@ -604,6 +627,9 @@ class Step:
             used = sync.used_anywhere(used)
         self._fix_trainable()
         self._update.fuse(self._params, self._graph.update_values, shards, used)
+        self._iteration.left_out = [i for i, (p, u) in enumerate(zip(self._params, used))
+                                    if p.requires_grad and not u]
+        self._iteration.name_of = self._param_name
         if sync is not None:
             sync.use_buckets(self._update.fused,
                              update_in_buckets=self._why_not_in_buckets() is None)

@@ -1552,3 +1552,108 @@ def test_a_leaf_modules_number_changed_after_capture_is_refused_and_its_own_coun
     run.train(batches[6:])
     assert run.step.stats()["replays"] == 8
     run.assert_same()
+
+
+class LongOnly(torch.nn.Module):
+    """Mean-pools a sequence; a second layer runs on sequences longer than 8 alone (a forward
+    of one shape bucket uses a layer another's does not), or, with `data`, on batches whose
+    mean is positive (a branch on the data, which the graph cannot hold)."""
+
+    def __init__(self, data=False):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.b = torch.nn.Linear(4, 4)
+        self.data = data
+
+    def forward(self, x):
+        h = self.bn(self.a(x).mean(1))
+        late = x.mean().item() > 0 if self.data else x.shape[1] > 8
+        return self.b(h) if late else h
+
+
+def sequences(lengths, shift=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(16, t, 8, generator=g).cuda() + s,
+             torch.randint(0, 4, (16,), generator=g).cuda())
+            for t, s in zip(lengths, shift if isinstance(shift, list) else [shift] * len(lengths))]
+
+
+def padded(batches, sizes):
+    """The batches as Step's buckets pad them (zeros along dim 1)."""
+    out = []
+    for x, y in batches:
+        size = min(s for s in sizes if s >= x.shape[1])
+        out.append((F.pad(x, (0, 0, 0, size - x.shape[1])), y))
+    return out
+
+
+def test_a_parameter_the_warm_up_gave_no_gradient_is_refused_where_it_gets_one():
+    """The fused update and the graphs are planned over the parameters the warm-up gave
+    gradients (as torch.optim's step() skips one without). A bucket's forward that uses a
+    layer the warm-up's shorter batches did not, or an eager step whose data take a branch to
+    one, is refused before its update, the buffers its forward moved put back, rather than
+    training on without that layer; a batch of the longest length first trains it."""
+    sizes = (8, 16)
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = cuda_twin(LongOnly(), lambda p: torch.optim.SGD(p, lr=0.05,
+                                                                        momentum=0.9))
+    step = nt.Step(m1, o1, per_sample, warmup=2, buckets=nt.Buckets(sizes=sizes, dim=1))
+    short = sequences([5] * 5)
+    for b in short:
+        step(b)
+    eager_loop(m2, o2, per_sample, padded(short, sizes))
+    assert step.stats()["replays"] == 3  # the long bucket's capture was deferred
+    before = copy.deepcopy(m1.state_dict())
+    long = sequences([12], seed=1)
+    with pytest.raises(nt.NimbleError, match=r"b\.weight, b\.bias got a gradient.*put a batch "
+                                             r"of the longest length first"):
+        step(long[0])
+    assert_nothing_ran(m1, before)
+    assert m1.b.weight.grad is None
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    more = sequences([6, 7], seed=2)  # the short bucket's graph trains on
+    for b in more:
+        step(b)
+    eager_loop(m2, o2, per_sample, padded(more, sizes))
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    step.close()
+
+    # The fix the refusal names: the longest length first. A bucket whose forward does not
+    # reach the layer updates it with a zero gradient (its momentum goes on), as the loop with
+    # zero_grad(set_to_none=False) does, not skipped as with set_to_none=True.
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = cuda_twin(LongOnly(), lambda p: torch.optim.SGD(p, lr=0.05,
+                                                                        momentum=0.9))
+    batches = sequences([12, 5, 5, 12, 5, 12], seed=3)
+    step, _ = run_step(m1, o1, per_sample, batches, buckets=nt.Buckets(sizes=sizes, dim=1))
+    for x, y in padded(batches, sizes):
+        o2.zero_grad(set_to_none=False)
+        F.cross_entropy(m2(x), y).backward()
+        o2.step()
+    assert step.stats()["replays"] == 4
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_a_branch_on_the_data_to_a_parameter_the_warm_up_never_reached_is_refused():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = cuda_twin(LongOnly(data=True),
+                                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    first = sequences([8] * 2, shift=-1.0)  # warm-up: the branch not taken
+    for b in first:
+        step(b)
+    eager_loop(m2, o2, per_sample, first)
+    with pytest.raises(nt.SyncError):  # the capture: .item() in the forward
+        step(sequences([8], shift=-1.0, seed=1)[0])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    before = copy.deepcopy(m1.state_dict())
+    with pytest.raises(nt.NimbleError, match=r"b\.weight, b\.bias got a gradient.*capture=False"):
+        step(sequences([8], shift=1.0, seed=2)[0])
+    assert_nothing_ran(m1, before)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    later = sequences([8] * 2, shift=-1.0, seed=3)  # eager steps without the branch go on
+    for b in later:
+        step(b)
+    eager_loop(m2, o2, per_sample, later)
+    assert_same_training(m1, o1, m2, o2, **TOL)
