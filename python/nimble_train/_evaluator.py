@@ -58,6 +58,7 @@ class Evaluator:
     def __call__(self, batch: Any) -> Any:
         step = self._step
         step._require_open("evaluator")
+        step._check_kernel_settings()  # its graphs' kernels were chosen by them too
         # Data replaced since capture goes where the graphs (this one's too) read it first.
         step._settle_model(training=False)
         if self._scope is not None:

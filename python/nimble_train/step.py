@@ -203,6 +203,9 @@ class Step:
         # The autocast the calls were made under when the graphs were captured (enabled, its
         # dtype; None before a capture): a replay runs the precision it was captured with.
         self._autocast: tuple[bool | None, torch.dtype | None] = (None, None)
+        # And torch's settings that chose the graphs' kernels (float32's precision, cuDNN, the
+        # attention backends, ...; src/capture/kernel_settings.h): a replay runs those kernels.
+        self._kernel_settings: int | None = None
         # Each module's training mode, children, parameters and buffers when the graphs were
         # first captured (ModelWatch.check_modes, _settle_model).
         self._model: ModelWatch | None = None
@@ -265,7 +268,8 @@ class Step:
                         and torch.is_grad_enabled()
                         and torch.is_autocast_enabled(self._device_type) is autocast
                         and (dtype is None
-                             or torch.get_autocast_dtype(self._device_type) is dtype)):
+                             or torch.get_autocast_dtype(self._device_type) is dtype)
+                        and _C.kernel_settings() == self._kernel_settings):
                     samples = self._template.batch_size
                     try:
                         self._graph.graph.launch(entry, tensors, self._call_values(samples))
@@ -352,6 +356,24 @@ class Step:
                 "precision, nt.Step(..., amp='bf16') applies autocast inside the step), or "
                 "build a new Step: step.close(), then nt.Step(model, optimizer, ...) again. "
                 "Nothing was run for this call.")
+        self._check_kernel_settings()
+
+    def _check_kernel_settings(self) -> None:
+        """Once graphs were captured: torch's settings that chose their kernels are as they were
+        then (a training call's, or a captured evaluator's). Raised before anything runs."""
+        if self._kernel_settings is None:
+            return
+        now = _C.kernel_settings()
+        if now == self._kernel_settings:
+            return
+        changed = _C.kernel_setting_changes(self._kernel_settings, now)
+        raise NimbleError(
+            "nimble_train.Step: torch's settings changed since the step's graphs were captured: "
+            f"{'; '.join(changed)}. A replay runs the kernels its capture chose, where an eager "
+            "step would run others: the precision or algorithms asked for would not be met. "
+            "Set them back before calling the step, or set them before building the Step, or "
+            "build a new Step under the new settings: step.close(), then nt.Step(model, "
+            "optimizer, ...) again. Nothing was run for this call.")
 
     def _run_settled(self, batch: Any) -> torch.Tensor:
         tensors = self._template.tensors(batch)
@@ -857,6 +879,7 @@ class Step:
         self._counts["captures"] += 1
         self._model.captured = True  # its numbers are the graphs' from here on
         self._autocast = self._autocast_now()  # and the autocast they run (_check_ambient)
+        self._kernel_settings = _C.kernel_settings()  # and the settings of its kernels
         self._captured_entries.add(entry)
         recaptures = self._counts["captures"] - len(self._captured_entries)
         self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "capture/grad_accumulators.h"
+#include "capture/kernel_settings.h"
 #include "capture/static_inputs.h"
 #include "capture/staging_ring.h"
 #include "common/check.h"
@@ -285,6 +286,11 @@ void bind_capture(py::module_& m) {
         "Binds the gradient accumulator of each leaf that has one alive (an earlier autograd "
         "graph holds it) to the current stream, as if made now; returns how many were bound "
         "to another stream. See src/capture/grad_accumulators.h.");
+  m.def("kernel_settings", &capture::kernel_settings,
+        "torch's settings that choose a step's kernels (float32's precision, cuDNN, the "
+        "attention backends, ...) packed into one int. See src/capture/kernel_settings.h.");
+  m.def("kernel_setting_changes", &capture::kernel_setting_changes, py::arg("captured"),
+        py::arg("now"), "'name is now, was captured' for each setting that differs.");
 #if NT_HAVE_CUDA
   bind_step_graph(m);
 #endif

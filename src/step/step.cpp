@@ -27,6 +27,7 @@
 #include <tuple>
 #include <utility>
 
+#include "capture/kernel_settings.h"
 #include "capture/static_inputs.h"
 #include "capture/staging_ring.h"
 #include "common/check.h"
@@ -375,6 +376,7 @@ class Step::Impl {
   // a buffer's data replaced since (`p.set_data(t)`; torch::load(module, ...), which sets each
   // tensor's storage) goes back where the graph reads it, values kept.
   void check_params();
+  void check_kernel_settings() const;
   // The optimizer's parameters, then the module's others, then its buffers (a BatchNorm's
   // running statistics): every tensor of the model the graph reads.
   std::vector<at::Tensor> watched_tensors() const;
@@ -421,6 +423,9 @@ class Step::Impl {
   int64_t entry_ = -1;
   at::Tensor graph_loss_;
   std::string capture_error_;
+  // torch's settings that chose the graph's kernels (TF32, cuDNN, attention backends, ...),
+  // read when it was captured: a replay under others is refused (check_kernel_settings).
+  uint64_t kernel_settings_ = 0;
 
   // Which parameters required gradients when the flat buffers (or the graph) fixed what the
   // step trains, and from capture on the storage the graph reads.
@@ -1093,6 +1098,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
         "calls run eagerly (set_capture(false) does that from the start).");
   }
   ++captures_;
+  kernel_settings_ = capture::kernel_settings();
   phase_ = Phase::kReplay;
   return launch(batch);
 #else
@@ -1118,6 +1124,21 @@ at::Tensor Step::Impl::launch(const Batch& batch) {
 #endif
 }
 
+void Step::Impl::check_kernel_settings() const {
+  const uint64_t now = capture::kernel_settings();
+  if (now == kernel_settings_) return;
+  std::string changes;
+  for (const std::string& change : capture::kernel_setting_changes(kernel_settings_, now)) {
+    changes += (changes.empty() ? "" : "; ") + change;
+  }
+  throw Error("nimble_train::Step: torch's settings changed since the step's graph was "
+              "captured (at::globalContext()'s, named as Python sets them): " + changes +
+              ". A replay runs the kernels its capture chose, where an eager step would run "
+              "others: the precision or algorithms asked for would not be met. Set them back "
+              "before calling the step, set them before building it, or build a new Step under "
+              "the new settings (close() this one). Nothing was run for this call.");
+}
+
 at::Tensor Step::Impl::call(const Batch& batch) {
   if (phase_ == Phase::kClosed) {
     throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
@@ -1127,6 +1148,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
   }
   if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) modules_->check();
+  if (phase_ == Phase::kReplay) check_kernel_settings();
   check_params();
   const int64_t samples = check_batch(batch);
   const bool short_batch = samples < batch_size_;

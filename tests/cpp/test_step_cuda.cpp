@@ -2,8 +2,8 @@
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
-// a module left in eval mode, a child replaced, a parameter member assigned anew or a sparse
-// gradient in a captured step is refused, a parameter given its first gradient late trains
+// a module left in eval mode, a child replaced, a parameter member assigned anew, a sparse
+// gradient or a changed kernel setting (TF32, cuDNN) in a captured step is refused, a parameter given its first gradient late trains
 // eagerly with torch::optim, and a parameter given new data, BatchNorm's statistics assigned
 // anew, or a checkpoint loaded with torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
@@ -362,6 +362,28 @@ TEST_F(StepCuda, AModuleLeftInEvalAfterCaptureIsRefusedAndTrainResumesTheGraph) 
   r.train(5, r.batches.size());
   EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
   EXPECT_EQ(r.step.stats().captures, 1);
+}
+
+// A graph runs the kernels its capture chose: a call after a setting that chooses them changed
+// (float32 products in TF32, cuDNN switched off) is refused before anything runs, naming it;
+// set back, the step trains on as the loop.
+TEST_F(StepCuda, ACallAfterAKernelSettingChangedSinceCaptureIsRefusedAndTrainsOnOnceItIsBack) {
+  Replaying r(18, device);
+  auto& context = at::globalContext();
+  const bool tf32 = context.allowTF32CuBLAS(), cudnn = context.userEnabledCuDNN();
+  context.setAllowTF32CuBLAS(!tf32);
+  expect_refused(r.step, r.batches[5],
+                 {"torch.backends.cuda.matmul.fp32_precision", tf32 ? "was 'tf32'" : "was 'ieee'",
+                  "Nothing was run"});
+  context.setAllowTF32CuBLAS(tf32);
+  context.setUserEnabledCuDNN(!cudnn);
+  expect_refused(r.step, r.batches[5], {"torch.backends.cudnn.enabled is"});
+  context.setUserEnabledCuDNN(cudnn);
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);  // nothing ran
+  r.train(5, r.batches.size());
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
+  EXPECT_EQ(r.step.stats().captures, 1);
+  EXPECT_EQ(r.step.stats().replays, 5 + 5 - 3);
 }
 
 // A sparse gradient cannot live in a graph (its size follows the batch's indices): a captured

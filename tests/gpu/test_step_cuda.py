@@ -1437,6 +1437,100 @@ def test_a_call_under_another_autocast_than_the_capture_is_refused():
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
+@pytest.fixture
+def torch_settings_restored():
+    """torch's global settings the tests below change, put back after each."""
+    backends = torch.backends
+    saved = (torch.get_float32_matmul_precision(), backends.cudnn.allow_tf32,
+             backends.cudnn.enabled, torch.are_deterministic_algorithms_enabled(),
+             backends.cuda.flash_sdp_enabled())
+    yield
+    torch.set_float32_matmul_precision(saved[0])
+    backends.cudnn.allow_tf32, backends.cudnn.enabled = saved[1], saved[2]
+    torch.use_deterministic_algorithms(saved[3])
+    backends.cuda.enable_flash_sdp(saved[4])
+
+
+KERNEL_SETTINGS = {
+    "matmul-tf32": (lambda: torch.set_float32_matmul_precision("high"),
+                    r"torch\.backends\.cuda\.matmul\.fp32_precision \(or "
+                    r"torch\.set_float32_matmul_precision\(\).*\) is 'tf32', was 'ieee'"),
+    "conv-no-tf32": (lambda: setattr(torch.backends.cudnn, "allow_tf32", False),
+                     r"torch\.backends\.cudnn\.conv\.fp32_precision \(or "
+                     r"torch\.backends\.cudnn\.allow_tf32\) is 'ieee', was 'tf32'"),
+    "cudnn-off": (lambda: setattr(torch.backends.cudnn, "enabled", False),
+                  r"torch\.backends\.cudnn\.enabled is False, was True"),
+    "deterministic": (lambda: torch.use_deterministic_algorithms(True),
+                      r"torch\.use_deterministic_algorithms\(\) is True, was False"),
+    "no-flash-attention": (lambda: torch.backends.cuda.enable_flash_sdp(False),
+                           r"torch\.backends\.cuda\.enable_flash_sdp\(\) is False, was True"),
+}
+
+
+@pytest.mark.parametrize("setting", list(KERNEL_SETTINGS))
+def test_a_call_after_a_kernel_setting_changed_since_capture_is_refused(setting,
+                                                                        torch_settings_restored):
+    """A graph runs the kernels its capture chose (TF32 or IEEE float32 products, cuDNN's,
+    flash attention's), where an eager step would follow torch's settings of the moment: a
+    training or evaluator call after one of them changed is refused before anything runs,
+    naming it (the replay's fast path sends it to the checks); set back, the step trains on
+    as the eager loop."""
+    change, message = KERNEL_SETTINGS[setting]
+    torch.manual_seed(23)
+    (m1, o1), (m2, o2) = cuda_twin(SmallCNN(),
+                                   lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9))
+    batches = classification_batches(7, 16, image=True, device="cuda", seed=23)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    ev = step.evaluator(lambda model, batch: model(batch[0]))
+    for b in batches[:4]:
+        step(b)
+    ev(batches[0])
+    assert step.stats()["replays"] == 2 and ev.stats()["graphs"] == 1
+    before = copy.deepcopy(m1.state_dict())
+    momentum = [o1.state[p]["momentum_buffer"].clone() for p in m1.parameters()]
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cudnn.enabled
+    change()
+    for call in (lambda: step(batches[4]), lambda: ev(batches[0])):
+        with pytest.raises(nt.NimbleError, match=r"torch's settings changed since the step's "
+                           rf"graphs were captured: {message}.*Nothing was run"):
+            call()
+        assert_nothing_ran(m1, before)
+    assert all(torch.equal(o1.state[p]["momentum_buffer"], m)
+               for p, m in zip(m1.parameters(), momentum))
+    torch.set_float32_matmul_precision("highest")  # set back
+    torch.backends.cudnn.allow_tf32, torch.backends.cudnn.enabled = saved
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cuda.enable_flash_sdp(True)
+    for b in batches[4:]:
+        step(b)
+    ev(batches[0])
+    eager_loop(m2, o2, per_sample, batches)
+    assert step.stats()["replays"] == 5 and ev.stats()["replays"] == 2
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+def test_a_kernel_setting_changed_in_warm_up_is_the_captures(torch_settings_restored):
+    """Settings changed before the capture are those its graphs run under, as an eager step
+    would from that call on; they are then fixed."""
+    torch.manual_seed(24)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = classification_batches(6, 32, device="cuda", seed=24)
+    step = nt.Step(m1, o1, per_sample, warmup=2)
+    step(batches[0])
+    eager_loop(m2, o2, per_sample, batches[:1])
+    torch.set_float32_matmul_precision("high")
+    for b in batches[1:]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[1:])
+    assert step.stats()["replays"] == 4
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    torch.set_float32_matmul_precision("medium")  # the same kernels on CUDA: TF32
+    step(batches[0])
+    torch.set_float32_matmul_precision("highest")
+    with pytest.raises(nt.NimbleError, match=r"is 'ieee', was 'tf32'"):
+        step(batches[0])
+
+
 class ConfigScaled(torch.nn.Module):
     """Scales its input by a number of the config object it holds."""
 
