@@ -42,8 +42,7 @@ class Update:
         self.host_state: HostState | None = None  # captured as it is: HostState
         self._hooks: tuple | None = None  # captured as it is: the step hooks its graphs ran
         self.loaded = False
-        self._groups = len(optimizer.param_groups)
-        self._params = sum(len(group["params"]) for group in optimizer.param_groups)
+        self._sizes = self._group_sizes()  # each param group's number of tensors
         if amp == "fp16":
             self.grad_scaler = torch.amp.GradScaler(device.type)
         self.fuse_reason = FusedOptimizer.why_unsupported(optimizer) if will_capture else None
@@ -178,18 +177,22 @@ class Update:
         _capturable.make_capturable(self.optimizer)  # same groups: the same staged lr
         self.loaded = False
 
+    def _group_sizes(self) -> list[int]:
+        return [len(group["params"]) for group in self.optimizer.param_groups]
+
     def check_groups(self) -> None:
         """The optimizer's parameters are those the Step was built for: a param group added
-        since would be left out of the all-reduce, clipping and the flat buffers."""
-        groups = self.optimizer.param_groups
-        params = sum(len(group["params"]) for group in groups)
-        if (len(groups), params) != (self._groups, self._params):
+        since, or a tensor added to a group, removed or moved to another, would be left out of
+        the all-reduce, clipping, the flat buffers and the graphs, or updated as its old
+        group's."""
+        sizes = self._group_sizes()
+        if sizes != self._sizes:
             raise ValueError(
-                f"the optimizer's parameters changed after nt.Step was built: it had "
-                f"{self._groups} param group(s) of {self._params} tensors, now {len(groups)} of "
-                f"{params} (add_param_group, or params edited). Step plans gradient averaging, "
-                "clipping and its flat buffers once; add every group before building the Step, "
-                "or build a new Step (step.close() first).")
+                f"the optimizer's parameters changed after nt.Step was built: its param groups "
+                f"held {self._sizes} tensors, now {sizes} (add_param_group, or a group's "
+                "'params' edited). Step plans gradient averaging, clipping, its flat buffers "
+                "and its graphs once; add every parameter to its group before building the "
+                "Step, or build a new Step (step.close() first). Nothing was run for this call.")
 
     def _hook_keys(self) -> tuple:
         return tuple((kind, key) for kind, key, _ in
@@ -217,9 +220,9 @@ class Update:
 
     def changed(self) -> bool:
         """Whether a hyper-parameter the graph baked in changed since (a recapture is due), a
-        param group was added, or a loaded state awaits settle_state (the slow path sees to
-        each)."""
-        if self.loaded or len(self.optimizer.param_groups) != self._groups:
+        param group was added or its tensors changed in number, or a loaded state awaits
+        settle_state (the slow path sees to each)."""
+        if self.loaded or self._group_sizes() != self._sizes:
             return True
         if self.fused is not None or self._baked is None:
             return False  # the fused update reads every hyper-parameter on the device

@@ -206,15 +206,39 @@ def test_small_mistakes_say_the_fix_before_anything_runs():
     assert_as_snapshot(model, opt, saved)
 
 
-def test_a_param_group_added_after_construction_is_refused():
+def _add_group(model, opt):
+    opt.add_param_group({"params": list(model.net[3].parameters())})
+
+
+def _append_to_group(model, opt):
+    opt.param_groups[0]["params"].extend(model.net[3].parameters())
+
+
+def _move_between_groups(model, opt):
+    opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop())
+
+
+@pytest.mark.parametrize("change, said", [
+    (_add_group, r"held \[2\] tensors, now \[2, 2\]"),
+    (_append_to_group, r"held \[2\] tensors, now \[4\]"),
+    (_move_between_groups, r"held \[1, 1\] tensors, now \[0, 2\]"),
+], ids=["group-added", "tensors-added-to-a-group", "tensor-moved-to-another-group"])
+def test_a_change_of_the_optimizers_param_groups_after_construction_is_refused(change, said):
+    """A param group added after the Step was built, or a group's tensors added to, removed or
+    moved to another group (a learning rate of another group's), is refused before the call
+    runs anything, naming the groups' sizes."""
     model = MLP()
-    opt = torch.optim.SGD(list(model.net[0].parameters()), lr=0.1)
+    first = list(model.net[0].parameters())
+    groups = [{"params": first}] if change is not _move_between_groups else \
+        [{"params": first[:1]}, {"params": first[1:], "lr": 0.01}]
+    opt = torch.optim.SGD(groups, lr=0.1)
     step = nt.Step(model, opt, per_sample)
     batches = classification_batches(2, 8)
     step(batches[0])
-    opt.add_param_group({"params": list(model.net[3].parameters())})
+    change(model, opt)
     saved = snapshot(model, opt)
-    with pytest.raises(ValueError, match=r"had 1 param group\(s\) of 2 tensors, now 2 of 4"):
+    with pytest.raises(ValueError, match=rf"the optimizer's parameters changed after nt.Step was "
+                                         rf"built: its param groups {said}.*Nothing was run"):
         step(batches[1])
     assert_as_snapshot(model, opt, saved)
 

@@ -161,6 +161,47 @@ def test_a_parameter_frozen_or_unfrozen_after_warmup_is_refused_and_a_new_step_t
     assert not torch.equal(m1.conv2.weight, frozen)
 
 
+@pytest.mark.parametrize("make_opt", [
+    lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+    lambda groups: torch.optim.RMSprop(groups, lr=1e-3),
+], ids=["sgd-fused", "rmsprop-captured-as-is"])
+def test_tensors_added_to_a_param_group_after_capture_are_refused_and_a_new_step_trains_them(
+        make_opt):
+    """A replay updates the tensors its graph was captured with: one appended to a param group
+    after capture (a layer the optimizer left out, unfrozen into the group) would never train.
+    The replay's fast path sends the call to the checks, which refuse it before anything runs;
+    a new Step trains it as the eager loop does from there."""
+    torch.manual_seed(26)
+    m1 = MLP().cuda()
+    m2 = copy.deepcopy(m1)
+    o1, o2 = (make_opt([{"params": list(m.net[0].parameters())}]) for m in (m1, m2))
+    batches = classification_batches(8, 16, device="cuda", seed=26)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # RMSprop: captured as it is
+        step = nt.Step(m1, o1, per_sample, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[:4])
+    assert step.stats()["replays"] == 2
+    for o, m in ((o1, m1), (o2, m2)):
+        o.param_groups[0]["params"].extend(m.net[3].parameters())
+    before = copy.deepcopy(m1.state_dict())
+    with pytest.raises(ValueError, match=r"its param groups held \[2\] tensors, now \[4\].*"
+                                         r"build a new Step.*Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    step.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        step = nt.Step(m1, o1, per_sample, warmup=2)
+    for b in batches[4:]:
+        step(b)
+    eager_loop(m2, o2, per_sample, batches[4:])
+    assert step.stats()["replays"] == 2
+    assert not torch.equal(m1.net[3].weight, before["net.3.weight"])
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 def test_a_module_mode_changed_after_capture_is_refused_and_a_new_step_trains_in_the_new_modes(
         streams):
