@@ -1572,6 +1572,73 @@ def test_a_kernel_setting_changed_in_warm_up_is_the_captures(torch_settings_rest
         step(batches[0])
 
 
+class OddParameters(torch.nn.Module):
+    """Parameters as models make them beside nn.Linear's: a transposed one (dense, not
+    contiguous), a strided slice (not dense), an empty one, a 0-dim scale, a channels-last
+    convolution, and optionally a bfloat16 head beside the float32 body."""
+
+    def __init__(self, dtype=torch.float32, bf16_head=False):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1, dtype=dtype).to(
+            memory_format=torch.channels_last)
+        self.a = torch.nn.Linear(8, 12, dtype=dtype)
+        self.w = torch.nn.Parameter(torch.randn(12, 6, dtype=dtype).t())
+        self.v = torch.nn.Parameter(torch.randn(6, 10, dtype=dtype)[:, ::2])
+        self.empty = torch.nn.Parameter(torch.zeros(0, dtype=dtype))
+        self.scale = torch.nn.Parameter(torch.tensor(1.5, dtype=dtype))
+        self.head = torch.nn.Linear(5, 4, dtype=torch.bfloat16 if bf16_head else dtype)
+
+    def forward(self, x):
+        h = torch.relu(self.a(self.conv(x).mean((2, 3)))) @ self.w.t()
+        h = (h @ self.v) * self.scale + self.empty.sum()
+        return self.head(h.to(self.head.weight.dtype)).float()
+
+
+@pytest.mark.parametrize("streams", [1, "auto"])
+@pytest.mark.parametrize("dtype, bf16_head", [(torch.float32, False), (torch.float32, True),
+                                              (torch.float64, False)],
+                         ids=["float32", "bf16-head", "float64"])
+@pytest.mark.parametrize("make_opt", [
+    lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True,
+                                   weight_decay=1e-3),
+    lambda groups: torch.optim.AdamW(groups, lr=1e-2),
+], ids=["sgd-nesterov", "adamw"])
+def test_parameters_of_odd_layouts_and_dtypes_train_as_the_eager_loop(
+        make_opt, dtype, bf16_head, streams, torch_settings_restored):
+    """Non-contiguous, strided, empty and 0-dim parameters, a channels-last weight, float64
+    parameters (the optimizer captured as it is) or a bfloat16 head beside float32 ones (flat
+    buffers per dtype), a learnable temperature the loss reads that no module holds, and param
+    groups that list the parameters in another order than the model: the captured step
+    trains each as the eager loop does, and each keeps its layout."""
+    torch.backends.cudnn.allow_tf32 = False  # the eager loop's convolutions as exact as ours
+    torch.manual_seed(25)
+    m1 = OddParameters(dtype, bf16_head).cuda()
+    m2 = copy.deepcopy(m1)
+    t1 = torch.nn.Parameter(torch.tensor(1.0, device="cuda"))
+    t2 = torch.nn.Parameter(t1.detach().clone())
+
+    def optimizer(model, temperature):
+        params = list(model.parameters())[::-1] + [temperature]
+        return make_opt([{"params": params[:3], "weight_decay": 0.0}, {"params": params[3:]}])
+
+    o1, o2 = optimizer(m1, t1), optimizer(m2, t2)
+    loss1 = lambda out, y: F.cross_entropy(out * t1, y, reduction="none")  # noqa: E731
+    loss2 = lambda out, y: F.cross_entropy(out * t2, y, reduction="none")  # noqa: E731
+    g = torch.Generator().manual_seed(25)
+    batches = [(torch.randn(16, 3, 8, 8, generator=g, dtype=dtype).cuda()
+                .contiguous(memory_format=torch.channels_last),
+                torch.randint(0, 4, (16,), generator=g).cuda()) for _ in range(8)]
+    step, losses = run_step(m1, o1, loss1, batches, streams=streams)
+    expected = eager_loop(m2, o2, loss2, batches)
+    assert step.stats()["replays"] == 6
+    tol = {"rtol": 2e-2, "atol": 5e-3} if bf16_head else TOL
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **tol)
+    assert_same_training(m1, o1, m2, o2, **tol)
+    torch.testing.assert_close(t1.detach(), t2.detach(), **tol)
+    assert m1.w.stride() == (1, 6) and m1.conv.weight.is_contiguous(
+        memory_format=torch.channels_last)
+
+
 class ConfigScaled(torch.nn.Module):
     """Scales its input by a number of the config object it holds."""
 
