@@ -34,9 +34,15 @@ class Buckets:
             (``{"labels": -100}``) or by leaf position for tuple batches (``{2: -100}``);
             0 for any leaf not named (input ids of the pad token 0, attention mask 0). A named
             leaf without the dimension (sequence-classification labels) is left as it is.
+        exact: True (the default): the first batch that is padded is checked once, its
+            per-sample losses with the padding against those without it (_padding.py); a
+            model whose losses move (labels padded with a class rather than -100, attention
+            over the padding) is refused, saying so. False: trains on the padded batches as
+            they are, unchecked (a model that pools over the padded length, knowingly).
     """
 
-    def __init__(self, sizes, dim: int = 1, pad_values: dict | None = None):
+    def __init__(self, sizes, dim: int = 1, pad_values: dict | None = None, *,
+                 exact: bool = True):
         try:
             sizes = tuple(sizes)
         except TypeError:
@@ -59,13 +65,17 @@ class Buckets:
             if not isinstance(value, numbers.Number):
                 raise TypeError(f"Buckets(pad_values=...)[{key!r}] must be a number such as "
                                 f"-100 or 0; got {value!r}")
+        if not isinstance(exact, bool):
+            raise TypeError(f"Buckets(exact=...) must be True or False; got {exact!r}")
         self.sizes = tuple(sorted(int(s) for s in sizes))
         self.dim = int(dim)
         self.pad_values = pad_values
+        self.exact = exact
 
     def __repr__(self) -> str:
+        exact = "" if self.exact else ", exact=False"
         return (f"nt.Buckets(sizes={self.sizes}, dim={self.dim}, "
-                f"pad_values={self.pad_values})")
+                f"pad_values={self.pad_values}{exact})")
 
 
 def check_buckets(buckets) -> None:
@@ -145,6 +155,25 @@ class BucketLayout:
                 f"nt.Buckets(sizes={self.sizes}), or truncate the batches (e.g. the "
                 f"tokenizer's truncation=True, max_length={self.sizes[-1]}).")
         return self.by_length[length]
+
+    def padded(self, tensors: list, bucket: int) -> list:
+        """The tensor leaves padded to the bucket's length with their pad values (the batch the
+        bucket's static inputs hold), as new tensors; the others as they are."""
+        dim, size = self.buckets.dim, self.sizes[bucket]
+        out = list(tensors)
+        for i in self.varying:
+            t = tensors[i]
+            shape = list(t.shape)
+            shape[dim] = size
+            padded = t.new_full(shape, self.pads.get(i, 0.0))
+            padded.narrow(dim, 0, t.shape[dim]).copy_(t)
+            out[i] = padded
+        return out
+
+    def pad_values_said(self) -> str:
+        """Each padded leaf's pad value, for messages."""
+        leaves = self.template.tensor_leaves
+        return ", ".join(f"{leaves[i].path} {self.pads.get(i, 0.0):g}" for i in self.varying)
 
     def specs(self, bucket: int) -> list[tuple]:
         """The static-input specs of a bucket (_C.StaticInputs, StepGraph.add_entry)."""

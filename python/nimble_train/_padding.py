@@ -15,6 +15,11 @@ generators are restored afterwards: the check leaves no trace in the training.
 What holds with dropout: a padded step draws masks for the padded shape, so the real rows get
 masks of the same distribution, independent of the padding's contents, but not the numbers an
 eager step on the unpadded batch would draw.
+
+Shape buckets pad along the sequence (nt.Buckets): exact only where the model and the loss
+ignore the padded positions (labels -100, attention mask 0). The first padded batch is checked
+once (bucket_padding_check): its per-sample losses with the padding and without it, in eval mode
+(dropout off) and autograd off, buffers and random number generators restored after.
 """
 
 from __future__ import annotations
@@ -22,6 +27,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
+
+from . import _torch_private
+from .errors import one_line
 
 
 def mixing_reason(forward_losses: Callable[[Any], torch.Tensor], model: torch.nn.Module,
@@ -66,3 +74,52 @@ def _padded(leaves, tensors, samples, size, filler, vary: bool) -> list[torch.Te
             pad = pad * 3.0 + 1.0
         out.append(torch.cat([real, pad.to(t.dtype)]))
     return out
+
+
+def bucket_padding_check(forward_losses: Callable[[Any], torch.Tensor], model: torch.nn.Module,
+                         layout, tensors: list[torch.Tensor], bucket: int,
+                         autocast: bool) -> tuple[str, str | None]:
+    """Whether padding this batch to its bucket leaves its per-sample losses as they are:
+    ("exact", None), ("unchecked: why", None) where no comparison can be made, or ("differs",
+    what differs) where they move. `forward_losses(batch)` gives the losses; the forwards run
+    in eval mode with autograd off."""
+    if _torch_private.has_compiled_modules(model):
+        return ("unchecked: a compiled model (the check would compile it again for the "
+                "unpadded batch's shapes)"), None
+    from ._evaluator import evaluating
+
+    template = layout.template
+    padded = layout.padded(tensors, bucket)
+    device = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    devices = [device] if device is not None else []
+    buffers = [b.detach().clone() for b in model.buffers()]
+    runs = []
+    try:
+        with evaluating(model), torch.no_grad():
+            for batch, other_numbers in ((tensors, False), (tensors, True), (padded, False)):
+                with torch.random.fork_rng(devices=devices):
+                    if other_numbers:  # a loss that draws random numbers moves with them
+                        torch.rand(1, device=device)
+                    runs.append(forward_losses(template.unflatten(batch)).detach().float())
+    except Exception as error:  # noqa: BLE001 - an eval-mode forward may not fit the loss
+        return (f"unchecked: the forward and loss in eval mode raised "
+                f"{type(error).__name__}: {one_line(error)}"), None
+    finally:
+        with torch.no_grad():
+            for b, saved in zip(model.buffers(), buffers):
+                b.copy_(saved)
+    plain, again, with_padding = runs
+    if not torch.equal(plain.nan_to_num(), again.nan_to_num()):
+        return "unchecked: the loss draws random numbers in eval mode", None
+    if plain.shape != with_padding.shape:
+        return (f"unchecked: the loss has shape {tuple(plain.shape)} without the padding and "
+                f"{tuple(with_padding.shape)} with it"), None
+    rtol, atol = (2e-2, 1e-3) if autocast else (1e-3, 1e-5)
+    if torch.allclose(plain, with_padding, rtol=rtol, atol=atol, equal_nan=True):
+        return "exact", None
+    gap = (plain - with_padding).abs().nan_to_num(float("inf"))
+    worst = int(gap.flatten().argmax())
+    which = f"sample {worst}: " if plain.dim() else ""
+    return "differs", (f"its losses moved by up to {gap.max().item():.3g} ({which}"
+                       f"{plain.flatten()[worst].item():.6g} without the padding, "
+                       f"{with_padding.flatten()[worst].item():.6g} with it)")

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import nimble_train as nt
 from bucket_reference import (MaskedPool, TokenTagger, correct_and_loss, eager_evaluation,
@@ -54,7 +55,7 @@ def test_padded_positions_really_are_padded_with_the_pad_values():
     batch = lengths_batch([5, 9, 3])
     batch["labels"] = batch["input_ids"] + 100  # per token, so it is padded too
     step(batch)
-    ids, mask, labels = seen[0]
+    ids, mask, labels = seen[-1]  # the step's forward, after the padding check's
     assert ids.shape == mask.shape == labels.shape == (3, 16)
     assert torch.equal(ids[:, :9], batch["input_ids"]) and not ids[:, 9:].any()
     assert torch.equal(mask[:, :9], batch["attention_mask"]) and not mask[:, 9:].any()
@@ -280,6 +281,91 @@ def test_leaves_that_disagree_on_the_length_are_refused():
         step(bad)
 
 
+class UnmaskedPool(MaskedPool):
+    """Pools over every position, the padding included: a bucket changes its outputs."""
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        return self.head(self.norm(torch.tanh(self.mix(self.emb(input_ids)))).mean(1))
+
+
+def test_labels_padded_with_a_class_are_refused_before_anything_runs_and_minus_100_trains():
+    """Token labels padded with 0 (pad_values not naming them) are a class the loss counts:
+    the first padded batch's losses with the padding differ from those without it, and that
+    call, and each later padded one, is refused before anything runs, naming the pad values.
+    Named -100, the same batches train as the eager loop on the unpadded batches."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(TokenTagger(), adamw)
+    batches = token_batches(4, 5, 20, seed=5)
+    step = nt.Step(m1, o1, token_loss, buckets=nt.Buckets(sizes=(8, 24), dim=1))
+    before = copy.deepcopy(m1.state_dict())
+    for _ in range(2):
+        with pytest.raises(nt.ShapeError, match=r"padding a batch of length \d+ to its bucket's "
+                           r"\d+ changed it: its losses moved by up to .* without the padding, "
+                           r".* with it\)\. The model or the loss does not ignore the padded "
+                           r"positions.*Pad values used: batch\[0\]\[0\] 0, batch\[0\]\[1\] 0, "
+                           r"batch\[1\] 0 .*pad_values=\{'labels': -100\}.*Nothing was run"):
+            step(batches[0])
+        for key, value in m1.state_dict().items():
+            assert torch.equal(value, before[key]), key
+        assert not o1.state and step.stats()["steps"] == 0
+    assert step.stats()["bucket_padding"].startswith("refused: padding a batch")
+    step = nt.Step(m1, o1, token_loss,
+                   buckets=nt.Buckets(sizes=(8, 24), dim=1, pad_values={2: -100}))
+    losses = [step(b) for b in batches]
+    expected = eager_loop(m2, o2, token_loss, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2)
+    assert step.stats()["bucket_padding"] == "exact"
+
+
+def test_a_model_that_pools_over_the_padding_is_refused_unless_buckets_are_not_exact():
+    """A mean over every position changes with the padding: refused at the first padded batch
+    (a batch of a bucket's length before it is not padded, and passes). With
+    nt.Buckets(exact=False) it trains on the padded batches, as the eager loop on them."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(UnmaskedPool(), adamw)
+    g = torch.Generator().manual_seed(6)
+    exactly_8 = lengths_batch([8, 3, 8], generator=g)
+    step = nt.Step(m1, o1, sample_losses, buckets=nt.Buckets(sizes=(8, 16)))
+    step(exactly_8)
+    assert step.stats()["bucket_padding"] is None
+    with pytest.raises(nt.ShapeError, match=r"padding a batch of length 5 to its bucket's 8"):
+        step(lengths_batch([5, 2, 4], generator=g))
+    step.close()
+
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(UnmaskedPool(), adamw)
+    batches = variable_batches(5, 4, 16, seed=7)
+    step = nt.Step(m1, o1, sample_losses, buckets=nt.Buckets(sizes=(8, 16), exact=False))
+    losses = [step(b) for b in batches]
+
+    def padded(batch):
+        size = 8 if batch["input_ids"].shape[1] <= 8 else 16
+        return {k: F.pad(v, (0, size - v.shape[1])) if v.dim() == 2 else v
+                for k, v in batch.items()}
+
+    expected = eager_loop(m2, o2, sample_losses, [padded(b) for b in batches])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2)
+    assert step.stats()["bucket_padding"] == "unchecked: nt.Buckets(exact=False)"
+    assert "exact=False" in repr(nt.Buckets(sizes=(8,), exact=False))
+
+
+def test_a_loss_that_draws_random_numbers_is_left_unchecked():
+    """A loss that draws random numbers (noise of the batch's shape) cannot be compared across
+    shapes: the check says so and the step trains."""
+    torch.manual_seed(0)
+    model = MaskedPool()
+
+    def noisy(logits, batch):
+        return sample_losses(logits + 0.01 * torch.randn_like(logits), batch)
+
+    step = nt.Step(model, adamw(model.parameters()), noisy, buckets=BUCKETS)
+    step(lengths_batch([5, 3]))
+    assert step.stats()["bucket_padding"] == ("unchecked: the loss draws random numbers in "
+                                              "eval mode")
+
+
 @pytest.mark.parametrize("args, error, match", [
     (dict(sizes=()), ValueError, "positive integers"),
     (dict(sizes=(8, 0)), ValueError, "positive integers"),
@@ -287,6 +373,7 @@ def test_leaves_that_disagree_on_the_length_are_refused():
     (dict(sizes=(8,), dim=0), ValueError, "dimension >= 1"),
     (dict(sizes=(8,), pad_values={"labels": "pad"}), TypeError, "must be a number"),
     (dict(sizes=8), TypeError, "sequence of lengths"),
+    (dict(sizes=(8,), exact="yes"), TypeError, "True or False"),
 ])
 def test_bad_buckets_are_refused(args, error, match):
     with pytest.raises(error, match=match):

@@ -1757,9 +1757,10 @@ def test_a_leaf_modules_number_changed_after_capture_is_refused_and_its_own_coun
 
 
 class LongOnly(torch.nn.Module):
-    """Mean-pools a sequence; a second layer runs on sequences longer than 8 alone (a forward
-    of one shape bucket uses a layer another's does not), or, with `data`, on batches whose
-    mean is positive (a branch on the data, which the graph cannot hold)."""
+    """Sum-pools a sequence (the zeros buckets pad it with add nothing); a second layer runs on
+    sequences longer than 8 alone (a forward of one shape bucket uses a layer another's does
+    not), or, with `data`, on batches whose mean is positive (a branch on the data, which the
+    graph cannot hold)."""
 
     def __init__(self, data=False):
         super().__init__()
@@ -1769,7 +1770,7 @@ class LongOnly(torch.nn.Module):
         self.data = data
 
     def forward(self, x):
-        h = self.bn(self.a(x).mean(1))
+        h = self.bn(self.a(x.sum(1)))
         late = x.mean().item() > 0 if self.data else x.shape[1] > 8
         return self.b(h) if late else h
 
