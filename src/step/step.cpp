@@ -1143,6 +1143,12 @@ at::Tensor Step::Impl::call(const Batch& batch) {
   if (phase_ == Phase::kClosed) {
     throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
   }
+  if (!c10::GradMode::is_enabled()) {
+    throw Error("nimble_train::Step: called with autograd off (inside torch::NoGradGuard or "
+                "c10::InferenceMode); a training step needs autograd for its backward, and a "
+                "captured step would train all the same. Call the step outside that scope. "
+                "Nothing was run for this call.");
+  }
   if (phase_ == Phase::kTemplate) {
     make_template(batch);
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;

@@ -359,6 +359,38 @@ TEST(StepCpu, AClosedStepRefusesCalls) {
   EXPECT_THROW(step(make_batches(1, 16, 1)[0]), nt::Error);
 }
 
+// An evaluation loop calling the training step: with autograd off a warm-up step could not run
+// its backward, and a replay would train all the same. Refused before anything runs (the batch
+// norm's statistics included); outside the scope the step trains as the loop.
+TEST(StepCpu, ACallWithAutogradOffIsRefusedBeforeAnythingRuns) {
+  auto batches = make_batches(4, 16, 20);
+  auto net = make_model(21, /*batch_norm=*/true), ref = make_model(21, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  step(batches[0]);
+  reference_step(ref, ref_opt, batches[0]);
+  const auto buffers = net->buffers();
+  std::vector<torch::Tensor> before;
+  for (const auto& b : buffers) before.push_back(b.clone());
+  {
+    const torch::NoGradGuard no_grad;
+    expect_refused(step, batches[1], {"called with autograd off", "Nothing was run"});
+  }
+  {
+    const c10::InferenceMode inference;
+    expect_refused(step, batches[1], {"called with autograd off"});
+  }
+  for (size_t i = 0; i < buffers.size(); ++i) EXPECT_TRUE(torch::equal(buffers[i], before[i]));
+  EXPECT_LT(max_diff(net, ref), kTol);
+  for (size_t i = 1; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+  EXPECT_EQ(step.stats().calls, 4);
+}
+
 TEST(StepCpu, BadOptionsAreClearErrors) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
