@@ -76,13 +76,14 @@ def _padded(leaves, tensors, samples, size, filler, vary: bool) -> list[torch.Te
     return out
 
 
-def bucket_padding_check(forward_losses: Callable[[Any], torch.Tensor], model: torch.nn.Module,
-                         layout, tensors: list[torch.Tensor], bucket: int,
-                         autocast: bool) -> tuple[str, str | None]:
-    """Whether padding this batch to its bucket leaves its per-sample losses as they are:
-    ("exact", None), ("unchecked: why", None) where no comparison can be made, or ("differs",
-    what differs) where they move. `forward_losses(batch)` gives the losses; the forwards run
-    in eval mode with autograd off."""
+def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layout,
+                         tensors: list[torch.Tensor], bucket: int, autocast: bool,
+                         what: str = "its losses") -> tuple[str, str | None]:
+    """Whether padding this batch to its bucket leaves what `run(batch)` gives (the per-sample
+    losses, or an evaluator's tensor or dict of tensors) as it is: ("exact", None),
+    ("unchecked: why", None) where no comparison can be made, or ("differs", what differs)
+    where it moves (`what`: what run gives, for the message). The runs are made in eval mode
+    with autograd off."""
     if _torch_private.has_compiled_modules(model):
         return ("unchecked: a compiled model (the check would compile it again for the "
                 "unpadded batch's shapes)"), None
@@ -98,28 +99,47 @@ def bucket_padding_check(forward_losses: Callable[[Any], torch.Tensor], model: t
         with evaluating(model), torch.no_grad():
             for batch, other_numbers in ((tensors, False), (tensors, True), (padded, False)):
                 with torch.random.fork_rng(devices=devices):
-                    if other_numbers:  # a loss that draws random numbers moves with them
+                    if other_numbers:  # what draws random numbers moves with them
                         torch.rand(1, device=device)
-                    runs.append(forward_losses(template.unflatten(batch)).detach().float())
+                    runs.append(_named_tensors(run(template.unflatten(batch))))
     except Exception as error:  # noqa: BLE001 - an eval-mode forward may not fit the loss
-        return (f"unchecked: the forward and loss in eval mode raised "
-                f"{type(error).__name__}: {one_line(error)}"), None
+        return (f"unchecked: the forward in eval mode raised {type(error).__name__}: "
+                f"{one_line(error)}"), None
     finally:
         with torch.no_grad():
             for b, saved in zip(model.buffers(), buffers):
                 b.copy_(saved)
     plain, again, with_padding = runs
-    if not torch.equal(plain.nan_to_num(), again.nan_to_num()):
-        return "unchecked: the loss draws random numbers in eval mode", None
-    if plain.shape != with_padding.shape:
-        return (f"unchecked: the loss has shape {tuple(plain.shape)} without the padding and "
-                f"{tuple(with_padding.shape)} with it"), None
-    rtol, atol = (2e-2, 1e-3) if autocast else (1e-3, 1e-5)
-    if torch.allclose(plain, with_padding, rtol=rtol, atol=atol, equal_nan=True):
-        return "exact", None
-    gap = (plain - with_padding).abs().nan_to_num(float("inf"))
-    worst = int(gap.flatten().argmax())
-    which = f"sample {worst}: " if plain.dim() else ""
-    return "differs", (f"its losses moved by up to {gap.max().item():.3g} ({which}"
-                       f"{plain.flatten()[worst].item():.6g} without the padding, "
-                       f"{with_padding.flatten()[worst].item():.6g} with it)")
+    if any(not torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(plain.values(),
+                                                                          again.values())):
+        return "unchecked: the forward or the loss draws random numbers in eval mode", None
+    shapes = {k: tuple(v.shape) for k, v in plain.items()}
+    padded_shapes = {k: tuple(v.shape) for k, v in with_padding.items()}
+    if shapes != padded_shapes:
+        return (f"unchecked: the outputs have shapes {_said(shapes)} without the padding and "
+                f"{_said(padded_shapes)} with it"), None
+    tolerance = 2e-2 if autocast else 1e-3  # relative, and to the output's largest value
+    for key, a in plain.items():
+        b = with_padding[key]
+        scale = a.abs().nan_to_num(0.0, 0.0, 0.0).max().item() if a.numel() else 0.0
+        if torch.allclose(a, b, rtol=tolerance, atol=tolerance * scale + 1e-12,
+                          equal_nan=True):
+            continue
+        gap = (a - b).abs().nan_to_num(float("inf"))
+        worst = int(gap.flatten().argmax())
+        where = ((f"sample {worst}: " if not key else f"at {worst}: ") if a.dim() else "")
+        subject = what if not key else f"{what} {key!r}"
+        return "differs", (f"{subject} moved by up to {gap.max().item():.3g} ({where}"
+                           f"{a.flatten()[worst].item():.6g} without the padding, "
+                           f"{b.flatten()[worst].item():.6g} with it)")
+    return "exact", None
+
+
+def _named_tensors(out: Any) -> dict[str, torch.Tensor]:
+    """A run's tensor, or dict of tensors, as float32 tensors by name ("" for a tensor)."""
+    items = out.items() if isinstance(out, dict) else [("", out)]
+    return {str(k): v.detach().float() for k, v in items}
+
+
+def _said(shapes: dict) -> str:
+    return ", ".join(f"{k} {v}" if k else str(v) for k, v in shapes.items())

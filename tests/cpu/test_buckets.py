@@ -192,6 +192,50 @@ def test_a_bert_evaluator_equals_eager():
     assert sum(o["correct"] for o in outs).item() == expected["correct"].item()
 
 
+def test_an_evaluator_that_counts_the_padding_is_refused_and_one_that_masks_it_is_exact():
+    """fn's outputs on the first batch its bucket pads are checked once against fn on the batch
+    as given: a token accuracy whose mean counts the padded positions is refused before
+    anything runs, naming the output; one counting only labels != -100 equals eager."""
+    torch.manual_seed(0)
+    model = TokenTagger()
+    step = nt.Step(model, adamw(model.parameters()), token_loss,
+                   buckets=nt.Buckets(sizes=(8, 24), dim=1, pad_values={2: -100}))
+    batches = token_batches(4, 5, 20, seed=9)
+    step(batches[0])
+
+    def mean_accuracy(m, b):
+        return {"accuracy": (m(*b[0]).argmax(-1) == b[1]).float().mean()}
+
+    def correct(m, b):
+        labels = b[1]
+        return {"correct": ((m(*b[0]).argmax(-1) == labels) & (labels != -100)).sum()}
+
+    before = copy.deepcopy(model.state_dict())
+    bad = step.evaluator(mean_accuracy)
+    for _ in range(2):
+        with pytest.raises(nt.ShapeError, match=r"step\.evaluator: padding a batch of length "
+                           r"\d+ to its bucket's \d+ changed it: fn's output 'accuracy' moved by "
+                           r"up to .*fn or the model does not ignore the padded positions.*"
+                           r"batch\[1\] -100.*exact=False.*Nothing was run"):
+            bad(batches[1])
+    assert bad.stats()["eager"] == 0 and bad.stats()["bucket_padding"].startswith("refused")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    good = step.evaluator(correct)
+    total = sum(good(b)["correct"] for b in batches)
+    model.eval()
+    with torch.no_grad():
+        expected = sum(correct(model, b)["correct"] for b in batches)
+    model.train()
+    assert total.item() == expected.item() and good.stats()["bucket_padding"] == "exact"
+    step.close()
+    step = nt.Step(model, adamw(model.parameters()), token_loss,
+                   buckets=nt.Buckets(sizes=(8, 24), dim=1, pad_values={2: -100}, exact=False))
+    loose = step.evaluator(mean_accuracy)
+    loose(batches[1])
+    assert loose.stats()["bucket_padding"] == "unchecked: nt.Buckets(exact=False)"
+
+
 def test_evaluator_errors():
     torch.manual_seed(0)
     model = MaskedPool()
@@ -362,8 +406,8 @@ def test_a_loss_that_draws_random_numbers_is_left_unchecked():
 
     step = nt.Step(model, adamw(model.parameters()), noisy, buckets=BUCKETS)
     step(lengths_batch([5, 3]))
-    assert step.stats()["bucket_padding"] == ("unchecked: the loss draws random numbers in "
-                                              "eval mode")
+    assert step.stats()["bucket_padding"] == ("unchecked: the forward or the loss draws random "
+                                              "numbers in eval mode")
 
 
 @pytest.mark.parametrize("args, error, match", [
