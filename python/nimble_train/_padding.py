@@ -100,7 +100,9 @@ def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layo
             for batch, other_numbers in ((tensors, False), (tensors, True), (padded, False)):
                 with torch.random.fork_rng(devices=devices):
                     if other_numbers:  # what draws random numbers moves with them
-                        torch.rand(1, device=device)
+                        torch.rand(1)
+                        if device is not None:
+                            torch.rand(1, device=device)
                     runs.append(_named_tensors(run(template.unflatten(batch))))
     except Exception as error:  # noqa: BLE001 - an eval-mode forward may not fit the loss
         return (f"unchecked: the forward in eval mode raised {type(error).__name__}: "
