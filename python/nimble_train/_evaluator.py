@@ -33,9 +33,9 @@ from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
 from ._model_watch import ScopeWatch, warn_replays_keep
-from ._padding import bucket_padding_check
+from ._padding import BucketPadding
 from ._sync import warn_at_user
-from .errors import NimbleError, ShapeError
+from .errors import NimbleError
 
 
 class Evaluator:
@@ -56,8 +56,8 @@ class Evaluator:
         self.counts = {"replays": 0, "eager": 0, "captures": 0}
         self._scope: ScopeWatch | None = None  # fn's numbers, from its first capture on
         # With buckets: the first padded batch's outputs with and without the padding
-        # (_padding.bucket_padding_check): "exact", "unchecked: why" or "refused: why".
-        self._padding: str | None = None
+        # (_padding.BucketPadding, made with the layout).
+        self._padding: BucketPadding | None = None
 
     def __call__(self, batch: Any) -> Any:
         step = self._step
@@ -73,9 +73,9 @@ class Evaluator:
         tensors = template.tensors(batch)
         bucket = self._layout.bucket(tensors)
         samples = self._check(tensors, bucket)
-        if self._layout.buckets is not None and (self._padding is None
-                                                 or self._padding.startswith("refused")):
-            self._check_padding(tensors, bucket)
+        if self._padding is not None and not self._padding.settled:
+            self._padding.check(self._run, step.model, self._layout, tensors, bucket,
+                                step.amp is not None)
         graph = step._replaying_graph()
         if graph is not None and samples == template.batch_size:
             entry = self._captured_entry(graph, bucket)
@@ -92,7 +92,7 @@ class Evaluator:
                     if e is not None and graph is not None and graph.graph.captured(e)]
         return {**self.counts, "graphs": len(captured), "captured_buckets": captured,
                 "eager_buckets": {sizes[b]: why for b, why in self._eager_only.items()},
-                "bucket_padding": self._padding}
+                "bucket_padding": self._padding and self._padding.verdict}
 
     # ------------------------------------------------------------------ internals
 
@@ -105,35 +105,14 @@ class Evaluator:
         self._template, self._layout = template, layout
         self._inputs = [_C.StaticInputs(layout.specs(b)) for b in range(len(layout.sizes))]
         self._entries = [None] * len(layout.sizes)
-
-    def _check_padding(self, tensors: list, bucket: int) -> None:
-        """The first batch its bucket pads: fn's outputs with the padding and without it, once
-        (_padding.bucket_padding_check). Where they differ, fn or the model sees the padding
-        and every padded evaluation would differ from fn on the batches as given: refused, at
-        this call and every later padded one, before anything runs."""
-        layout = self._layout
-        length = tensors[layout.lead].shape[layout.buckets.dim]
-        if length == layout.sizes[bucket]:
-            return  # nothing padded
-        if self._padding is None:
-            if not layout.buckets.exact:
-                self._padding = "unchecked: nt.Buckets(exact=False)"
-            else:
-                verdict, differs = bucket_padding_check(
-                    self._run, self._step.model, layout, tensors, bucket,
-                    self._step.amp is not None, what="fn's output")
-                self._padding = verdict if differs is None else (
-                    f"refused: padding a batch of length {length} to its bucket's "
-                    f"{layout.sizes[bucket]} changed it: {differs}")
-        if self._padding.startswith("refused"):
-            raise ShapeError(
-                f"step.evaluator: {self._padding[len('refused: '):]}. fn or the model does not "
-                "ignore the padded positions, so every padded evaluation would differ from fn "
-                "on the batches as given. Pad values used: "
-                f"{layout.pad_values_said()} (0 where nt.Buckets(pad_values=...) names none). "
+        if layout.buckets is not None:
+            self._padding = BucketPadding(
+                layout.buckets, "step.evaluator",
+                "fn or the model does not ignore the padded positions, so every padded "
+                "evaluation would differ from fn on the batches as given.",
                 "Name values fn and the attention ignore (labels -100, counted only where "
-                "labels != -100; attention mask 0), or nt.Buckets(..., exact=False) to "
-                "evaluate the padded batches as they are. Nothing was run for this call.")
+                "labels != -100; attention mask 0), or nt.Buckets(..., exact=False) to evaluate "
+                "the padded batches as they are.", what="fn's output")
 
     def _check(self, tensors: list, bucket: int) -> int:
         try:

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 
 from . import _torch_private
-from .errors import one_line
+from .errors import ShapeError, one_line
 
 
 def mixing_reason(forward_losses: Callable[[Any], torch.Tensor], model: torch.nn.Module,
@@ -74,6 +74,39 @@ def _padded(leaves, tensors, samples, size, filler, vary: bool) -> list[torch.Te
             pad = pad * 3.0 + 1.0
         out.append(torch.cat([real, pad.to(t.dtype)]))
     return out
+
+
+class BucketPadding:
+    """The padding check of a Step or an evaluator: run at the first batch its bucket pads, its
+    verdict kept. `verdict`: None until then, "exact", "unchecked: why" or "refused: why";
+    `settled`: a batch may be padded without the check (exact or unchecked). `who` names the
+    caller in the refusal, `why` says what the padding would do and `fix` how to avoid it."""
+
+    def __init__(self, buckets, who: str, why: str, fix: str, what: str = "its losses"):
+        self.verdict = None if buckets.exact else "unchecked: nt.Buckets(exact=False)"
+        self.settled = not buckets.exact
+        self.who, self.why, self.fix, self.what = who, why, fix, what
+
+    def check(self, run: Callable[[Any], Any], model: torch.nn.Module, layout,
+              tensors: list[torch.Tensor], bucket: int, autocast: bool) -> None:
+        """Checks the batch once, if its bucket pads it; raises ShapeError, before anything
+        runs, at this batch and every later padded one, where the padding changes `run`'s
+        outputs."""
+        length, size = tensors[layout.lead].shape[layout.buckets.dim], layout.sizes[bucket]
+        if length == size:
+            return  # nothing padded
+        if self.verdict is None:
+            verdict, differs = bucket_padding_check(run, model, layout, tensors, bucket,
+                                                    autocast, self.what)
+            self.verdict = verdict if differs is None else (
+                f"refused: padding a batch of length {length} to its bucket's {size} changed "
+                f"it: {differs}")
+            self.settled = differs is None
+        if not self.settled:
+            raise ShapeError(
+                f"{self.who}: {self.verdict[len('refused: '):]}. {self.why} Pad values used: "
+                f"{layout.pad_values_said()} (0 where nt.Buckets(pad_values=...) names none). "
+                f"{self.fix} Nothing was run for this call.")
 
 
 def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layout,

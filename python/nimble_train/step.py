@@ -46,12 +46,12 @@ from ._gradsync import GradientSync
 from ._iteration import Call, Iteration, LateGradient, model_arguments
 from ._model_watch import ModelWatch, refuse_replaced, warn_replays_keep
 from ._multistream import traced_submodule
-from ._padding import bucket_padding_check, mixing_reason
+from ._padding import BucketPadding, mixing_reason
 from ._sync import SyncRecorder
 from ._update import Update
 from ._window import Window
 from .distributed import DEFAULT_BUCKET_MB, current_world
-from .errors import DistributedError, NimbleError, ShapeError
+from .errors import DistributedError, NimbleError
 
 
 class Phase(enum.Enum):
@@ -225,9 +225,15 @@ class Step:
         self._padded = 0       # padded eager steps so far
         self._padding: str | None = None  # "proven" or "refused: why", once checked
         # With buckets: the first padded batch's losses with and without the padding
-        # (_padding.bucket_padding_check): "exact", "unchecked: why" or "refused: why".
-        self._bucket_padding: str | None = None
-        self._bucket_padding_settled = False  # "exact" or "unchecked": replays may pad
+        # (_padding.BucketPadding); a replay pads a batch once it settled.
+        self._bucket_padding = None if buckets is None else BucketPadding(
+            buckets, "nimble_train.Step",
+            "The model or the loss does not ignore the padded positions, so every padded step "
+            "would train otherwise than the loop on the batches as given.",
+            "Name values the loss and the attention ignore (labels -100: "
+            "nt.Buckets(..., pad_values={'labels': -100}); attention mask 0), mask the padding "
+            "in the model, or use buckets=None; nt.Buckets(..., exact=False) trains on the "
+            "padded batches as they are.")
         self._graph: CapturedStep | None = None
         self._stream = torch.cuda.Stream(self._device) if self._will_capture else None
         self._capture_error: str | None = None  # its message: no frames or tensors kept
@@ -382,8 +388,9 @@ class Step:
     def _run_settled(self, batch: Any) -> torch.Tensor:
         tensors = self._template.tensors(batch)
         bucket = self._layout.bucket(tensors)
-        if not self._bucket_padding_settled and self.buckets is not None:
-            self._check_bucket_padding(tensors, bucket)
+        if self._bucket_padding is not None and not self._bucket_padding.settled:
+            self._bucket_padding.check(self._iteration.sample_losses, self.model, self._layout,
+                                       tensors, bucket, self.amp is not None)
         samples = self._samples(tensors, bucket)
         short = samples < self._template.batch_size
         if short and self.partial_batch == "error":
@@ -423,37 +430,6 @@ class Step:
                 loss = self._eager_step(batch, tensors, bucket, samples)
         self._advance(samples)
         return loss
-
-    def _check_bucket_padding(self, tensors: list, bucket: int) -> None:
-        """The first batch its bucket pads: its per-sample losses with the padding and without
-        it, once (_padding.bucket_padding_check). Where they differ the model or the loss sees
-        the padding, and every padded step would train otherwise than the loop: refused, at
-        this call and every later padded one, before anything runs."""
-        layout = self._layout
-        length = tensors[layout.lead].shape[layout.buckets.dim]
-        if length == layout.sizes[bucket]:
-            return  # nothing padded
-        if self._bucket_padding is None:
-            if not self.buckets.exact:
-                self._bucket_padding = "unchecked: nt.Buckets(exact=False)"
-            else:
-                verdict, differs = bucket_padding_check(
-                    self._iteration.sample_losses, self.model, layout, tensors, bucket,
-                    self.amp is not None)
-                self._bucket_padding = verdict if differs is None else (
-                    f"refused: padding a batch of length {length} to its bucket's "
-                    f"{layout.sizes[bucket]} changed it: {differs}")
-            self._bucket_padding_settled = not self._bucket_padding.startswith("refused")
-        if not self._bucket_padding_settled:
-            raise ShapeError(
-                f"nimble_train.Step: {self._bucket_padding[len('refused: '):]}. The model or "
-                "the loss does not ignore the padded positions, so every padded step would "
-                "train otherwise than the loop on the batches as given. Pad values used: "
-                f"{layout.pad_values_said()} (0 where nt.Buckets(pad_values=...) names none). "
-                "Name values the loss and the attention ignore (labels -100: "
-                "nt.Buckets(..., pad_values={'labels': -100}); attention mask 0), mask the "
-                "padding in the model, or use buckets=None; nt.Buckets(..., exact=False) "
-                "trains on the padded batches as they are. Nothing was run for this call.")
 
     def _pads(self, tensors: list, samples: int) -> bool:
         """Whether this short batch is padded: the loss is per sample, no layer keeps batch
@@ -544,7 +520,7 @@ class Step:
             return 0
         length = tensors[layout.lead].shape[layout.buckets.dim]
         bucket = layout.by_length[length]
-        if not self._bucket_padding_settled and length != layout.sizes[bucket]:
+        if not self._bucket_padding.settled and length != layout.sizes[bucket]:
             raise IndexError("the slow path checks the padding first")
         return bucket
 
@@ -1035,7 +1011,7 @@ class Step:
             "host_syncs_in_warmup": [str(r) for r in self._sync.records] if self._sync else [],
             "capture_error": self._capture_error,
             "padding": self._padding,
-            "bucket_padding": self._bucket_padding,
+            "bucket_padding": self._bucket_padding and self._bucket_padding.verdict,
             "shape_buckets": self._bucket_stats(),
             "evaluators": [e.stats() for e in self._evaluators],
             "world_size": sync.world.size if sync else 1,
