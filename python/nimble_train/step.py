@@ -347,8 +347,10 @@ class Step:
         return on, torch.get_autocast_dtype(self._device_type) if on else None
 
     def _check_ambient(self) -> None:
-        """The call is made with autograd on, and, once graphs were captured, under the
-        autocast they were captured under. Raised before anything runs."""
+        """The call is made with autograd on, and, while the step's graphs may run, under the
+        autocast and kernel settings they were captured under (once a capture failed, the step
+        runs eagerly, as an eager loop would under the settings of the moment). Raised before
+        anything runs."""
         if not torch.is_grad_enabled():
             raise NimbleError(
                 "nimble_train.Step: called with autograd off (inside torch.no_grad() or "
@@ -356,6 +358,8 @@ class Step:
                 "a captured step would train all the same. Call the step outside that block; "
                 "to evaluate without training, use ev = step.evaluator(fn), then ev(batch). "
                 "Nothing was run for this call.")
+        if self._phase is Phase.EAGER:
+            return
         if self._autocast[0] is not None and self._autocast_now() != self._autocast:
             device = self._device_type
             raise NimbleError(
@@ -370,8 +374,9 @@ class Step:
 
     def _check_kernel_settings(self) -> None:
         """Once graphs were captured: torch's settings that chose their kernels are as they were
-        then (a training call's, or a captured evaluator's). Raised before anything runs."""
-        if self._kernel_settings is None:
+        then (a training call's, or a captured evaluator's). Raised before anything runs.
+        None of them runs once a capture failed (EAGER)."""
+        if self._kernel_settings is None or self._phase is Phase.EAGER:
             return
         now = _C.kernel_settings()
         if now == self._kernel_settings:

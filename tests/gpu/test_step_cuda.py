@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as checkpoint
 
 import nimble_train as nt
-from bucket_reference import eager_own_loss_loop, mlm_batches, tiny_bert
+from bucket_reference import (MaskedPool, correct_and_loss, eager_evaluation, eager_own_loss_loop,
+                              lengths_batch, mlm_batches, sample_losses, tiny_bert)
 from step_reference import (MLP, DataMean, RunningMean, SmallCNN, Tempered, assert_same_training,
                             classification_batches, eager_loop, grad_scaler_loop, twin,
                             with_short)
@@ -1570,6 +1571,49 @@ def test_a_kernel_setting_changed_in_warm_up_is_the_captures(torch_settings_rest
     torch.set_float32_matmul_precision("highest")
     with pytest.raises(nt.NimbleError, match=r"is 'ieee', was 'tf32'"):
         step(batches[0])
+
+
+class SyncsAt32(MaskedPool):
+    """Synchronises the host for sequences of 32 only: that bucket cannot be captured."""
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        if input_ids.shape[1] == 32:
+            assert attention_mask.sum().item() >= 0
+        return super().forward(input_ids, attention_mask)
+
+
+def test_once_a_capture_failed_the_eager_steps_follow_torchs_settings(torch_settings_restored):
+    """A capture that fails on a bucket already met leaves the step eager for good (its graphs
+    never run again, nor its evaluator's): a call under other kernel settings or autocast is
+    then not refused, and trains and evaluates as the eager loop under them."""
+    torch.manual_seed(25)
+    (m1, o1), (m2, o2) = cuda_twin(SyncsAt32(), lambda p: torch.optim.SGD(p, lr=0.05,
+                                                                          momentum=0.9))
+    g = torch.Generator().manual_seed(25)
+    batches = [lengths_batch([5] * 4, generator=g, device="cuda") for _ in range(4)]
+    batches += [lengths_batch([20] * 4, generator=g, device="cuda") for _ in range(3)]
+    step = nt.Step(m1, o1, sample_losses, buckets=nt.Buckets(sizes=(8, 32)))
+    ev = step.evaluator(correct_and_loss)
+    for b in batches[:5]:
+        step(b)
+    ev(batches[0])
+    replays = step.stats()["replays"]
+    assert replays >= 1 and ev.stats()["graphs"] == 1
+    with pytest.raises((nt.SyncError, nt.CaptureError)):
+        step(batches[5])
+    eager_loop(m2, o2, sample_losses, batches[:5])
+    torch.set_float32_matmul_precision("high")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = [step(b).clone() for b in (batches[0], batches[5], batches[6])]
+        expected = eager_loop(m2, o2, sample_losses, [batches[0], batches[5], batches[6]],
+                              amp=torch.bfloat16)
+        evaluated, reference = ev(batches[1]), eager_evaluation(m2, [batches[1]])
+    assert step.stats()["replays"] == replays and ev.stats()["replays"] == 1
+    assert ev.stats()["eager"] == 1
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=2e-3, atol=2e-3)
+    assert_same_training(m1, o1, m2, o2, rtol=2e-3, atol=2e-4)
+    assert evaluated["correct"] == reference["correct"]
+    torch.testing.assert_close(evaluated["loss_sum"], reference["loss_sum"], rtol=2e-3, atol=2e-3)
 
 
 class OddParameters(torch.nn.Module):
