@@ -24,6 +24,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <string>
 #include <tuple>
 #include <utility>
 
@@ -214,6 +215,16 @@ class AutocastGuard {
   bool cache_ = true;
 };
 
+// The autocast a call is made under on `device`'s type: its dtype, or nullopt when off.
+std::optional<at::ScalarType> ambient_autocast(at::DeviceType device) {
+  if (!at::autocast::is_autocast_enabled(device)) return std::nullopt;
+  return at::autocast::get_autocast_dtype(device);
+}
+
+std::string autocast_text(std::optional<at::ScalarType> dtype) {
+  return dtype ? std::string("under autocast to ") + c10::toString(*dtype) : "without autocast";
+}
+
 constexpr const char* kSyncMessage = "synchronizing CUDA operation";
 
 // Counts the host syncs CUDA's sync debug mode reports (in "warn" mode) while active; other
@@ -377,6 +388,7 @@ class Step::Impl {
   // tensor's storage) goes back where the graph reads it, values kept.
   void check_params();
   void check_kernel_settings() const;
+  void check_autocast() const;
   // The optimizer's parameters, then the module's others, then its buffers (a BatchNorm's
   // running statistics): every tensor of the model the graph reads.
   std::vector<at::Tensor> watched_tensors() const;
@@ -426,6 +438,9 @@ class Step::Impl {
   // torch's settings that chose the graph's kernels (TF32, cuDNN, attention backends, ...),
   // read when it was captured: a replay under others is refused (check_kernel_settings).
   uint64_t kernel_settings_ = 0;
+  // The autocast around the call that captured it (at::autocast's, outside the step's own
+  // amp): a replay runs its precision, so a call under another is refused (check_autocast).
+  std::optional<at::ScalarType> autocast_;
 
   // Which parameters required gradients when the flat buffers (or the graph) fixed what the
   // step trains, and from capture on the storage the graph reads.
@@ -1099,6 +1114,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
   }
   ++captures_;
   kernel_settings_ = capture::kernel_settings();
+  autocast_ = ambient_autocast(device_.type());
   phase_ = Phase::kReplay;
   return launch(batch);
 #else
@@ -1139,6 +1155,16 @@ void Step::Impl::check_kernel_settings() const {
               "the new settings (close() this one). Nothing was run for this call.");
 }
 
+void Step::Impl::check_autocast() const {
+  const std::optional<at::ScalarType> now = ambient_autocast(device_.type());
+  if (now == autocast_) return;
+  throw Error("nimble_train::Step: called " + autocast_text(now) + " (at::autocast), where the "
+              "step's graph was captured " + autocast_text(autocast_) + "; a replay runs the "
+              "precision it was captured with. Make every call under the same autocast (for "
+              "mixed precision, StepOptions().set_amp(Amp::kBF16) applies autocast inside the "
+              "step), or build a new Step (close() this one). Nothing was run for this call.");
+}
+
 at::Tensor Step::Impl::call(const Batch& batch) {
   if (phase_ == Phase::kClosed) {
     throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
@@ -1154,7 +1180,10 @@ at::Tensor Step::Impl::call(const Batch& batch) {
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
   }
   if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) modules_->check();
-  if (phase_ == Phase::kReplay) check_kernel_settings();
+  if (phase_ == Phase::kReplay) {
+    check_autocast();
+    check_kernel_settings();
+  }
   check_params();
   const int64_t samples = check_batch(batch);
   const bool short_batch = samples < batch_size_;

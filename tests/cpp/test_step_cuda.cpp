@@ -3,9 +3,10 @@
 // batches are padded in the graph (or run eagerly where padding would change results), a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
 // a module left in eval mode, a child replaced, a parameter member assigned anew, a sparse
-// gradient or a changed kernel setting (TF32, cuDNN) in a captured step is refused, a parameter given its first gradient late trains
-// eagerly with torch::optim, and a parameter given new data, BatchNorm's statistics assigned
-// anew, or a checkpoint loaded with torch::load, trains on from it.
+// gradient, a changed kernel setting (TF32, cuDNN) or another autocast in a captured step is
+// refused, a parameter given its first gradient late trains eagerly with torch::optim, and a
+// parameter given new data, BatchNorm's statistics assigned anew, or a checkpoint loaded with
+// torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
 #include <gtest/gtest.h>
 
@@ -383,6 +384,22 @@ TEST_F(StepCuda, ACallAfterAKernelSettingChangedSinceCaptureIsRefusedAndTrainsOn
   r.train(5, r.batches.size());
   EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
   EXPECT_EQ(r.step.stats().captures, 1);
+  EXPECT_EQ(r.step.stats().replays, 5 + 5 - 3);
+}
+
+// A graph runs the precision it was captured with: a call under at::autocast after a capture
+// made without it is refused before anything runs, and the step trains on as the loop without.
+TEST_F(StepCuda, ACallUnderAnotherAutocastThanTheCaptureIsRefused) {
+  Replaying r(19, device);
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  expect_refused(r.step, r.batches[5],
+                 {"called under autocast to BFloat16", "captured without autocast",
+                  "set_amp(Amp::kBF16)", "Nothing was run"});
+  at::autocast::set_autocast_enabled(at::kCUDA, false);
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);  // nothing ran
+  r.train(5, r.batches.size());
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
   EXPECT_EQ(r.step.stats().replays, 5 + 5 - 3);
 }
 
