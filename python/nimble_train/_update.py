@@ -15,6 +15,7 @@ import contextlib
 import torch
 
 from . import _capturable, _torch_private
+from ._extension import _C
 from ._optimizer_state import HostState
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -42,7 +43,9 @@ class Update:
         self.host_state: HostState | None = None  # captured as it is: HostState
         self._hooks: tuple | None = None  # captured as it is: the step hooks its graphs ran
         self.loaded = False
-        self._sizes = self._group_sizes()  # each param group's number of tensors
+        # Each param group's tensors as built: the flat buffers, graphs and gradient averaging
+        # are planned over these (check_groups).
+        self._groups = [tuple(group["params"]) for group in optimizer.param_groups]
         if amp == "fp16":
             self.grad_scaler = torch.amp.GradScaler(device.type)
         self.fuse_reason = FusedOptimizer.why_unsupported(optimizer) if will_capture else None
@@ -177,22 +180,35 @@ class Update:
         _capturable.make_capturable(self.optimizer)  # same groups: the same staged lr
         self.loaded = False
 
-    def _group_sizes(self) -> list[int]:
-        return [len(group["params"]) for group in self.optimizer.param_groups]
+    def _same_groups(self) -> bool:
+        """Whether every param group holds the tensors it held at build, in order (identity:
+        `is`, which a Tensor's == is not; in C++, as every replay asks)."""
+        return _C.same_param_groups(self.optimizer.param_groups, self._groups)
 
     def check_groups(self) -> None:
         """The optimizer's parameters are those the Step was built for: a param group added
-        since, or a tensor added to a group, removed or moved to another, would be left out of
-        the all-reduce, clipping, the flat buffers and the graphs, or updated as its old
-        group's."""
-        sizes = self._group_sizes()
-        if sizes != self._sizes:
-            raise ValueError(
-                f"the optimizer's parameters changed after nt.Step was built: its param groups "
-                f"held {self._sizes} tensors, now {sizes} (add_param_group, or a group's "
-                "'params' edited). Step plans gradient averaging, clipping, its flat buffers "
-                "and its graphs once; add every parameter to its group before building the "
-                "Step, or build a new Step (step.close() first). Nothing was run for this call.")
+        since, or a tensor added to a group, removed, moved to another or replaced by another,
+        would be left out of the all-reduce, clipping, the flat buffers and the graphs, or
+        updated as its old group's."""
+        if self._same_groups():
+            return
+        groups = self.optimizer.param_groups
+        sizes = [len(group["params"]) for group in groups]
+        built = [len(kept) for kept in self._groups]
+        if sizes != built:
+            seen = f"its param groups held {built} tensors, now {sizes}"
+        else:
+            g, i = next((g, i) for g, (group, kept) in enumerate(zip(groups, self._groups))
+                        for i, (p, q) in enumerate(zip(group["params"], kept)) if p is not q)
+            seen = (f"param group {g}'s tensor {i} is another tensor than the one it held "
+                    f"(shape {tuple(groups[g]['params'][i].shape)}, was "
+                    f"{tuple(self._groups[g][i].shape)})")
+        raise ValueError(
+            f"the optimizer's parameters changed after nt.Step was built: {seen} "
+            "(add_param_group, or a group's 'params' edited). Step plans gradient averaging, "
+            "clipping, its flat buffers and its graphs once; add every parameter to its group "
+            "before building the Step, or build a new Step (step.close() first). Nothing was "
+            "run for this call.")
 
     def _hook_keys(self) -> tuple:
         return tuple((kind, key) for kind, key, _ in
@@ -220,9 +236,9 @@ class Update:
 
     def changed(self) -> bool:
         """Whether a hyper-parameter the graph baked in changed since (a recapture is due), a
-        param group was added or its tensors changed in number, or a loaded state awaits
+        param group was added or its tensors changed, or a loaded state awaits
         settle_state (the slow path sees to each)."""
-        if self.loaded or self._group_sizes() != self._sizes:
+        if self.loaded or not self._same_groups():
             return True
         if self.fused is not None or self._baked is None:
             return False  # the fused update reads every hyper-parameter on the device

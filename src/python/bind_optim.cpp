@@ -53,9 +53,38 @@ py::dict layout() {
   return d;
 }
 
+// Whether each of an optimizer's param groups (dicts) holds under "params" the very objects of
+// `kept`'s matching sequence, in order: identity, never a Tensor's == (which compares values,
+// or refuses). Called on every replay, hence plain CPython: no object is made.
+bool same_param_groups(py::handle groups, py::handle kept) {
+  PyObject* gs = groups.ptr();
+  PyObject* ks = kept.ptr();
+  if (!PyList_Check(gs) || !PyList_Check(ks) || PyList_GET_SIZE(gs) != PyList_GET_SIZE(ks)) {
+    return false;
+  }
+  for (Py_ssize_t g = 0; g < PyList_GET_SIZE(gs); ++g) {
+    PyObject* group = PyList_GET_ITEM(gs, g);
+    PyObject* params = PyDict_Check(group) ? PyDict_GetItemString(group, "params") : nullptr;
+    PyObject* was = PyList_GET_ITEM(ks, g);
+    const auto sequence = [](PyObject* o) { return o && (PyList_Check(o) || PyTuple_Check(o)); };
+    if (!sequence(params) || !sequence(was)) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(params);
+    if (n != PySequence_Fast_GET_SIZE(was)) return false;
+    PyObject** now = PySequence_Fast_ITEMS(params);
+    PyObject** then = PySequence_Fast_ITEMS(was);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (now[i] != then[i]) return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 
 void bind_optim(py::module_& m) {
+  m.def("same_param_groups", &same_param_groups, py::arg("groups"), py::arg("kept"),
+        "Whether each param group (optimizer.param_groups) holds under 'params' the very "
+        "objects of kept's matching list or tuple, in order (identity, not ==).");
   m.def("optim_layout", &layout,
         "The layouts of the fused optimizer's tables (columns of hyper and control, the staged "
         "columns per group, the chunk table width), as in src/optim/device_tables.h.");

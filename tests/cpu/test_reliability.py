@@ -218,15 +218,24 @@ def _move_between_groups(model, opt):
     opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop())
 
 
+def _replace_in_group(model, opt):
+    params = opt.param_groups[0]["params"]
+    params[1] = torch.nn.Parameter(torch.randn_like(params[1]))
+
+
 @pytest.mark.parametrize("change, said", [
-    (_add_group, r"held \[2\] tensors, now \[2, 2\]"),
-    (_append_to_group, r"held \[2\] tensors, now \[4\]"),
-    (_move_between_groups, r"held \[1, 1\] tensors, now \[0, 2\]"),
-], ids=["group-added", "tensors-added-to-a-group", "tensor-moved-to-another-group"])
+    (_add_group, r"its param groups held \[2\] tensors, now \[2, 2\]"),
+    (_append_to_group, r"its param groups held \[2\] tensors, now \[4\]"),
+    (_move_between_groups, r"its param groups held \[1, 1\] tensors, now \[0, 2\]"),
+    (_replace_in_group, r"param group 0's tensor 1 is another tensor than the one it held "
+                        r"\(shape \(32,\), was \(32,\)\)"),
+], ids=["group-added", "tensors-added-to-a-group", "tensor-moved-to-another-group",
+        "tensor-replaced"])
 def test_a_change_of_the_optimizers_param_groups_after_construction_is_refused(change, said):
-    """A param group added after the Step was built, or a group's tensors added to, removed or
-    moved to another group (a learning rate of another group's), is refused before the call
-    runs anything, naming the groups' sizes."""
+    """A param group added after the Step was built, or a group's tensors added to, removed,
+    moved to another group (a learning rate of another group's) or replaced by another tensor
+    (which the step would never update), is refused before the call runs anything, naming the
+    groups' sizes or the tensor."""
     model = MLP()
     first = list(model.net[0].parameters())
     groups = [{"params": first}] if change is not _move_between_groups else \
@@ -238,7 +247,7 @@ def test_a_change_of_the_optimizers_param_groups_after_construction_is_refused(c
     change(model, opt)
     saved = snapshot(model, opt)
     with pytest.raises(ValueError, match=rf"the optimizer's parameters changed after nt.Step was "
-                                         rf"built: its param groups {said}.*Nothing was run"):
+                                         rf"built: {said}.*Nothing was run"):
         step(batches[1])
     assert_as_snapshot(model, opt, saved)
 

@@ -169,7 +169,8 @@ def test_a_parameter_frozen_or_unfrozen_after_warmup_is_refused_and_a_new_step_t
 def test_tensors_added_to_a_param_group_after_capture_are_refused_and_a_new_step_trains_them(
         make_opt):
     """A replay updates the tensors its graph was captured with: one appended to a param group
-    after capture (a layer the optimizer left out, unfrozen into the group) would never train.
+    after capture (a layer the optimizer left out, unfrozen into the group), or put in place of
+    one of the group's, would never train.
     The replay's fast path sends the call to the checks, which refuse it before anything runs;
     a new Step trains it as the eager loop does from there."""
     torch.manual_seed(26)
@@ -184,9 +185,16 @@ def test_tensors_added_to_a_param_group_after_capture_are_refused_and_a_new_step
         step(b)
     eager_loop(m2, o2, per_sample, batches[:4])
     assert step.stats()["replays"] == 2
+    before = copy.deepcopy(m1.state_dict())
+    group = o1.param_groups[0]["params"]
+    group[1] = m1.net[3].bias  # replaced: the graph would go on updating the old tensor
+    with pytest.raises(ValueError, match=r"param group 0's tensor 1 is another tensor than the "
+                                         r"one it held.*Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    group[1] = m1.net[0].bias
     for o, m in ((o1, m1), (o2, m2)):
         o.param_groups[0]["params"].extend(m.net[3].parameters())
-    before = copy.deepcopy(m1.state_dict())
     with pytest.raises(ValueError, match=r"its param groups held \[2\] tensors, now \[4\].*"
                                          r"build a new Step.*Nothing was run"):
         step(batches[4])
