@@ -19,11 +19,14 @@ eager step on the unpadded batch would draw.
 Shape buckets pad along the sequence (nt.Buckets): exact only where the model and the loss
 ignore the padded positions (labels -100, attention mask 0). The first padded batch is checked
 once (bucket_padding_check): its per-sample losses with the padding and without it, in eval mode
-(dropout off) and autograd off, buffers and random number generators restored after.
+(dropout off) and autograd off, buffers and random number generators restored after. A training
+step's BatchNorm layers stay in training mode for it: their batch statistics, over the padded
+positions where they normalise along the padded dimension, are what a padded step trains with.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
@@ -82,10 +85,12 @@ class BucketPadding:
     `settled`: a batch may be padded without the check (exact or unchecked). `who` names the
     caller in the refusal, `why` says what the padding would do and `fix` how to avoid it."""
 
-    def __init__(self, buckets, who: str, why: str, fix: str, what: str = "its losses"):
+    def __init__(self, buckets, who: str, why: str, fix: str, what: str = "its losses",
+                 training: bool = False):
         self.verdict = None if buckets.exact else "unchecked: nt.Buckets(exact=False)"
         self.settled = not buckets.exact
         self.who, self.why, self.fix, self.what = who, why, fix, what
+        self.training = training  # a training step's check: BatchNorm keeps batch statistics
 
     def check(self, run: Callable[[Any], Any], model: torch.nn.Module, layout,
               tensors: list[torch.Tensor], bucket: int, autocast: bool) -> None:
@@ -97,7 +102,7 @@ class BucketPadding:
             return  # nothing padded
         if self.verdict is None:
             verdict, differs = bucket_padding_check(run, model, layout, tensors, bucket,
-                                                    autocast, self.what)
+                                                    autocast, self.what, self.training)
             self.verdict = verdict if differs is None else (
                 f"refused: padding a batch of length {length} to its bucket's {size} changed "
                 f"it: {differs}")
@@ -111,16 +116,22 @@ class BucketPadding:
 
 def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layout,
                          tensors: list[torch.Tensor], bucket: int, autocast: bool,
-                         what: str = "its losses") -> tuple[str, str | None]:
+                         what: str = "its losses",
+                         training: bool = False) -> tuple[str, str | None]:
     """Whether padding this batch to its bucket leaves what `run(batch)` gives (the per-sample
     losses, or an evaluator's tensor or dict of tensors) as it is: ("exact", None),
     ("unchecked: why", None) where no comparison can be made, or ("differs", what differs)
     where it moves (`what`: what run gives, for the message). The runs are made in eval mode
-    with autograd off."""
+    with autograd off; with `training` (a training step's run) BatchNorm layers in training
+    mode keep it: their batch statistics are what the padded step trains with."""
     if _torch_private.has_compiled_modules(model):
         return ("unchecked: a compiled model (the check would compile it again for the "
                 "unpadded batch's shapes)"), None
-    from ._evaluator import evaluating
+    batch_norms = _training_batch_norms(model) if training else []
+    if any(isinstance(m, torch.nn.SyncBatchNorm) for m in batch_norms) and \
+            torch.distributed.is_available() and torch.distributed.is_initialized():
+        return ("unchecked: SyncBatchNorm layers in training gather their batch statistics "
+                "over the ranks, which a check on one rank cannot run"), None
 
     template = layout.template
     padded = layout.padded(tensors, bucket)
@@ -129,7 +140,7 @@ def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layo
     buffers = [b.detach().clone() for b in model.buffers()]
     runs = []
     try:
-        with evaluating(model), torch.no_grad():
+        with _checking_modes(model, batch_norms), torch.no_grad():
             for batch, other_numbers in ((tensors, False), (tensors, True), (padded, False)):
                 with torch.random.fork_rng(devices=devices):
                     if other_numbers:  # what draws random numbers moves with them
@@ -168,6 +179,23 @@ def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layo
                            f"{a.flatten()[worst].item():.6g} without the padding, "
                            f"{b.flatten()[worst].item():.6g} with it)")
     return "exact", None
+
+
+def _training_batch_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+@contextlib.contextmanager
+def _checking_modes(model: torch.nn.Module, batch_norms: list[torch.nn.Module]):
+    """The model in eval mode (dropout draws nothing), but `batch_norms` in training mode;
+    every module's own mode back after the block."""
+    from ._evaluator import evaluating
+
+    with evaluating(model):
+        for m in batch_norms:
+            m.training = True
+        yield
 
 
 def _named_tensors(out: Any) -> dict[str, torch.Tensor]:

@@ -228,12 +228,13 @@ class Step:
         # (_padding.BucketPadding); a replay pads a batch once it settled.
         self._bucket_padding = None if buckets is None else BucketPadding(
             buckets, "nimble_train.Step",
-            "The model or the loss does not ignore the padded positions, so every padded step "
+            "The model or the loss does not ignore the padded positions (a BatchNorm along "
+            "the padded dimension counts them in its batch statistics), so every padded step "
             "would train otherwise than the loop on the batches as given.",
             "Name values the loss and the attention ignore (labels -100: "
             "nt.Buckets(..., pad_values={'labels': -100}); attention mask 0), mask the padding "
             "in the model, or use buckets=None; nt.Buckets(..., exact=False) trains on the "
-            "padded batches as they are.")
+            "padded batches as they are.", training=True)
         self._graph: CapturedStep | None = None
         self._stream = torch.cuda.Stream(self._device) if self._will_capture else None
         self._capture_error: str | None = None  # its message: no frames or tensors kept

@@ -395,6 +395,55 @@ def test_a_model_that_pools_over_the_padding_is_refused_unless_buckets_are_not_e
     assert "exact=False" in repr(nt.Buckets(sizes=(8,), exact=False))
 
 
+class TokenBatchNorm(MaskedPool):
+    """A BatchNorm over the channels of every position before the masked pool: in training its
+    batch statistics count the padded positions."""
+
+    def __init__(self, after_pool=False):
+        super().__init__()
+        self.after_pool = after_pool
+        self.bn = torch.nn.BatchNorm1d(self.mix.out_features)
+
+    def forward(self, input_ids, attention_mask, labels=None):
+        h = torch.tanh(self.mix(self.emb(input_ids)))
+        if not self.after_pool:
+            h = self.bn(h.transpose(1, 2)).transpose(1, 2)
+        mask = attention_mask.unsqueeze(-1).to(h.dtype)
+        pooled = (h * mask).sum(1) / mask.sum(1)
+        return self.head(self.bn(pooled) if self.after_pool else pooled)
+
+
+def test_a_batch_norm_over_the_padded_positions_is_refused_and_one_after_the_pool_trains():
+    """In eval mode BatchNorm normalises with its running statistics, which padding leaves
+    alone; a training step normalises with the batch's, which count the padded positions where
+    it runs along the padded dimension: the check keeps it in training mode, and refuses it
+    (buffers as they were), where one over the pooled features is exact and trains as the
+    eager loop on the unpadded batches."""
+    torch.manual_seed(0)
+    (m1, o1), _ = twin(TokenBatchNorm(), adamw)
+    g = torch.Generator().manual_seed(8)
+    step = nt.Step(m1, o1, sample_losses, buckets=nt.Buckets(sizes=(8, 16)))
+    before = copy.deepcopy(m1.state_dict())
+    with pytest.raises(nt.ShapeError, match=r"padding a batch of length 5 to its bucket's 8 "
+                       r"changed it: its losses moved by up to .*a BatchNorm along the padded "
+                       r"dimension.*Nothing was run"):
+        step(lengths_batch([5, 2, 4], generator=g))
+    for key, value in m1.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert m1.training and m1.bn.training and not o1.state
+
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = twin(TokenBatchNorm(after_pool=True), adamw)
+    batches = variable_batches(5, 4, 16, seed=9)
+    step = nt.Step(m1, o1, sample_losses, buckets=nt.Buckets(sizes=(8, 16)))
+    losses = [step(b) for b in batches]
+    expected = eager_loop(m2, o2, sample_losses, batches)
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2)
+    torch.testing.assert_close(m1.bn.running_mean, m2.bn.running_mean)
+    assert step.stats()["bucket_padding"] == "exact"
+
+
 def test_a_loss_that_draws_random_numbers_is_left_unchecked():
     """A loss that draws random numbers (noise of the batch's shape) cannot be compared across
     shapes: the check says so and the step trains."""
