@@ -418,6 +418,7 @@ class Step::Impl {
 
   // The optimizer's structure when the Step was built.
   std::vector<size_t> group_sizes_;
+  std::vector<std::vector<at::Tensor>> group_params_;  // each group's tensors (identity)
   std::vector<bool> momentum_on_;
   bool amsgrad_ = false;
   int64_t num_values_ = 0;  // staged values per launch after the sample count
@@ -488,6 +489,7 @@ Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
   bool any = false;
   for (auto& group : optimizer_.param_groups()) {
     group_sizes_.push_back(group.params().size());
+    group_params_.push_back(group.params());
     for (const at::Tensor& p : group.params()) {
       if (!any) device_ = p.device();
       any = true;
@@ -654,22 +656,37 @@ void Step::Impl::check_structure() const {
   auto& groups = optimizer_.param_groups();
   std::vector<size_t> sizes;
   for (auto& group : groups) sizes.push_back(group.params().size());
+  const std::string fix =
+      ". The flat buffers and the graph hold the old parameters: add every group and tensor "
+      "before building the Step, or build a new Step. Nothing was run for this call.";
   if (sizes != group_sizes_) {
     throw Error("nimble_train::Step: the optimizer's param groups changed after the Step was "
                 "built (" + std::to_string(group_sizes_.size()) + " groups before, " +
-                std::to_string(sizes.size()) + " now, or their sizes). The flat buffers and the "
-                "graph hold the old parameters: add every group before building the Step, or "
-                "build a new Step.");
+                std::to_string(sizes.size()) + " now, or their sizes)" + fix);
   }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::vector<at::Tensor>& now = groups[g].params();
+    for (size_t i = 0; i < now.size(); ++i) {
+      const at::Tensor& was = group_params_[g][i];
+      if (now[i].is_same(was)) continue;
+      throw Error("nimble_train::Step: param_groups()[" + std::to_string(g) + "].params()[" +
+                  std::to_string(i) + "] is another tensor than the one it held when the Step "
+                  "was built (" + (now[i].defined() ? tuple_text(now[i].sizes()) : "undefined") +
+                  ", was " + tuple_text(was.sizes()) + "): the step would go on updating the "
+                  "old one" + fix);
+    }
+  }
+  if (kind_ == Kind::kOther) return;  // torch::optim's step() runs it, whatever its options
   for (size_t g = 0; g < groups.size(); ++g) {
     if (momentum_on(kind_, groups[g].options()) != momentum_on_[g]) {
       throw Error("nimble_train::Step: param_groups()[" + std::to_string(g) + "]'s momentum "
                   "changed between zero and non-zero; that creates or drops momentum buffers. "
-                  "Build a new Step.");
+                  "Build a new Step. Nothing was run for this call.");
     }
     if (amsgrad_of(kind_, groups[g].options()) != amsgrad_) {
       throw Error("nimble_train::Step: param_groups()[" + std::to_string(g) + "]'s amsgrad "
-                  "changed; it decides which state buffers exist. Build a new Step.");
+                  "changed; it decides which state buffers exist. Build a new Step. Nothing "
+                  "was run for this call.");
     }
   }
 }
@@ -747,7 +764,6 @@ void Step::Impl::check_params() {
 }
 
 std::vector<float> Step::Impl::staged_values() const {
-  check_structure();
   std::vector<float> values(size_t(num_values_), 0.0f);
   auto& groups = optimizer_.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
@@ -1179,6 +1195,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
     make_template(batch);
     phase_ = will_capture_ ? Phase::kWarmup : Phase::kEager;
   }
+  check_structure();
   if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) modules_->check();
   if (phase_ == Phase::kReplay) {
     check_autocast();

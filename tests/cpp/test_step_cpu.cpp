@@ -391,6 +391,36 @@ TEST(StepCpu, ACallWithAutogradOffIsRefusedBeforeAnythingRuns) {
   EXPECT_EQ(step.stats().calls, 4);
 }
 
+// The Step plans its flat buffers over the optimizer's tensors as built: a tensor put in place
+// of one of a group's (the step would go on updating the old one), or a group added, is refused
+// before anything runs, naming it; put back, the step trains on as the loop.
+TEST(StepCpu, AChangeOfTheOptimizersParamGroupsIsRefusedBeforeAnythingRuns) {
+  auto batches = make_batches(4, 16, 22);
+  auto net = make_model(23), ref = make_model(23);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  step(batches[0]);
+  reference_step(ref, ref_opt, batches[0]);
+  std::vector<torch::Tensor>& params = opt.param_groups()[0].params();
+  const torch::Tensor kept = params[1];
+  params[1] = torch::zeros_like(kept).requires_grad_();
+  expect_refused(step, batches[1], {"param_groups()[0].params()[1] is another tensor",
+                                    "would go on updating the old one", "Nothing was run"});
+  params[1] = kept;
+  opt.add_param_group(torch::optim::OptimizerParamGroup(
+      {torch::zeros({3}, torch::requires_grad())}, std::make_unique<torch::optim::SGDOptions>(0.1)));
+  expect_refused(step, batches[1], {"param groups changed", "1 groups before, 2 now",
+                                    "Nothing was run"});
+  opt.param_groups().pop_back();
+  EXPECT_LT(max_diff(net, ref), kTol);  // nothing ran
+  for (size_t i = 1; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-5);
+}
+
 TEST(StepCpu, BadOptionsAreClearErrors) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
