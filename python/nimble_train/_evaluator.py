@@ -55,6 +55,7 @@ class Evaluator:
         self._eager_only: dict[int, str] = {}  # capture failed once met too: why
         self.counts = {"replays": 0, "eager": 0, "captures": 0}
         self._scope: ScopeWatch | None = None  # fn's numbers, from its first capture on
+        self._autocast: tuple | None = None  # the autocast its graphs were captured under
         # With buckets: the first padded batch's outputs with and without the padding
         # (_padding.BucketPadding, made with the layout).
         self._padding: BucketPadding | None = None
@@ -63,6 +64,7 @@ class Evaluator:
         step = self._step
         step._require_open("evaluator")
         step._check_kernel_settings()  # its graphs' kernels were chosen by them too
+        self._check_autocast()
         # Data replaced since capture goes where the graphs (this one's too) read it first.
         step._settle_model(training=False)
         if self._scope is not None:
@@ -113,6 +115,23 @@ class Evaluator:
                 "Name values fn and the attention ignore (labels -100, counted only where "
                 "labels != -100; attention mask 0), or nt.Buckets(..., exact=False) to evaluate "
                 "the padded batches as they are.", what="fn's output")
+
+    def _check_autocast(self) -> None:
+        """While its graphs may run, a call is made under the autocast they were captured
+        under: a replay runs the precision of its capture. Raised before anything runs."""
+        step = self._step
+        if self._autocast is None or step._replaying_graph() is None:
+            return
+        now = step._autocast_now()
+        if now != self._autocast:
+            from .step import _autocast_name
+            device = step._device_type
+            raise NimbleError(
+                f"step.evaluator: called {_autocast_name(device, *now)}, where its graphs were "
+                f"captured {_autocast_name(device, *self._autocast)}; a replay runs the "
+                "precision it was captured with. Evaluate under the same autocast at every "
+                "call, or make another evaluator for the other (step.evaluator(fn): its graphs "
+                "join the Step's pool). Nothing was run for this call.")
 
     def _check(self, tensors: list, bucket: int) -> int:
         try:
@@ -213,6 +232,8 @@ class Evaluator:
                 self._deferred.add(bucket)
             return
         self._scope = scope  # from its first capture on, fn's numbers are the graphs'
+        if self._autocast is None:
+            self._autocast = step._autocast_now()  # and the autocast they run
         step._model.captured = True  # and the model's
         warn_replays_keep(self._took_changes(), step._warned_numbers, "an evaluator's capture")
         self._deferred.discard(bucket)

@@ -1487,6 +1487,43 @@ def test_a_call_under_another_autocast_than_the_capture_is_refused():
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
+def test_an_evaluator_called_under_another_autocast_than_its_capture_is_refused():
+    """An evaluator's graphs run the precision they were captured with: a call under
+    torch.autocast after a capture made without it is refused before anything runs; another
+    evaluator captures its own under it and equals the eager evaluation under autocast, and
+    the first replays on without it."""
+    torch.manual_seed(27)
+    model = SmallCNN().cuda()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                   per_sample, warmup=2)
+    batches = classification_batches(5, 16, image=True, device="cuda", seed=27)
+    for b in batches[:4]:
+        step(b)
+
+    def logits(model, batch):
+        return model(batch[0])
+
+    ev = step.evaluator(logits)
+    plain = ev(batches[4])
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        with pytest.raises(nt.NimbleError, match=r"step\.evaluator: called under torch\.autocast"
+                           r"\('cuda', dtype=torch\.bfloat16\), where its graphs were captured "
+                           r"without autocast.*another evaluator.*Nothing was run"):
+            ev(batches[4])
+        ev_bf16 = step.evaluator(logits)
+        low = [ev_bf16(batches[4]) for _ in range(2)]
+        model.eval()
+        with torch.no_grad():
+            expected = model(batches[4][0])
+        model.train()
+    assert ev_bf16.stats()["graphs"] == 1 and ev_bf16.stats()["replays"] == 2
+    assert low[0].dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(low[0], expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(low[1], low[0], rtol=0, atol=0)
+    torch.testing.assert_close(ev(batches[4]), plain, rtol=0, atol=0)
+    assert ev.stats()["replays"] == 2
+
+
 @pytest.fixture
 def torch_settings_restored():
     """torch's global settings the tests below change, put back after each."""
