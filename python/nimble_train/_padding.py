@@ -20,8 +20,9 @@ Shape buckets pad along the sequence (nt.Buckets): exact only where the model an
 ignore the padded positions (labels -100, attention mask 0). The first padded batch is checked
 once (bucket_padding_check): its per-sample losses with the padding and without it, in eval mode
 (dropout off) and autograd off, buffers and random number generators restored after. A training
-step's BatchNorm layers stay in training mode for it: their batch statistics, over the padded
-positions where they normalise along the padded dimension, are what a padded step trains with.
+step's BatchNorm (and InstanceNorm) layers stay in training mode for it: their batch statistics,
+over the padded positions where they normalise along the padded dimension, are what a padded
+step trains with.
 """
 
 from __future__ import annotations
@@ -182,8 +183,10 @@ def bucket_padding_check(run: Callable[[Any], Any], model: torch.nn.Module, layo
 
 
 def _training_batch_norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules()
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    """The normalisation layers in training mode (BatchNorm*, InstanceNorm*, SyncBatchNorm): in
+    it they normalise with the batch's statistics, in eval mode with running ones if kept."""
+    _, norm_base = _torch_private.batch_statistics_layers()
+    return [m for m in model.modules() if isinstance(m, norm_base) and m.training]
 
 
 @contextlib.contextmanager

@@ -396,13 +396,14 @@ def test_a_model_that_pools_over_the_padding_is_refused_unless_buckets_are_not_e
 
 
 class TokenBatchNorm(MaskedPool):
-    """A BatchNorm over the channels of every position before the masked pool: in training its
-    batch statistics count the padded positions."""
+    """A BatchNorm (or an InstanceNorm keeping running statistics) over the channels of every
+    position before the masked pool: in training its statistics count the padded positions."""
 
-    def __init__(self, after_pool=False):
+    def __init__(self, after_pool=False, instance=False):
         super().__init__()
         self.after_pool = after_pool
-        self.bn = torch.nn.BatchNorm1d(self.mix.out_features)
+        norm = torch.nn.InstanceNorm1d if instance else torch.nn.BatchNorm1d
+        self.bn = norm(self.mix.out_features, track_running_stats=True)
 
     def forward(self, input_ids, attention_mask, labels=None):
         h = torch.tanh(self.mix(self.emb(input_ids)))
@@ -413,14 +414,16 @@ class TokenBatchNorm(MaskedPool):
         return self.head(self.bn(pooled) if self.after_pool else pooled)
 
 
-def test_a_batch_norm_over_the_padded_positions_is_refused_and_one_after_the_pool_trains():
-    """In eval mode BatchNorm normalises with its running statistics, which padding leaves
-    alone; a training step normalises with the batch's, which count the padded positions where
-    it runs along the padded dimension: the check keeps it in training mode, and refuses it
-    (buffers as they were), where one over the pooled features is exact and trains as the
-    eager loop on the unpadded batches."""
+@pytest.mark.parametrize("instance", [False, True], ids=["batch-norm", "instance-norm"])
+def test_a_batch_norm_over_the_padded_positions_is_refused_and_one_after_the_pool_trains(
+        instance):
+    """In eval mode BatchNorm (InstanceNorm keeping running statistics) normalises with its
+    running statistics, which padding leaves alone; a training step normalises with the
+    batch's, which count the padded positions where it runs along the padded dimension: the
+    check keeps it in training mode, and refuses it (buffers as they were), where a BatchNorm
+    over the pooled features is exact and trains as the eager loop on the unpadded batches."""
     torch.manual_seed(0)
-    (m1, o1), _ = twin(TokenBatchNorm(), adamw)
+    (m1, o1), _ = twin(TokenBatchNorm(instance=instance), adamw)
     g = torch.Generator().manual_seed(8)
     step = nt.Step(m1, o1, sample_losses, buckets=nt.Buckets(sizes=(8, 16)))
     before = copy.deepcopy(m1.state_dict())
