@@ -49,6 +49,16 @@
 //  - A batch with fewer samples than the first: padded and masked in the graph when
 //    `forward_loss` returns one loss per sample and no layer sees the whole batch (BatchNorm);
 //    otherwise it runs eagerly, or raises ShapeError (PartialBatch).
+//  - accumulate = K: calls 1..K-1 of each window run the forward and backward into the
+//    accumulated gradients, call K also clips and updates (stepped()); the next window's first
+//    call zeroes them. Each kind of call (first, middle, last) is a graph of its own over the
+//    same static inputs, captured the first time a full batch meets it, in the one pool. With
+//    full micro-batches the gradients are the plain loop's `(loss / K).backward()`; with
+//    per-sample losses and a short micro-batch the update equals one step on all the window's
+//    samples together (each micro-batch weighted by its samples, the update's gradient factor
+//    correcting for the window's); a scalar loss is weighted 1 / K. Warm-up ends, and the
+//    fused update starts, at a window's end. A call that fails inside a window puts the
+//    window's gradients back.
 //
 // Optimizers: torch::optim::SGD, Adam and AdamW are fused. Others run eagerly with
 // capture(false); capturing them raises an error that says so (LibTorch's optimizers keep
@@ -119,12 +129,14 @@ struct StepOptions {
   std::optional<double> grad_clip;         // max global gradient norm, on the device
   PartialBatch partial_batch = PartialBatch::kPad;
   bool capture = true;                     // false: every step eager (debugging, the CPU)
+  int64_t accumulate = 1;                  // micro-batches (calls) per optimizer update
 
   StepOptions& set_warmup(int64_t v) { warmup = v; return *this; }
   StepOptions& set_amp(Amp v) { amp = v; return *this; }
   StepOptions& set_grad_clip(double v) { grad_clip = v; return *this; }
   StepOptions& set_partial_batch(PartialBatch v) { partial_batch = v; return *this; }
   StepOptions& set_capture(bool v) { capture = v; return *this; }
+  StepOptions& set_accumulate(int64_t v) { accumulate = v; return *this; }
 };
 
 enum class Phase { kTemplate, kWarmup, kCapture, kReplay, kEager, kClosed };
@@ -136,6 +148,8 @@ struct StepStats {
   int64_t eager_steps = 0;   // of which eager (warm-up, short batches, after a failed capture)
   int64_t replays = 0;       // of which graph launches (the capturing call included)
   int64_t captures = 0;      // graphs captured
+  int64_t updates = 0;       // optimizer updates applied (every call; with accumulate, every
+                             // accumulate-th)
   int64_t graph_nodes = -1;  // nodes of the captured graph (-1 before capture)
   int64_t host_syncs_in_warmup = 0;
   std::string update;        // "fused", or "eager" (the optimizer as it is)
@@ -170,6 +184,9 @@ class Step {
   // The global gradient norm before clipping of the last call (0-dim, on the device), with
   // grad_clip; std::nullopt without it or before the first fused step.
   std::optional<at::Tensor> grad_norm() const;
+  // Whether the last call applied the optimizer update (with accumulate, every accumulate-th
+  // call does): step a learning-rate scheduler then.
+  bool stepped() const;
   StepStats stats() const;
   // Frees the graph and its pool; the model and optimizer stay usable (they keep their flat
   // buffers). Later calls raise.

@@ -21,6 +21,7 @@
 #include <torch/optim/sgd.h>
 
 #include <algorithm>
+#include <array>
 #include <map>
 #include <optional>
 #include <set>
@@ -339,6 +340,7 @@ class Step::Impl {
     return grad_norm_;
   }
   StepStats stats() const;
+  bool stepped() const { return stepped_; }
   void close() {
     release();
     own_grads();
@@ -351,11 +353,24 @@ class Step::Impl {
   // The phases (as Python's Step).
   void make_template(const Batch& batch);
   int64_t check_batch(const Batch& batch) const;
-  at::Tensor eager_step(const Batch& batch, int64_t samples, bool warmup);
+  // A call's place in its accumulation window: whether it starts it (the gradients are
+  // zeroed first), whether it ends it (the update runs), and the factor the update multiplies
+  // the window's gradients by (per-sample losses: the micro-batches' weights made exact for
+  // the window's samples). Without accumulation every call is both.
+  struct Window {
+    bool first = true;
+    bool update = true;
+    double correction = 1.0;
+    int kind() const { return int(first) + 2 * int(update); }  // its graph: entries_[kind]
+  };
+  Window window_of(int64_t samples) const;
+  void advance(const Window& window, int64_t samples);
+  at::Tensor eager_step(const Batch& batch, int64_t samples, const Window& window, bool warmup);
+  at::Tensor eager_body(const Batch& batch, int64_t samples, const Window& window, bool record);
   // The fused update of an eager step, its values staged where the graph's would be.
-  void fused_eager_update(int64_t samples);
-  at::Tensor capture_and_launch(const Batch& batch);
-  at::Tensor launch(const Batch& batch);
+  void fused_eager_update(int64_t samples, double correction);
+  at::Tensor capture_and_launch(const Batch& batch, const Window& window);
+  at::Tensor launch(const Batch& batch, const Window& window);
   bool can_pad() const {
     return options_.partial_batch == PartialBatch::kPad && per_sample_ == 1 &&
            !has_batch_statistics(*module_);
@@ -363,6 +378,13 @@ class Step::Impl {
 
   // The loss of one forward: per-sample losses averaged (rows at or past `valid` masked).
   at::Tensor loss_of(const Batch& batch, int64_t batch_size, const at::Tensor& valid);
+  // What the backward of a micro-batch's loss runs on with accumulation: per-sample losses
+  // weighted by the micro-batch's samples over `accumulate` full ones (`valid`: the graph's
+  // staged count, or undefined for `samples`), a scalar 1 / accumulate; the loss itself
+  // without accumulation.
+  at::Tensor weighted(const at::Tensor& loss, int64_t samples, const at::Tensor& valid) const;
+  // torch::optim's step() after an accumulation window: the gradients times the correction.
+  void correct_unfused(double correction);
   at::Tensor forward(const Batch& batch);
   void clip_unfused();
 
@@ -393,7 +415,7 @@ class Step::Impl {
   // running statistics): every tensor of the model the graph reads.
   std::vector<at::Tensor> watched_tensors() const;
   std::string param_name(int64_t i) const;  // the watch's i-th tensor, for an error
-  std::vector<float> staged_values() const;
+  std::vector<float> staged_values(double correction) const;
   void bind_state();       // optimizer.state() -> flat buffers, then views of them
   void keep_state_bound(); // a torch::load since the last call: bind again
   void after_update();     // host step counts, as torch::optim's step() would advance them
@@ -421,7 +443,15 @@ class Step::Impl {
   std::vector<std::vector<at::Tensor>> group_params_;  // each group's tensors (identity)
   std::vector<bool> momentum_on_;
   bool amsgrad_ = false;
-  int64_t num_values_ = 0;  // staged values per launch after the sample count
+  int64_t num_values_ = 0;  // the optimizer's staged values per launch (hyper-parameters)
+  // Staged values per launch after the sample count: num_values_, then with accumulation the
+  // window's gradient correction (read by the update as its gradient factor).
+  int64_t num_staged_ = 0;
+
+  // Gradient accumulation: the place of the next call in its window, the samples of the
+  // window's calls so far, the updates applied, and whether the last call applied one.
+  int64_t micro_ = 0, window_samples_ = 0, updates_ = 0;
+  bool stepped_ = false;
 
   // The template and where staged values go.
   int64_t batch_size_ = 0;
@@ -433,8 +463,11 @@ class Step::Impl {
   std::unique_ptr<capture::StepGraph> graph_;
   std::optional<c10::cuda::CUDAStream> side_;
 #endif
-  int64_t entry_ = -1;
-  at::Tensor graph_loss_;
+  // The graphs, one per kind of call (Window::kind(): without accumulation only 3, first and
+  // update; with it 1 first, 0 middle, 2 last), over the same static inputs; -1 where none.
+  std::array<int64_t, 4> entries_{-1, -1, -1, -1};
+  std::array<at::Tensor, 4> graph_losses_;  // each graph's loss output
+  int64_t entry_ = -1;  // the graph launched last
   std::string capture_error_;
   // torch's settings that chose the graph's kernels (TF32, cuDNN, attention backends, ...),
   // read when it was captured: a replay under others is refused (check_kernel_settings).
@@ -481,6 +514,10 @@ Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
     throw Error("nimble_train::Step: warmup must be at least 1 (eager steps before capture); "
                 "got " + std::to_string(options_.warmup));
   }
+  if (options_.accumulate < 1) {
+    throw Error("nimble_train::Step: accumulate must be at least 1 (micro-batches per optimizer "
+                "update); got " + std::to_string(options_.accumulate));
+  }
   if (options_.grad_clip.has_value() &&
       !(*options_.grad_clip > 0 && std::isfinite(*options_.grad_clip))) {
     throw Error("nimble_train::Step: grad_clip must be a positive finite number; got " +
@@ -507,6 +544,7 @@ Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
     }
     amsgrad_ = amsgrad_of(kind_, optimizer_.param_groups()[0].options());
     num_values_ = int64_t(group_sizes_.size()) * optim::kNumStagedHyper;
+    num_staged_ = num_values_ + (options_.accumulate > 1 ? 1 : 0);
   }
   will_capture_ = options_.capture && device_.is_cuda();
 #if !NT_HAVE_CUDA
@@ -575,8 +613,18 @@ void Step::Impl::make_template(const Batch& batch) {
 #if NT_HAVE_CUDA
   if (will_capture_) {
     const int64_t index = device_.has_index() ? device_.index() : c10::cuda::current_device();
-    graph_ = std::make_unique<capture::StepGraph>(at::Device(at::kCUDA, index), num_values_);
-    entry_ = graph_->add_entry(specs_);
+    graph_ = std::make_unique<capture::StepGraph>(at::Device(at::kCUDA, index), num_staged_);
+    const int64_t base = graph_->add_entry(specs_);
+    if (options_.accumulate == 1) {
+      entries_[Window{true, true}.kind()] = base;
+    } else {
+      entries_[Window{true, false}.kind()] = base;
+      entries_[Window{false, true}.kind()] = graph_->add_entry_sharing_inputs(base);
+      if (options_.accumulate > 2) {
+        entries_[Window{false, false}.kind()] = graph_->add_entry_sharing_inputs(base);
+      }
+    }
+    entry_ = base;
     current_ = graph_->current();
     side_ = c10::cuda::getStreamFromPool(false, index);
     return;
@@ -584,7 +632,7 @@ void Step::Impl::make_template(const Batch& batch) {
 #endif
   template_ = std::make_unique<StaticInputs>(specs_);
   if (kind_ != Kind::kOther) {
-    ring_ = std::make_unique<capture::StagingRing>(1 + num_values_, device_, 16);
+    ring_ = std::make_unique<capture::StagingRing>(1 + num_staged_, device_, 16);
     current_ = ring_->current();
   }
 }
@@ -629,6 +677,27 @@ at::Tensor Step::Impl::loss_of(const Batch& batch, int64_t batch_size, const at:
       at::arange(batch_size, at::TensorOptions().device(losses.device()).dtype(at::kFloat)) < valid;
   // where, not a product: a padded row's loss may be inf or NaN, and 0 * NaN is NaN.
   return at::where(keep, losses, at::zeros({}, losses.options())).sum() / valid;
+}
+
+at::Tensor Step::Impl::weighted(const at::Tensor& loss, int64_t samples,
+                                const at::Tensor& valid) const {
+  const int64_t k = options_.accumulate;
+  if (k == 1) return loss;
+  if (per_sample_ != 1) return loss / double(k);
+  const double per_full = 1.0 / double(k * batch_size_);
+  return valid.defined() ? loss * (valid * per_full) : loss * (double(samples) * per_full);
+}
+
+void Step::Impl::correct_unfused(double correction) {
+  if (correction == 1.0) return;
+  std::vector<at::Tensor> grads;
+  for (auto& group : optimizer_.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      if (p.grad().defined()) grads.push_back(p.grad());
+    }
+  }
+  const c10::AutoGradMode no_grad(false);
+  if (!grads.empty()) at::_foreach_mul_(grads, correction);
 }
 
 // clip_grad_norm_ without its host sync (LibTorch's returns a double): the total norm stays a
@@ -763,12 +832,13 @@ void Step::Impl::check_params() {
   watch_->restore();
 }
 
-std::vector<float> Step::Impl::staged_values() const {
-  std::vector<float> values(size_t(num_values_), 0.0f);
+std::vector<float> Step::Impl::staged_values(double correction) const {
+  std::vector<float> values(size_t(num_staged_), 0.0f);
   auto& groups = optimizer_.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     staged_row(kind_, groups[g].options(), values.data() + g * optim::kNumStagedHyper);
   }
+  if (num_staged_ > num_values_) values[size_t(num_values_)] = float(correction);
   return values;
 }
 
@@ -972,6 +1042,7 @@ void Step::Impl::after_update() {
 at::Tensor Step::Impl::fused_update() {
   optim::FusedStepArgs args;
   args.max_grad_norm = options_.grad_clip.value_or(0.0);
+  if (num_staged_ > num_values_) args.grad_scale = current_.narrow(0, 1 + num_values_, 1);
   at::Tensor norm = optim::fused_step(kind_ == Kind::kSgd ? optim::Algorithm::kSgd
                                                           : optim::Algorithm::kAdam,
                                       targets_, tables_, partials_, args);
@@ -981,8 +1052,8 @@ at::Tensor Step::Impl::fused_update() {
 
 // ------------------------------------------------------------------ the steps
 
-void Step::Impl::fused_eager_update(int64_t samples) {
-  const std::vector<float> values = staged_values();
+void Step::Impl::fused_eager_update(int64_t samples, double correction) {
+  const std::vector<float> values = staged_values(correction);
   std::vector<float> slot;
 #if NT_HAVE_CUDA
   if (graph_) {
@@ -1006,7 +1077,32 @@ void Step::Impl::fused_eager_update(int64_t samples) {
   after_update();
 }
 
-at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warmup) {
+Step::Impl::Window Step::Impl::window_of(int64_t samples) const {
+  Window window;
+  const int64_t k = options_.accumulate;
+  if (k == 1) return window;
+  window.first = micro_ == 0;
+  window.update = micro_ + 1 == k;
+  if (window.update && per_sample_ == 1) {
+    window.correction = double(k * batch_size_) / double(window_samples_ + samples);
+  }
+  return window;
+}
+
+void Step::Impl::advance(const Window& window, int64_t samples) {
+  stepped_ = window.update;
+  if (window.update) {
+    micro_ = 0;
+    window_samples_ = 0;
+    ++updates_;
+  } else {
+    ++micro_;
+    window_samples_ += samples;
+  }
+}
+
+at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, const Window& window,
+                                  bool warmup) {
   const bool record = warmup && device_.is_cuda();
 #if NT_HAVE_CUDA
   // Warm-up runs on the capture's side stream (per-stream workspaces then exist before the
@@ -1016,50 +1112,96 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, bool warm
   if (warmup && side_.has_value()) on_side.emplace(*side_, device_.index());
 #endif
   // The first step runs the optimizer as it is (it shows which parameters get gradients); the
-  // update is fused from the second on, unless a gradient is sparse: then, without a capture,
-  // torch::optim's step() takes it every step.
-  if (!fused_ && !optim_steps_ && kind_ != Kind::kOther && eager_steps_ >= 1) {
+  // update is fused from the next window on, unless a gradient is sparse: then, without a
+  // capture, torch::optim's step() takes it every step.
+  if (!fused_ && !optim_steps_ && kind_ != Kind::kOther && updates_ >= 1 && window.first) {
     const std::string sparse = sparse_grad_name();
     if (!sparse.empty() && will_capture_) throw Error(sparse_grad_refusal(sparse));
     optim_steps_ = !sparse.empty();
     if (!optim_steps_) fuse();
   }
+  if (window.first) return eager_body(batch, samples, window, record);
+  // Inside a window the gradients hold the window's micro-batches so far: a call that fails
+  // puts them back.
+  const bool flat = fused_;
+  std::vector<at::Tensor> kept;
+  if (flat) {
+    for (const optim::FlatTensors& f : flats_) kept.push_back(f.grad.clone());
+  } else {
+    for (auto& group : optimizer_.param_groups()) {
+      for (const at::Tensor& p : group.params()) {
+        kept.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
+      }
+    }
+  }
+  try {
+    return eager_body(batch, samples, window, record);
+  } catch (...) {
+    if (flat && fused_) {
+      for (size_t i = 0; i < flats_.size(); ++i) flats_[i].grad.copy_(kept[i]);
+    } else if (!flat) {
+      size_t i = 0;
+      for (auto& group : optimizer_.param_groups()) {
+        for (const at::Tensor& p : group.params()) {
+          at::Tensor param = p;
+          param.mutable_grad() = kept[i++];
+        }
+      }
+    }
+    throw;
+  }
+}
+
+at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Window& window,
+                                  bool record) {
   at::Tensor loss;
   if (fused_) {
     keep_state_bound();
     optim::reattach(flats_);
-    optim::zero_grads(flats_);
+    if (window.first) optim::zero_grads(flats_);
     {
       const SyncRecorder::Active recording(syncs_, record);
       loss = loss_of(batch, samples, at::Tensor());
-      loss.backward();
+      weighted(loss, samples, at::Tensor()).backward();
     }
     const std::string late = late_grad_name();
     if (late.empty()) {
-      fused_eager_update(samples);
+      if (window.update) fused_eager_update(samples, window.correction);
     } else {
-      unfuse(late);  // this step's update too: torch::optim's step() over these gradients
-      clip_unfused();
-      optimizer_.step();
+      unfuse(late);  // this window's update too: torch::optim's step() over these gradients
+      if (window.update) {
+        correct_unfused(window.correction);
+        clip_unfused();
+        optimizer_.step();
+      }
     }
   } else {
-    if (kind_ != Kind::kOther) check_structure();
-    optimizer_.zero_grad(true);
+    if (window.first) optimizer_.zero_grad(true);
     {
       const SyncRecorder::Active recording(syncs_, record);
       loss = loss_of(batch, samples, at::Tensor());
-      loss.backward();
+      weighted(loss, samples, at::Tensor()).backward();
     }
-    clip_unfused();
-    optimizer_.step();
+    if (window.update) {
+      correct_unfused(window.correction);
+      clip_unfused();
+      optimizer_.step();
+    }
   }
   ++eager_steps_;
   return loss.detach().to(at::kFloat);
 }
 
-at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
+at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& window) {
 #if NT_HAVE_CUDA
-  if (!fused_) fuse();  // warmup == 1: the first step showed which parameters get gradients
+  // Not fused yet (warmup == 1, or accumulation: warm-up ended with the first window's update):
+  // the first update showed which parameters get gradients. The data moves into the flat
+  // buffers, which is where the graph reads it.
+  if (!fused_) {
+    fuse();
+    watch_->fix_storage();
+  }
+  entry_ = entries_[size_t(window.kind())];
   keep_state_bound();
   optim::reattach(flats_);
   c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
@@ -1078,18 +1220,18 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
                          ". The model and optimizer are as after the last completed step.");
     }
     try {
-      optim::zero_grads(flats_);
-      at::Tensor loss = loss_of(statics, batch_size_,
-                                masked ? current_.select(0, 0) : at::Tensor());
+      if (window.first) optim::zero_grads(flats_);
+      const at::Tensor valid = masked ? current_.select(0, 0) : at::Tensor();
+      at::Tensor loss = loss_of(statics, batch_size_, valid);
       if (fault_ == Fault::kInCapture) {
         fault_ = Fault::kNone;
         throw std::runtime_error("injected failure inside the capture (a rollback test)");
       }
-      loss.backward();
+      weighted(loss, batch_size_, valid).backward();
       late = late_grad_name();
       if (!late.empty()) throw std::runtime_error(late + " got a gradient it had not had");
-      fused_update();
-      graph_loss_ = loss.detach().to(at::kFloat);
+      if (window.update) fused_update();
+      graph_losses_[size_t(window.kind())] = loss.detach().to(at::kFloat);
       result = graph_->end_capture();
       failed = !result.ok;
       cause = result.error.substr(0, result.error.find('\n'));
@@ -1105,11 +1247,11 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
     // captured ran, so this step runs eagerly with torch::optim's step(), as every later one.
     for (at::Tensor& p : left_out_) p.mutable_grad().reset();
     unfuse(late);
-    return eager_step(batch, batch_size_, false);
+    return eager_step(batch, batch_size_, window, false);
   }
   if (failed) {
     capture_error_ = cause;
-    graph_loss_ = at::Tensor();
+    graph_losses_ = {};
     grad_norm_ = at::Tensor();
     phase_ = Phase::kEager;
     if (result.invalidated && syncs_.count > 0) {
@@ -1132,26 +1274,29 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch) {
   kernel_settings_ = capture::kernel_settings();
   autocast_ = ambient_autocast(device_.type());
   phase_ = Phase::kReplay;
-  return launch(batch);
+  return launch(batch, window);
 #else
   (void)batch;
+  (void)window;
   throw Error("nimble_train::Step: this build has no CUDA");
 #endif
 }
 
-at::Tensor Step::Impl::launch(const Batch& batch) {
+at::Tensor Step::Impl::launch(const Batch& batch, const Window& window) {
 #if NT_HAVE_CUDA
   keep_state_bound();
-  const std::vector<float> values = staged_values();
+  entry_ = entries_[size_t(window.kind())];
+  const std::vector<float> values = staged_values(window.correction);
   if (fault_ == Fault::kAfterStaging) graph_->fail_next_launch(capture::LaunchFault::kAfterStaging);
   if (fault_ == Fault::kAfterCopyIn) graph_->fail_next_launch(capture::LaunchFault::kAfterCopyIn);
   if (fault_ != Fault::kInCapture) fault_ = Fault::kNone;
   graph_->launch(entry_, batch, values);
-  after_update();
+  if (window.update) after_update();
   ++replays_;
-  return graph_loss_;
+  return graph_losses_[size_t(window.kind())];
 #else
   (void)batch;
+  (void)window;
   throw Error("nimble_train::Step: this build has no CUDA");
 #endif
 }
@@ -1210,11 +1355,13 @@ at::Tensor Step::Impl::call(const Batch& batch) {
                      ", with PartialBatch::kError. Drop short batches, or use kPad (padded and "
                      "masked in the graph) or kEager.");
   }
+  const Window window = window_of(samples);
   at::Tensor loss;
   switch (phase_) {
     case Phase::kWarmup:
-      loss = eager_step(batch, samples, /*warmup=*/true);
-      if (phase_ == Phase::kWarmup && eager_steps_ >= options_.warmup) {
+      loss = eager_step(batch, samples, window, /*warmup=*/true);
+      // The capture comes at a window's first call, once warm-up has run its steps.
+      if (phase_ == Phase::kWarmup && eager_steps_ >= options_.warmup && window.update) {
         fix_trainable();  // an optimizer captured as it is: from here on
         watch_->fix_storage();  // the graph reads the data where the warm-up left it
         modules_.emplace(module_);
@@ -1223,22 +1370,32 @@ at::Tensor Step::Impl::call(const Batch& batch) {
       break;
     case Phase::kCapture:
       if (short_batch) {  // the capture waits for a full batch
-        loss = eager_step(batch, samples, false);
+        loss = eager_step(batch, samples, window, false);
       } else {
-        loss = capture_and_launch(batch);
+        loss = capture_and_launch(batch, window);
       }
       break;
-    case Phase::kReplay:
-      if (short_batch && !can_pad()) {
-        loss = eager_step(batch, samples, false);
+    case Phase::kReplay: {
+#if NT_HAVE_CUDA
+      // With accumulation each kind of call is captured the first time a full batch meets it.
+      const bool captured = graph_->captured(entries_[size_t(window.kind())]);
+#else
+      const bool captured = false;
+#endif
+      if (short_batch && (!can_pad() || !captured)) {
+        loss = eager_step(batch, samples, window, false);
+      } else if (!captured) {
+        loss = capture_and_launch(batch, window);
       } else {
-        loss = launch(batch);
+        loss = launch(batch, window);
       }
       break;
+    }
     default:
-      loss = eager_step(batch, samples, false);
+      loss = eager_step(batch, samples, window, false);
       break;
   }
+  advance(window, samples);
   ++calls_;
   return loss;
 }
@@ -1250,6 +1407,7 @@ StepStats Step::Impl::stats() const {
   s.eager_steps = eager_steps_;
   s.replays = replays_;
   s.captures = captures_;
+  s.updates = updates_;
   s.host_syncs_in_warmup = syncs_.count;
 #if NT_HAVE_CUDA
   if (graph_ && entry_ >= 0 && graph_->num_entries() > 0) s.graph_nodes = graph_->node_count(entry_);
@@ -1271,7 +1429,7 @@ void Step::Impl::own_grads() {
 void Step::Impl::release() {
 #if NT_HAVE_CUDA
   if (graph_) {
-    graph_loss_ = at::Tensor();
+    graph_losses_ = {};
     grad_norm_ = at::Tensor();
     graph_->release();
     graph_.reset();
@@ -1290,6 +1448,7 @@ Step::Step(Step&&) noexcept = default;
 Step& Step::operator=(Step&&) noexcept = default;
 
 at::Tensor Step::operator()(const Batch& batch) { return impl_->call(batch); }
+bool Step::stepped() const { return impl_->stepped(); }
 std::optional<at::Tensor> Step::grad_norm() const { return impl_->grad_norm(); }
 StepStats Step::stats() const { return impl_->stats(); }
 void Step::close() { impl_->close(); }

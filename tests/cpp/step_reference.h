@@ -72,6 +72,28 @@ inline double reference_step(torch::nn::Sequential& net, torch::optim::Optimizer
   return loss.item<double>();
 }
 
+// One window of the hand-written accumulation loop: zero_grad; each micro-batch's summed loss
+// over the window's samples, backward (with full micro-batches, (mean / K).backward()); or,
+// with `scalar`, each micro-batch's mean loss over K; clipping; step.
+inline void reference_window(torch::nn::Sequential& net, torch::optim::Optimizer& opt,
+                             const std::vector<Batch>& window, double clip = 0,
+                             bool scalar = false) {
+  opt.zero_grad();
+  int64_t total = 0;
+  for (const Batch& b : window) total += b[0].size(0);
+  for (const Batch& b : window) {
+    torch::Tensor logits = net->forward(b[0]);
+    torch::Tensor loss =
+        scalar ? F::cross_entropy(logits, b[1]) / double(window.size())
+               : F::cross_entropy(logits, b[1],
+                                  F::CrossEntropyFuncOptions().reduction(torch::kSum)) /
+                     double(total);
+    loss.backward();
+  }
+  if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+  opt.step();
+}
+
 inline void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);
 }

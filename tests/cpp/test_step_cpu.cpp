@@ -19,6 +19,7 @@ using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
+using nimble_train::testing::reference_window;
 using nimble_train::testing::set_lr;
 
 namespace {
@@ -428,6 +429,111 @@ TEST(StepCpu, BadOptionsAreClearErrors) {
   EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_grad_clip(-1)),
                nt::Error);
   EXPECT_THROW(nt::Step(net, opt, nt::ForwardLoss()), nt::Error);
+  EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(0)),
+               nt::Error);
+}
+
+// accumulate = 3 with SGD (momentum, clipping) and AdamW: each window's update equals the
+// hand-written loop's over the window's micro-batches, a short one included (per-sample losses:
+// one step on all the window's samples together); the update comes every third call.
+TEST(StepCpu, AccumulationEqualsTheHandWrittenLoopWindowByWindow) {
+  for (const bool adam : {false, true}) {
+    auto batches = make_batches(12, 16, 24);
+    batches[7] = {batches[7][0].narrow(0, 0, 5), batches[7][1].narrow(0, 0, 5)};
+    auto net = make_model(25), ref = make_model(25);
+    std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
+    if (adam) {
+      opt = std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                  torch::optim::AdamWOptions(1e-2));
+      ref_opt = std::make_unique<torch::optim::AdamW>(ref->parameters(),
+                                                      torch::optim::AdamWOptions(1e-2));
+    } else {
+      opt = std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                torch::optim::SGDOptions(0.1).momentum(0.9));
+      ref_opt = std::make_unique<torch::optim::SGD>(ref->parameters(),
+                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
+    }
+    nt::Step step(net, *opt, per_sample(net),
+                  nt::StepOptions().set_accumulate(3).set_grad_clip(0.5));
+    for (size_t w = 0; w < 4; ++w) {
+      std::vector<nt::Batch> window(batches.begin() + int64_t(3 * w),
+                                    batches.begin() + int64_t(3 * w + 3));
+      for (size_t i = 0; i < 3; ++i) {
+        const torch::Tensor loss = step(window[i]);
+        EXPECT_EQ(step.stepped(), i == 2) << "window " << w << ", call " << i;
+        EXPECT_NEAR(loss.item<double>(), F::cross_entropy(net->forward(window[i][0]),
+                                                          window[i][1]).item<double>(),
+                    i == 2 ? 10.0 : 1e-5);  // after the update the model moved
+      }
+      reference_window(ref, *ref_opt, window, 0.5);
+      EXPECT_LT(max_diff(net, ref), 1e-5) << (adam ? "AdamW" : "SGD") << ", window " << w;
+    }
+    EXPECT_EQ(step.stats().updates, 4);
+    EXPECT_EQ(step.stats().calls, 12);
+    EXPECT_TRUE(step.grad_norm().has_value());
+  }
+}
+
+// A scalar loss (forward_loss reduces it) is weighted 1 / accumulate, short micro-batch or not,
+// as the plain loop's (loss / K).backward().
+TEST(StepCpu, AccumulationWeightsAScalarLossOneOverK) {
+  auto batches = make_batches(6, 16, 26);
+  batches[4] = {batches[4][0].narrow(0, 0, 7), batches[4][1].narrow(0, 0, 7)};
+  auto net = make_model(27), ref = make_model(27);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, [net](const nt::Batch& b) mutable {
+    return F::cross_entropy(net->forward(b[0]), b[1]);
+  }, nt::StepOptions().set_accumulate(2));
+  for (size_t w = 0; w < 3; ++w) {
+    std::vector<nt::Batch> window(batches.begin() + int64_t(2 * w),
+                                  batches.begin() + int64_t(2 * w + 2));
+    for (const nt::Batch& b : window) step(b);
+    reference_window(ref, ref_opt, window, 0, /*scalar=*/true);
+    EXPECT_LT(max_diff(net, ref), 1e-5) << "window " << w;
+  }
+}
+
+// A call that fails inside a window (the data pipeline, in forward_loss) leaves the window's
+// gradients, the model and the optimizer as after the last completed call; the window goes
+// on, and the training equals the loop's.
+TEST(StepCpu, ACallFailingInsideAnAccumulationWindowPutsItsGradientsBack) {
+  for (const int failing : {5, 6}) {  // in the middle of the second window; at its end
+    auto batches = make_batches(9, 16, 28);
+    auto net = make_model(29), ref = make_model(29);
+    torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+    torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+    int calls = 0;
+    nt::Step step(net, opt, [&, net](const nt::Batch& b) mutable {
+      torch::Tensor losses = F::cross_entropy(
+          net->forward(b[0]), b[1], F::CrossEntropyFuncOptions().reduction(torch::kNone));
+      if (++calls == failing) {
+        losses.sum().backward();  // a partial gradient, then the failure
+        throw std::runtime_error("the data pipeline failed");
+      }
+      return losses;
+    }, nt::StepOptions().set_accumulate(3));
+    for (size_t i = 0; i < 4; ++i) step(batches[i]);
+    std::vector<torch::Tensor> grads;
+    for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+    if (failing == 6) step(batches[4]);
+    if (failing == 6) {
+      grads.clear();
+      for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+    }
+    EXPECT_THROW(step(batches[failing == 5 ? 4 : 5]), std::runtime_error);
+    auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(torch::equal(params[i].grad(), grads[i])) << "call " << failing;
+    }
+    for (size_t i = failing == 5 ? 4 : 5; i < batches.size(); ++i) step(batches[i]);
+    for (size_t w = 0; w < 3; ++w) {
+      reference_window(ref, ref_opt, std::vector<nt::Batch>(batches.begin() + int64_t(3 * w),
+                                                            batches.begin() + int64_t(3 * w + 3)));
+    }
+    EXPECT_LT(max_diff(net, ref), 1e-5) << "call " << failing;
+    EXPECT_EQ(step.stats().updates, 3);
+  }
 }
 
 TEST(StepCpu, AParameterTheFirstStepGaveNoGradientTrainsFromTheStepThatGivesItOne) {

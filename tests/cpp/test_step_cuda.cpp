@@ -32,6 +32,7 @@ using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
+using nimble_train::testing::reference_window;
 using nimble_train::testing::set_lr;
 
 namespace {
@@ -401,6 +402,61 @@ TEST_F(StepCuda, ACallUnderAnotherAutocastThanTheCaptureIsRefused) {
   r.train(5, r.batches.size());
   EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
   EXPECT_EQ(r.step.stats().replays, 5 + 5 - 3);
+}
+
+// warmup = 1: the first step runs the optimizer as it is, the second is captured and fuses the
+// update on the way (the data moves into the flat buffers, where the graph reads it); later
+// replays train on from there as the loop.
+TEST_F(StepCuda, AWarmUpOfOneStepCapturesTheSecondAndEqualsTheLoop) {
+  auto batches = make_batches(6, 32, 32, device);
+  auto net = make_model(33, device), ref = make_model(33, device);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_warmup(1));
+  train_both(step, ref, ref_opt, batches, 0, batches.size());
+  EXPECT_LT(max_diff(net, ref), 2e-5);
+  EXPECT_EQ(step.stats().captures, 1);
+  EXPECT_EQ(step.stats().replays, 5);
+}
+
+// accumulate = 3: three graphs (a window's first, middle and last call) over one set of static
+// inputs in the one pool, captured as each kind first comes after warm-up; every window's update
+// equals the loop's over its micro-batches, a short one padded in the middle graph included;
+// a launch failing inside a window leaves its gradients and the model as they were.
+TEST_F(StepCuda, AccumulationCapturesAGraphPerKindOfCallAndEqualsTheLoopWindowByWindow) {
+  auto batches = make_batches(24, 32, 30, device);
+  batches[16] = {batches[16][0].narrow(0, 0, 9), batches[16][1].narrow(0, 0, 9)};
+  auto net = make_model(31, device), ref = make_model(31, device);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net),
+                nt::StepOptions().set_accumulate(3).set_grad_clip(1.0));
+  for (size_t w = 0; w < 8; ++w) {
+    const std::vector<nt::Batch> window(batches.begin() + int64_t(3 * w),
+                                        batches.begin() + int64_t(3 * w + 3));
+    for (size_t i = 0; i < 3; ++i) {
+      if (w == 4 && i == 1) {
+        std::vector<torch::Tensor> grads;
+        for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+        step.inject_failure_for_testing(1);
+        EXPECT_ANY_THROW(step(window[i]));
+        auto params = net->parameters();
+        for (size_t j = 0; j < params.size(); ++j) {
+          EXPECT_TRUE(torch::equal(params[j].grad(), grads[j]));
+        }
+      }
+      step(window[i]);
+      EXPECT_EQ(step.stepped(), i == 2);
+    }
+    reference_window(ref, ref_opt, window, 1.0);
+    EXPECT_LT(max_diff(net, ref), 5e-5) << "window " << w;
+  }
+  const nt::StepStats stats = step.stats();
+  EXPECT_EQ(stats.phase, nt::Phase::kReplay);
+  EXPECT_EQ(stats.captures, 3);
+  EXPECT_EQ(stats.updates, 8);
+  EXPECT_EQ(stats.eager_steps, 3);
+  EXPECT_EQ(stats.replays, 21);
 }
 
 // A sparse gradient cannot live in a graph (its size follows the batch's indices): a captured
