@@ -56,9 +56,9 @@
 //    full micro-batches the gradients are the plain loop's `(loss / K).backward()`; with
 //    per-sample losses and a short micro-batch the update equals one step on all the window's
 //    samples together (each micro-batch weighted by its samples, the update's gradient factor
-//    correcting for the window's); a scalar loss is weighted 1 / K. Warm-up ends, and the
-//    fused update starts, at a window's end. A call that fails inside a window puts the
-//    window's gradients back.
+//    correcting for the window's); a scalar loss is weighted 1 / K. step(batch, true) ends a
+//    window early (an epoch's end). Warm-up ends, and the fused update starts, at a window's
+//    end. A call that fails inside a window puts the window's gradients back.
 //
 // Optimizers: torch::optim::SGD, Adam and AdamW are fused. Others run eagerly with
 // capture(false); capturing them raises an error that says so (LibTorch's optimizers keep
@@ -174,6 +174,10 @@ class Step {
   // without a host sync. After capture it is the graph's own output, overwritten by the next
   // call: clone() it to keep it.
   at::Tensor operator()(const Batch& batch);
+  // With accumulate: `update` true ends the window with this call (its update runs, over the
+  // window's micro-batches so far: an epoch ending mid-window); false as operator()(batch).
+  // Without accumulation every call updates.
+  at::Tensor operator()(const Batch& batch, bool update);
   // A torch::data example: the batch {data, target}. (A template, so that step({x, y}) is
   // always a Batch.)
   template <typename Data = at::Tensor, typename Target = at::Tensor>

@@ -334,7 +334,7 @@ class Step::Impl {
     }
   }
 
-  at::Tensor call(const Batch& batch);
+  at::Tensor call(const Batch& batch, bool end_window);
   std::optional<at::Tensor> grad_norm() const {
     if (!grad_norm_.defined()) return std::nullopt;
     return grad_norm_;
@@ -363,7 +363,7 @@ class Step::Impl {
     double correction = 1.0;
     int kind() const { return int(first) + 2 * int(update); }  // its graph: entries_[kind]
   };
-  Window window_of(int64_t samples) const;
+  Window window_of(int64_t samples, bool end) const;
   void advance(const Window& window, int64_t samples);
   at::Tensor eager_step(const Batch& batch, int64_t samples, const Window& window, bool warmup);
   at::Tensor eager_body(const Batch& batch, int64_t samples, const Window& window, bool record);
@@ -464,7 +464,8 @@ class Step::Impl {
   std::optional<c10::cuda::CUDAStream> side_;
 #endif
   // The graphs, one per kind of call (Window::kind(): without accumulation only 3, first and
-  // update; with it 1 first, 0 middle, 2 last), over the same static inputs; -1 where none.
+  // update; with it 1 first, 0 middle, 2 last, 3 a window of one call), over the same static
+  // inputs; -1 where none.
   std::array<int64_t, 4> entries_{-1, -1, -1, -1};
   std::array<at::Tensor, 4> graph_losses_;  // each graph's loss output
   int64_t entry_ = -1;  // the graph launched last
@@ -623,6 +624,8 @@ void Step::Impl::make_template(const Batch& batch) {
       if (options_.accumulate > 2) {
         entries_[Window{false, false}.kind()] = graph_->add_entry_sharing_inputs(base);
       }
+      // A window of one call (ended at its first: step(batch, true)), captured if one comes.
+      entries_[Window{true, true}.kind()] = graph_->add_entry_sharing_inputs(base);
     }
     entry_ = base;
     current_ = graph_->current();
@@ -1077,12 +1080,12 @@ void Step::Impl::fused_eager_update(int64_t samples, double correction) {
   after_update();
 }
 
-Step::Impl::Window Step::Impl::window_of(int64_t samples) const {
+Step::Impl::Window Step::Impl::window_of(int64_t samples, bool end) const {
   Window window;
   const int64_t k = options_.accumulate;
   if (k == 1) return window;
   window.first = micro_ == 0;
-  window.update = micro_ + 1 == k;
+  window.update = micro_ + 1 == k || end;
   if (window.update && per_sample_ == 1) {
     window.correction = double(k * batch_size_) / double(window_samples_ + samples);
   }
@@ -1326,7 +1329,7 @@ void Step::Impl::check_autocast() const {
               "step), or build a new Step (close() this one). Nothing was run for this call.");
 }
 
-at::Tensor Step::Impl::call(const Batch& batch) {
+at::Tensor Step::Impl::call(const Batch& batch, bool end_window) {
   if (phase_ == Phase::kClosed) {
     throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
   }
@@ -1355,7 +1358,7 @@ at::Tensor Step::Impl::call(const Batch& batch) {
                      ", with PartialBatch::kError. Drop short batches, or use kPad (padded and "
                      "masked in the graph) or kEager.");
   }
-  const Window window = window_of(samples);
+  const Window window = window_of(samples, end_window);
   at::Tensor loss;
   switch (phase_) {
     case Phase::kWarmup:
@@ -1447,7 +1450,10 @@ Step::~Step() = default;
 Step::Step(Step&&) noexcept = default;
 Step& Step::operator=(Step&&) noexcept = default;
 
-at::Tensor Step::operator()(const Batch& batch) { return impl_->call(batch); }
+at::Tensor Step::operator()(const Batch& batch) { return impl_->call(batch, false); }
+at::Tensor Step::operator()(const Batch& batch, bool update) {
+  return impl_->call(batch, update);
+}
 bool Step::stepped() const { return impl_->stepped(); }
 std::optional<at::Tensor> Step::grad_norm() const { return impl_->grad_norm(); }
 StepStats Step::stats() const { return impl_->stats(); }

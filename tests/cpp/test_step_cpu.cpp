@@ -474,6 +474,29 @@ TEST(StepCpu, AccumulationEqualsTheHandWrittenLoopWindowByWindow) {
   }
 }
 
+// step(batch, true) ends a window early (an epoch's end), at its middle or at its first call:
+// each window's update equals the loop's over the micro-batches it had.
+TEST(StepCpu, AWindowEndedEarlyUpdatesOverTheMicroBatchesItHad) {
+  auto batches = make_batches(10, 16, 34);
+  auto net = make_model(35), ref = make_model(35);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(3));
+  size_t next = 0;
+  for (const size_t size : {3, 2, 1, 3, 1}) {
+    const std::vector<nt::Batch> window(batches.begin() + int64_t(next),
+                                        batches.begin() + int64_t(next + size));
+    for (size_t i = 0; i < size; ++i) {
+      step(window[i], /*update=*/i + 1 == size);
+      EXPECT_EQ(step.stepped(), i + 1 == size);
+    }
+    reference_window(ref, ref_opt, window);
+    EXPECT_LT(max_diff(net, ref), 1e-5) << "a window of " << size << " from call " << next;
+    next += size;
+  }
+  EXPECT_EQ(step.stats().updates, 5);
+}
+
 // A scalar loss (forward_loss reduces it) is weighted 1 / accumulate, short micro-batch or not,
 // as the plain loop's (loss / K).backward().
 TEST(StepCpu, AccumulationWeightsAScalarLossOneOverK) {

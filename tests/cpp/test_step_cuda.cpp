@@ -459,6 +459,31 @@ TEST_F(StepCuda, AccumulationCapturesAGraphPerKindOfCallAndEqualsTheLoopWindowBy
   EXPECT_EQ(stats.replays, 21);
 }
 
+// Windows ended early (step(batch, true)) in graphs: a window of one call is a fourth kind of
+// call, captured when it first comes; every window's update equals the loop's over the
+// micro-batches it had.
+TEST_F(StepCuda, WindowsEndedEarlyReplayTheirOwnGraphsAndEqualTheLoop) {
+  auto batches = make_batches(30, 32, 36, device);
+  auto net = make_model(37, device), ref = make_model(37, device);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net),
+                nt::StepOptions().set_accumulate(4).set_warmup(4));
+  size_t next = 0;
+  for (const size_t size : {4, 4, 2, 1, 3, 4, 1, 2, 4, 4, 1}) {
+    const std::vector<nt::Batch> window(batches.begin() + int64_t(next),
+                                        batches.begin() + int64_t(next + size));
+    for (size_t i = 0; i < size; ++i) step(window[i], /*update=*/i + 1 == size);
+    reference_window(ref, ref_opt, window);
+    EXPECT_LT(max_diff(net, ref), 5e-5) << "a window of " << size << " from call " << next;
+    next += size;
+  }
+  EXPECT_EQ(step.stats().captures, 4);  // first, middle, last, and a window of one
+  EXPECT_EQ(step.stats().updates, 11);
+  EXPECT_EQ(step.stats().eager_steps, 4);
+  EXPECT_EQ(step.stats().replays, int64_t(next) - 4);
+}
+
 // A sparse gradient cannot live in a graph (its size follows the batch's indices): a captured
 // Step refuses it at the second call, naming the parameter, before anything runs; without a
 // capture, torch::optim's step() takes it at every step.
