@@ -2,10 +2,12 @@
 // with nimble_train::Step: a few eager warm-up steps, then one CUDA graph launch per step.
 //
 //   train_cnn [--steps N] [--batch B] [--device cpu|cuda] [--no-capture] [--adamw]
+//             [--accumulate K]
 //
-// Prints the loss every tenth of the run, then samples/s and the Step's statistics. Exit
-// code 0 on success, 1 when training fails (the message says why and how to fix it), 2 on a
-// bad argument.
+// --accumulate K: K micro-batches (calls) per optimizer update, the learning rate scheduled
+// per update. Prints the loss every tenth of the run, then samples/s and the Step's
+// statistics. Exit code 0 on success, 1 when training fails (the message says why and how to
+// fix it), 2 on a bad argument.
 #include <ATen/Context.h>
 #include <torch/cuda.h>
 #include <torch/nn/functional/loss.h>
@@ -40,11 +42,13 @@ struct Args {
   int64_t batch = 32;
   bool capture = true;
   bool adamw = false;
+  int64_t accumulate = 1;
   torch::Device device = torch::cuda::is_available() ? torch::kCUDA : torch::kCPU;
 };
 
 constexpr const char* kUsage =
-    "usage: train_cnn [--steps N] [--batch B] [--device cpu|cuda] [--no-capture] [--adamw]\n";
+    "usage: train_cnn [--steps N] [--batch B] [--device cpu|cuda] [--no-capture] [--adamw] "
+    "[--accumulate K]\n";
 
 std::optional<int64_t> positive(std::string_view text) {
   int64_t value = 0;
@@ -65,14 +69,14 @@ std::optional<Args> parse(int argc, char** argv) {
       args.capture = false;
     } else if (flag == "--adamw") {
       args.adamw = true;
-    } else if ((flag == "--steps" || flag == "--batch") && has_value) {
+    } else if ((flag == "--steps" || flag == "--batch" || flag == "--accumulate") && has_value) {
       const std::optional<int64_t> value = positive(argv[++i]);
       if (!value) {
         std::fprintf(stderr, "%s needs a positive integer; got '%s'\n%s", argv[i - 1], argv[i],
                      kUsage);
         return std::nullopt;
       }
-      (flag == "--steps" ? args.steps : args.batch) = *value;
+      (flag == "--steps" ? args.steps : flag == "--batch" ? args.batch : args.accumulate) = *value;
     } else if (flag == "--device" && has_value) {
       const std::string_view device = argv[++i];
       if (device == "cpu") {
@@ -146,11 +150,17 @@ int train(const Args& args) {
         return F::cross_entropy(net->forward(b[0]), b[1],
                                 F::CrossEntropyFuncOptions().reduction(torch::kNone));
       },
-      nimble_train::StepOptions().set_warmup(kWarmup).set_capture(args.capture));
+      nimble_train::StepOptions()
+          .set_warmup(kWarmup)
+          .set_capture(args.capture)
+          .set_accumulate(args.accumulate));
 
-  // Timed from the first step after warm-up and capture; a run too short for that is timed
+  // Timed from the first step after warm-up and the captures (warm-up ends at a window's end;
+  // the next window captures a graph per kind of call); a run too short for that is timed
   // whole.
-  const int64_t first_timed = args.steps > kWarmup + 1 ? kWarmup + 1 : 0;
+  const int64_t k = args.accumulate;
+  const int64_t captured_by = (kWarmup + k - 1) / k * k + k;
+  const int64_t first_timed = args.steps > captured_by ? captured_by : 0;
   // Reading a loss is a host sync, so only every tenth of the run.
   const int64_t print_every = std::max<int64_t>(1, args.steps / 10);
   std::chrono::steady_clock::time_point start;
@@ -159,7 +169,9 @@ int train(const Args& args) {
       synchronize(args.device);
       start = std::chrono::steady_clock::now();
     }
-    const double lr = cosine_lr(base_lr, i, args.steps);
+    // Per update: with accumulation the window's last call reads it.
+    const double lr = cosine_lr(base_lr, i / args.accumulate,
+                                (args.steps + args.accumulate - 1) / args.accumulate);
     optimizer->param_groups()[0].options().set_lr(lr);
     const at::Tensor loss = step({images[i % kBatches], labels[i % kBatches]});
     if ((i + 1) % print_every == 0 || i + 1 == args.steps) {
@@ -180,10 +192,11 @@ int train(const Args& args) {
   const nimble_train::StepStats stats = step.stats();
   std::printf(
       "stats: phase %s, calls %lld, eager steps %lld, replays %lld, captures %lld, "
-      "graph nodes %lld, update %s, host syncs in warm-up %lld\n",
+      "updates %lld, graph nodes %lld, update %s, host syncs in warm-up %lld\n",
       nimble_train::phase_name(stats.phase), static_cast<long long>(stats.calls),
       static_cast<long long>(stats.eager_steps), static_cast<long long>(stats.replays),
-      static_cast<long long>(stats.captures), static_cast<long long>(stats.graph_nodes),
+      static_cast<long long>(stats.captures), static_cast<long long>(stats.updates),
+      static_cast<long long>(stats.graph_nodes),
       stats.update.c_str(), static_cast<long long>(stats.host_syncs_in_warmup));
   return 0;
 }

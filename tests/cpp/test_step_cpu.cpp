@@ -410,7 +410,8 @@ TEST(StepCpu, AChangeOfTheOptimizersParamGroupsIsRefusedBeforeAnythingRuns) {
                                     "would go on updating the old one", "Nothing was run"});
   params[1] = kept;
   opt.add_param_group(torch::optim::OptimizerParamGroup(
-      {torch::zeros({3}, torch::requires_grad())}, std::make_unique<torch::optim::SGDOptions>(0.1)));
+      {torch::zeros({3}, torch::requires_grad())},
+      std::make_unique<torch::optim::SGDOptions>(0.1)));
   expect_refused(step, batches[1], {"param groups changed", "1 groups before, 2 now",
                                     "Nothing was run"});
   opt.param_groups().pop_back();

@@ -45,6 +45,14 @@ def test_the_example_trains_on_the_cpu(train_cnn):
     assert re.search(r"^stats: phase \S+, calls 8,", ran.stdout, re.MULTILINE), ran.stdout
 
 
+def test_the_example_accumulates_gradients_on_the_cpu(train_cnn):
+    ran = run(train_cnn, "--device", "cpu", "--steps", "9", "--batch", "8", "--accumulate", "3")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert all(math.isfinite(loss) for loss in losses(ran.stdout).values()), ran.stdout
+    assert re.search(r"^stats: phase \S+, calls 9, .*updates 3,", ran.stdout, re.MULTILINE), \
+        ran.stdout
+
+
 def test_the_example_refuses_a_bad_argument(train_cnn):
     ran = run(train_cnn, "--steps", "0")
     assert ran.returncode == 2, ran.stdout + ran.stderr
@@ -59,3 +67,15 @@ def test_the_example_captures_on_a_gpu(train_cnn):
     assert 30 in printed and all(math.isfinite(v) for v in printed.values()), ran.stdout
     stats = re.search(r"^stats: phase (\S+), .*captures (\d+),", ran.stdout, re.MULTILINE)
     assert stats and stats.groups() == ("replay", "1"), ran.stdout
+
+
+@pytest.mark.cuda
+def test_the_example_accumulates_in_graphs_on_a_gpu(train_cnn):
+    """--accumulate 2: the window's first and last calls are two graphs; 30 calls, 15 updates."""
+    ran = run(train_cnn, "--device", "cuda", "--steps", "30", "--accumulate", "2")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    printed = losses(ran.stdout)
+    assert 30 in printed and all(math.isfinite(v) for v in printed.values()), ran.stdout
+    stats = re.search(r"^stats: phase (\S+), .*captures (\d+), updates (\d+),", ran.stdout,
+                      re.MULTILINE)
+    assert stats and stats.groups() == ("replay", "2", "15"), ran.stdout
