@@ -59,6 +59,11 @@
 //    correcting for the window's); a scalar loss is weighted 1 / K. step(batch, true) ends a
 //    window early (an epoch's end). Warm-up ends, and the fused update starts, at a window's
 //    end. A call that fails inside a window puts the window's gradients back.
+//  - ema = decay: after each update (in the graph too) an average of the weights moves towards
+//    them, avg.lerp_(p, 1 - decay), for every trained parameter (in flat buffers of the fused
+//    update's layout once it is fused: one lerp_ per buffer) and every floating-point buffer
+//    (BatchNorm's running statistics, as timm's ModelEmaV2); integer buffers are the model's
+//    own. ema_weights() swaps the averages in for a scope; ema_state_dict() saves them.
 //
 // Optimizers: torch::optim::SGD, Adam and AdamW are fused. Others run eagerly with
 // capture(false); capturing them raises an error that says so (LibTorch's optimizers keep
@@ -74,6 +79,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 #include <torch/optim/optimizer.h>
+#include <torch/ordered_dict.h>
 
 #include <cstdint>
 #include <functional>
@@ -130,6 +136,7 @@ struct StepOptions {
   PartialBatch partial_batch = PartialBatch::kPad;
   bool capture = true;                     // false: every step eager (debugging, the CPU)
   int64_t accumulate = 1;                  // micro-batches (calls) per optimizer update
+  std::optional<double> ema;               // decay in (0, 1): an average of the weights
 
   StepOptions& set_warmup(int64_t v) { warmup = v; return *this; }
   StepOptions& set_amp(Amp v) { amp = v; return *this; }
@@ -137,6 +144,7 @@ struct StepOptions {
   StepOptions& set_partial_batch(PartialBatch v) { partial_batch = v; return *this; }
   StepOptions& set_capture(bool v) { capture = v; return *this; }
   StepOptions& set_accumulate(int64_t v) { accumulate = v; return *this; }
+  StepOptions& set_ema(double decay) { ema = decay; return *this; }
 };
 
 enum class Phase { kTemplate, kWarmup, kCapture, kReplay, kEager, kClosed };
@@ -195,6 +203,30 @@ class Step {
   // Frees the graph and its pool; the model and optimizer stay usable (they keep their flat
   // buffers). Later calls raise.
   void close();
+
+  // With StepOptions::ema: the averages in the model's parameters and floating-point buffers
+  // for the guard's lifetime (evaluate or save the averaged model), the trained values put
+  // back when it ends; the step refuses to train meanwhile.
+  class EmaWeights {
+   public:
+    EmaWeights(EmaWeights&& other) noexcept;
+    EmaWeights& operator=(EmaWeights&&) = delete;
+    EmaWeights(const EmaWeights&) = delete;
+    EmaWeights& operator=(const EmaWeights&) = delete;
+    ~EmaWeights();
+
+   private:
+    friend class Step;
+    explicit EmaWeights(Step* step) : step_(step) {}
+    Step* step_;
+  };
+  [[nodiscard]] EmaWeights ema_weights();
+  // The module's named parameters and buffers (as named_parameters() and named_buffers()
+  // name them), the averages in place of what is averaged: copies, for torch::save.
+  torch::OrderedDict<std::string, at::Tensor> ema_state_dict() const;
+  // Restores the averages from ema_state_dict()'s format; checked whole first (names and
+  // shapes), so a state that does not fit changes nothing.
+  void load_ema_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
 
   // Makes the next launch fail at `point` (1: after staging its values, 2: after copying the
   // batch in) or the next capture fail (3: inside the capture), for rollback tests.

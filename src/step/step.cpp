@@ -349,7 +349,18 @@ class Step::Impl {
   }
   void inject(int point);
 
+  // The EMA (see step.h).
+  void ema_swap(bool in);
+  torch::OrderedDict<std::string, at::Tensor> ema_state_dict() const;
+  void load_ema_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
+
  private:
+  void ema_init();
+  void ema_use_flat();  // after fuse(): the parameters' averages into flat buffers
+  void ema_update();    // after each update: device work only (captured in the graph)
+  // The average standing for `t` (a parameter or buffer of the module), or undefined.
+  at::Tensor ema_average_of(const at::Tensor& t) const;
+  void require_ema(const char* what) const;
   // The phases (as Python's Step).
   void make_template(const Batch& batch);
   int64_t check_batch(const Batch& batch) const;
@@ -497,6 +508,14 @@ class Step::Impl {
   optim::StepTables tables_;
   std::vector<torch::optim::OptimizerParamState*> bound_;  // per fused parameter
   at::Tensor grad_norm_;
+
+  // The EMA (options_.ema): an average per trained parameter and per floating-point buffer;
+  // once fused, the parameters' averages are views of flat buffers laid out as the flat
+  // parameter buffers (ema_flat_: (flat parameters, flat averages)), and the others loose.
+  std::vector<at::Tensor> ema_params_, ema_averages_, ema_buffers_, ema_buffer_averages_;
+  std::vector<std::pair<at::Tensor, at::Tensor>> ema_flat_;
+  std::vector<size_t> ema_loose_;      // the parameters averaged one by one
+  std::vector<at::Tensor> ema_saved_;  // inside ema_weights(): the trained values
 };
 
 Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
@@ -518,6 +537,11 @@ Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
   if (options_.accumulate < 1) {
     throw Error("nimble_train::Step: accumulate must be at least 1 (micro-batches per optimizer "
                 "update); got " + std::to_string(options_.accumulate));
+  }
+  if (options_.ema.has_value() && !(*options_.ema > 0.0 && *options_.ema < 1.0)) {
+    throw Error("nimble_train::Step: ema must be a decay strictly between 0 and 1 (0.999: each "
+                "update moves the average 0.1% of the way to the weights); got " +
+                std::to_string(*options_.ema));
   }
   if (options_.grad_clip.has_value() &&
       !(*options_.grad_clip > 0 && std::isfinite(*options_.grad_clip))) {
@@ -548,6 +572,7 @@ Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
     num_staged_ = num_values_ + (options_.accumulate > 1 ? 1 : 0);
   }
   will_capture_ = options_.capture && device_.is_cuda();
+  if (options_.ema.has_value()) ema_init();
 #if !NT_HAVE_CUDA
   if (will_capture_) {
     throw Error("nimble_train::Step: this build of nimble_train has no CUDA (" +
@@ -956,6 +981,7 @@ void Step::Impl::fuse() {
   tables_.control = at::zeros({optim::kControlSize}, f32);
   fused_ = true;
   bind_state();
+  ema_use_flat();
 }
 
 void Step::Impl::bind_state() {
@@ -1078,6 +1104,7 @@ void Step::Impl::fused_eager_update(int64_t samples, double correction) {
   }
   fused_update();
   after_update();
+  ema_update();
 }
 
 Step::Impl::Window Step::Impl::window_of(int64_t samples, bool end) const {
@@ -1176,6 +1203,7 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
         correct_unfused(window.correction);
         clip_unfused();
         optimizer_.step();
+        ema_update();
       }
     }
   } else {
@@ -1189,6 +1217,7 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
       correct_unfused(window.correction);
       clip_unfused();
       optimizer_.step();
+      ema_update();
     }
   }
   ++eager_steps_;
@@ -1233,7 +1262,10 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
       weighted(loss, batch_size_, valid).backward();
       late = late_grad_name();
       if (!late.empty()) throw std::runtime_error(late + " got a gradient it had not had");
-      if (window.update) fused_update();
+      if (window.update) {
+        fused_update();
+        ema_update();
+      }
       graph_losses_[size_t(window.kind())] = loss.detach().to(at::kFloat);
       result = graph_->end_capture();
       failed = !result.ok;
@@ -1332,6 +1364,11 @@ void Step::Impl::check_autocast() const {
 at::Tensor Step::Impl::call(const Batch& batch, bool end_window) {
   if (phase_ == Phase::kClosed) {
     throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
+  }
+  if (!ema_saved_.empty()) {
+    throw Error("nimble_train::Step: called inside ema_weights(), while the model holds the "
+                "averaged weights; training them would lose the trained ones. Call the step "
+                "after the guard's scope. Nothing was run for this call.");
   }
   if (!c10::GradMode::is_enabled()) {
     throw Error("nimble_train::Step: called with autograd off (inside torch::NoGradGuard or "
@@ -1440,6 +1477,158 @@ void Step::Impl::release() {
 #endif
 }
 
+// ------------------------------------------------------------------ the EMA
+
+void Step::Impl::ema_init() {
+  const c10::AutoGradMode no_grad(false);
+  for (auto& group : optimizer_.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      const bool seen = std::any_of(ema_params_.begin(), ema_params_.end(),
+                                    [&](const at::Tensor& q) { return q.is_same(p); });
+      if (!p.requires_grad() || seen) continue;
+      ema_params_.push_back(p);
+      ema_averages_.push_back(p.detach().clone());
+      ema_loose_.push_back(ema_params_.size() - 1);
+    }
+  }
+  for (const at::Tensor& b : module_->buffers()) {
+    const bool seen = std::any_of(ema_buffers_.begin(), ema_buffers_.end(),
+                                  [&](const at::Tensor& q) { return q.is_same(b); });
+    if (!b.defined() || !b.is_floating_point() || seen) continue;
+    ema_buffers_.push_back(b);
+    ema_buffer_averages_.push_back(b.detach().clone());
+  }
+}
+
+void Step::Impl::ema_use_flat() {
+  if (!options_.ema.has_value()) return;
+  const c10::AutoGradMode no_grad(false);
+  std::vector<bool> placed(ema_params_.size(), false);
+  for (const optim::FlatTensors& flat : flats_) {
+    at::Tensor averages = at::zeros_like(flat.param);  // padding stays zero under lerp_
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      for (size_t j = 0; j < ema_params_.size(); ++j) {
+        if (placed[j] || !ema_params_[j].is_same(flat.params[i])) continue;
+        at::Tensor view = flat.segment(averages, int64_t(i));
+        view.copy_(ema_averages_[j]);
+        ema_averages_[j] = view;
+        placed[j] = true;
+      }
+    }
+    ema_flat_.emplace_back(flat.param, averages);
+  }
+  ema_loose_.clear();
+  for (size_t j = 0; j < placed.size(); ++j) {
+    if (!placed[j]) ema_loose_.push_back(j);
+  }
+}
+
+void Step::Impl::ema_update() {
+  if (!options_.ema.has_value()) return;
+  const double weight = 1.0 - *options_.ema;
+  const c10::AutoGradMode no_grad(false);
+  for (auto& [params, averages] : ema_flat_) averages.lerp_(params, weight);
+  if (!ema_loose_.empty()) {
+    std::vector<at::Tensor> averages, params;
+    for (const size_t j : ema_loose_) {
+      averages.push_back(ema_averages_[j]);
+      params.push_back(ema_params_[j].detach());
+    }
+    at::_foreach_lerp_(averages, params, weight);
+  }
+  if (!ema_buffers_.empty()) at::_foreach_lerp_(ema_buffer_averages_, ema_buffers_, weight);
+}
+
+void Step::Impl::require_ema(const char* what) const {
+  if (!options_.ema.has_value()) {
+    throw Error(std::string("nimble_train::Step::") + what + ": this Step keeps no EMA; build it "
+                "with StepOptions().set_ema(0.999)");
+  }
+}
+
+void Step::Impl::ema_swap(bool in) {
+  require_ema("ema_weights");
+  const c10::AutoGradMode no_grad(false);
+  std::vector<at::Tensor> targets = ema_params_;
+  targets.insert(targets.end(), ema_buffers_.begin(), ema_buffers_.end());
+  if (in) {
+    if (!ema_saved_.empty()) {
+      throw Error("nimble_train::Step::ema_weights: the averages are in the model already (a "
+                  "guard is alive); end its scope before taking another");
+    }
+    std::vector<at::Tensor> averages = ema_averages_;
+    averages.insert(averages.end(), ema_buffer_averages_.begin(), ema_buffer_averages_.end());
+    std::vector<at::Tensor> saved;
+    for (const at::Tensor& t : targets) saved.push_back(t.detach().clone());
+    for (size_t i = 0; i < targets.size(); ++i) targets[i].detach().copy_(averages[i]);
+    ema_saved_ = std::move(saved);
+  } else {
+    for (size_t i = 0; i < targets.size(); ++i) targets[i].detach().copy_(ema_saved_[i]);
+    ema_saved_.clear();
+  }
+}
+
+at::Tensor Step::Impl::ema_average_of(const at::Tensor& t) const {
+  for (size_t j = 0; j < ema_params_.size(); ++j) {
+    if (ema_params_[j].is_same(t)) return ema_averages_[j];
+  }
+  for (size_t j = 0; j < ema_buffers_.size(); ++j) {
+    if (ema_buffers_[j].is_same(t)) return ema_buffer_averages_[j];
+  }
+  return at::Tensor();
+}
+
+torch::OrderedDict<std::string, at::Tensor> Step::Impl::ema_state_dict() const {
+  require_ema("ema_state_dict");
+  torch::OrderedDict<std::string, at::Tensor> out;
+  const c10::AutoGradMode no_grad(false);
+  const auto add = [&](const std::string& name, const at::Tensor& t) {
+    const at::Tensor average = ema_average_of(t);
+    out.insert(name, (average.defined() ? average : t).detach().clone());
+  };
+  for (const auto& named : module_->named_parameters()) add(named.key(), named.value());
+  for (const auto& named : module_->named_buffers()) {
+    if (named.value().defined()) add(named.key(), named.value());
+  }
+  return out;
+}
+
+void Step::Impl::load_ema_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state) {
+  require_ema("load_ema_state_dict");
+  const std::string fix = " Load a state saved by ema_state_dict() for the same model.";
+  std::vector<std::pair<at::Tensor, at::Tensor>> pending;  // (average, value)
+  std::set<std::string> names;
+  const auto take = [&](const std::string& name, const at::Tensor& t) {
+    names.insert(name);
+    const at::Tensor average = ema_average_of(t);
+    if (!average.defined()) return;
+    const at::Tensor* value = state.find(name);
+    if (value == nullptr) {
+      throw Error("nimble_train::Step::load_ema_state_dict: the state has no '" + name +
+                  "', which the EMA averages." + fix);
+    }
+    if (!value->defined() || value->sizes() != average.sizes()) {
+      throw Error("nimble_train::Step::load_ema_state_dict: '" + name + "' has shape " +
+                  tuple_text(average.sizes()) + " in this model; the state holds " +
+                  (value->defined() ? tuple_text(value->sizes()) : std::string("undefined")) +
+                  "." + fix);
+    }
+    pending.emplace_back(average, *value);
+  };
+  for (const auto& named : module_->named_parameters()) take(named.key(), named.value());
+  for (const auto& named : module_->named_buffers()) {
+    if (named.value().defined()) take(named.key(), named.value());
+  }
+  for (const auto& item : state) {
+    if (names.count(item.key()) == 0) {
+      throw Error("nimble_train::Step::load_ema_state_dict: the state holds '" + item.key() +
+                  "', which this model does not have." + fix);
+    }
+  }
+  const c10::AutoGradMode no_grad(false);  // checked whole first: a bad state changes nothing
+  for (auto& [average, value] : pending) average.copy_(value);
+}
+
 // ------------------------------------------------------------------ Step
 
 Step::Step(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
@@ -1459,5 +1648,26 @@ std::optional<at::Tensor> Step::grad_norm() const { return impl_->grad_norm(); }
 StepStats Step::stats() const { return impl_->stats(); }
 void Step::close() { impl_->close(); }
 void Step::inject_failure_for_testing(int point) { impl_->inject(point); }
+
+Step::EmaWeights Step::ema_weights() {
+  impl_->ema_swap(true);
+  return EmaWeights(this);
+}
+Step::EmaWeights::EmaWeights(EmaWeights&& other) noexcept : step_(other.step_) {
+  other.step_ = nullptr;
+}
+Step::EmaWeights::~EmaWeights() {
+  if (step_ == nullptr) return;
+  try {
+    step_->impl_->ema_swap(false);
+  } catch (const std::exception&) {  // a destructor must not throw
+  }
+}
+torch::OrderedDict<std::string, at::Tensor> Step::ema_state_dict() const {
+  return impl_->ema_state_dict();
+}
+void Step::load_ema_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state) {
+  impl_->load_ema_state_dict(state);
+}
 
 }  // namespace nimble_train

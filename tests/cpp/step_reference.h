@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <initializer_list>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -93,6 +94,53 @@ inline void reference_window(torch::nn::Sequential& net, torch::optim::Optimizer
   if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
   opt.step();
 }
+
+// A hand-written EMA (torch.optim.swa_utils' lerp) of a module's parameters and floating-point
+// buffers, by name, after each update: avg += (1 - decay) * (t - avg).
+struct ReferenceEma {
+  ReferenceEma(torch::nn::Module& module, double decay) : module(module), decay(decay) {
+    const torch::NoGradGuard no_grad;
+    for (const auto& named : module.named_parameters()) {
+      averages.emplace(named.key(), named.value().detach().clone());
+    }
+    for (const auto& named : module.named_buffers()) {
+      if (named.value().is_floating_point()) {
+        averages.emplace(named.key(), named.value().detach().clone());
+      }
+    }
+  }
+  void update() {
+    const torch::NoGradGuard no_grad;
+    for (const auto& named : module.named_parameters()) {
+      averages.at(named.key()).lerp_(named.value(), 1.0 - decay);
+    }
+    for (const auto& named : module.named_buffers()) {
+      if (named.value().is_floating_point()) {
+        averages.at(named.key()).lerp_(named.value(), 1.0 - decay);
+      }
+    }
+  }
+  // The largest difference between these averages and the Step's (ema_state_dict()); the
+  // integer buffers there must be the module's own.
+  double max_diff(const torch::OrderedDict<std::string, torch::Tensor>& state,
+                  torch::nn::Module& trained) const {
+    double worst = 0;
+    for (const auto& item : state) {
+      const auto it = averages.find(item.key());
+      if (it != averages.end()) {
+        worst = std::max(worst, (item.value() - it->second).abs().max().item<double>());
+        continue;
+      }
+      const torch::Tensor own = trained.named_buffers()[item.key()];
+      EXPECT_TRUE(torch::equal(item.value(), own)) << item.key();
+    }
+    EXPECT_EQ(state.size(), trained.named_parameters().size() + trained.named_buffers().size());
+    return worst;
+  }
+  torch::nn::Module& module;
+  double decay;
+  std::map<std::string, torch::Tensor> averages;
+};
 
 inline void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& group : opt.param_groups()) group.options().set_lr(lr);

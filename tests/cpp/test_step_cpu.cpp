@@ -20,6 +20,7 @@ using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
 using nimble_train::testing::reference_window;
+using nimble_train::testing::ReferenceEma;
 using nimble_train::testing::set_lr;
 
 namespace {
@@ -423,6 +424,81 @@ TEST(StepCpu, AChangeOfTheOptimizersParamGroupsIsRefusedBeforeAnythingRuns) {
   EXPECT_LT(max_diff(net, ref), 1e-5);
 }
 
+// ema = 0.9 over a model with BatchNorm: after every update the averages of the parameters
+// and the running statistics are a hand-written EMA's (the integer counter is the model's own);
+// ema_weights() puts them in the model for its scope, refusing training meanwhile, and the
+// trained values after; with accumulation the average moves at updates only.
+TEST(StepCpu, TheEmaEqualsAHandWrittenAverageAndSwapsInForAScope) {
+  for (const int64_t k : {1, 2}) {
+    auto batches = make_batches(8, 16, 38);
+    auto net = make_model(39, /*batch_norm=*/true), ref = make_model(39, /*batch_norm=*/true);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    nt::Step step(net, opt, per_sample(net),
+                  nt::StepOptions().set_ema(0.9).set_accumulate(k));
+    ReferenceEma ema(*ref, 0.9);
+    for (size_t i = 0; i < batches.size(); i += size_t(k)) {
+      const std::vector<nt::Batch> window(batches.begin() + int64_t(i),
+                                          batches.begin() + int64_t(i) + k);
+      for (const nt::Batch& b : window) step(b);
+      reference_window(ref, ref_opt, window);
+      ema.update();
+    }
+    EXPECT_LT(max_diff(net, ref), 1e-5) << "accumulate " << k;
+    EXPECT_LT(ema.max_diff(step.ema_state_dict(), *net), 1e-5) << "accumulate " << k;
+    const torch::Tensor trained = net->parameters()[0].detach().clone();
+    {
+      const auto averaged = step.ema_weights();
+      EXPECT_LT((net->parameters()[0] - ema.averages.at("0.weight")).abs().max().item<double>(),
+                1e-5);
+      EXPECT_TRUE(torch::allclose(net->named_buffers()["3.running_mean"],
+                                  ema.averages.at("3.running_mean"), 1e-5, 1e-6));
+      expect_refused(step, batches[0], {"inside ema_weights()", "Nothing was run"});
+    }
+    EXPECT_TRUE(torch::equal(net->parameters()[0], trained));
+    step(batches[0]);  // trains again after the scope
+  }
+}
+
+// ema_state_dict() round-trips through load_ema_state_dict(); a state of another model (a name
+// missing, another shape, an unknown name) is refused whole, changing nothing.
+TEST(StepCpu, TheEmaStateLoadsBackAndAStateThatDoesNotFitIsRefused) {
+  auto batches = make_batches(4, 16, 40);
+  auto net = make_model(41);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_ema(0.5));
+  for (const auto& b : batches) step(b);
+  const auto saved = step.ema_state_dict();
+  step(batches[0]);
+  auto moved = step.ema_state_dict();
+  EXPECT_FALSE(torch::equal(moved["0.weight"], saved["0.weight"]));
+  auto missing = saved;
+  missing.erase("2.bias");
+  auto reshaped = saved;
+  reshaped["0.weight"] = torch::zeros({3, 3});
+  auto unknown = saved;
+  unknown.insert("9.weight", torch::zeros({1}));
+  for (const auto& [bad, said] :
+       std::vector<std::pair<torch::OrderedDict<std::string, torch::Tensor>, std::string>>{
+           {missing, "the state has no '2.bias'"},
+           {reshaped, "'0.weight' has shape (16, 8) in this model; the state holds (3, 3)"},
+           {unknown, "holds '9.weight', which this model does not have"}}) {
+    try {
+      step.load_ema_state_dict(bad);
+      ADD_FAILURE() << "loaded a state that does not fit: " << said;
+    } catch (const nt::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(said), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(torch::equal(step.ema_state_dict()["0.weight"], moved["0.weight"]));
+  }
+  step.load_ema_state_dict(saved);
+  for (const auto& item : saved) {
+    EXPECT_TRUE(torch::equal(step.ema_state_dict()[item.key()], item.value())) << item.key();
+  }
+  nt::Step plain(net, opt, per_sample(net));
+  EXPECT_THROW(plain.ema_state_dict(), nt::Error);
+}
+
 TEST(StepCpu, BadOptionsAreClearErrors) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
@@ -432,6 +508,7 @@ TEST(StepCpu, BadOptionsAreClearErrors) {
   EXPECT_THROW(nt::Step(net, opt, nt::ForwardLoss()), nt::Error);
   EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(0)),
                nt::Error);
+  EXPECT_THROW(nt::Step(net, opt, per_sample(net), nt::StepOptions().set_ema(1.0)), nt::Error);
 }
 
 // accumulate = 3 with SGD (momentum, clipping) and AdamW: each window's update equals the

@@ -33,6 +33,7 @@ using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
 using nimble_train::testing::reference_window;
+using nimble_train::testing::ReferenceEma;
 using nimble_train::testing::set_lr;
 
 namespace {
@@ -482,6 +483,40 @@ TEST_F(StepCuda, WindowsEndedEarlyReplayTheirOwnGraphsAndEqualTheLoop) {
   EXPECT_EQ(step.stats().updates, 11);
   EXPECT_EQ(step.stats().eager_steps, 4);
   EXPECT_EQ(step.stats().replays, int64_t(next) - 4);
+}
+
+// ema = 0.9 in graphs, with accumulate = 2 and BatchNorm: the average moves in the update's
+// graph (one lerp_ per flat buffer, and the running statistics), and after every update equals
+// a hand-written EMA's; ema_weights() swaps it in for a scope and back.
+TEST_F(StepCuda, TheEmaMovesInTheUpdatesGraphAndEqualsAHandWrittenAverage) {
+  auto batches = make_batches(16, 32, 42, device);
+  auto net = make_model(43, device, /*batch_norm=*/true);
+  auto ref = make_model(43, device, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_ema(0.9).set_accumulate(2));
+  ReferenceEma ema(*ref, 0.9);
+  for (size_t i = 0; i < batches.size(); i += 2) {
+    const std::vector<nt::Batch> window(batches.begin() + int64_t(i),
+                                        batches.begin() + int64_t(i) + 2);
+    for (const nt::Batch& b : window) step(b);
+    reference_window(ref, ref_opt, window);
+    ema.update();
+    EXPECT_LT(ema.max_diff(step.ema_state_dict(), *net), 5e-5) << "call " << i + 2;
+  }
+  EXPECT_LT(max_diff(net, ref), 5e-5);
+  EXPECT_EQ(step.stats().captures, 2);
+  EXPECT_EQ(step.stats().replays, 12);
+  const torch::Tensor trained = net->parameters()[0].detach().clone();
+  {
+    const auto averaged = step.ema_weights();
+    EXPECT_LT((net->parameters()[0] - ema.averages.at("0.weight")).abs().max().item<double>(),
+              5e-5);
+  }
+  EXPECT_TRUE(torch::equal(net->parameters()[0], trained));
+  step(batches[0]);
+  step(batches[1]);
+  EXPECT_EQ(step.stats().replays, 14);
 }
 
 // A sparse gradient cannot live in a graph (its size follows the batch's indices): a captured
