@@ -375,6 +375,9 @@ class Step::Impl {
     int kind() const { return int(first) + 2 * int(update); }  // its graph: entries_[kind]
   };
   Window window_of(int64_t samples, bool end) const;
+  // The update's gradient factor for a window ending with a call of `samples`: its
+  // micro-batches' weights made exact for the window's samples (per-sample losses), else 1.
+  double correction_of(int64_t samples) const;
   void advance(const Window& window, int64_t samples);
   at::Tensor eager_step(const Batch& batch, int64_t samples, const Window& window, bool warmup);
   at::Tensor eager_body(const Batch& batch, int64_t samples, const Window& window, bool record);
@@ -1113,10 +1116,13 @@ Step::Impl::Window Step::Impl::window_of(int64_t samples, bool end) const {
   if (k == 1) return window;
   window.first = micro_ == 0;
   window.update = micro_ + 1 == k || end;
-  if (window.update && per_sample_ == 1) {
-    window.correction = double(k * batch_size_) / double(window_samples_ + samples);
-  }
+  if (window.update) window.correction = correction_of(samples);
   return window;
+}
+
+double Step::Impl::correction_of(int64_t samples) const {
+  if (options_.accumulate == 1 || per_sample_ != 1) return 1.0;
+  return double(options_.accumulate * batch_size_) / double(window_samples_ + samples);
 }
 
 void Step::Impl::advance(const Window& window, int64_t samples) {
@@ -1185,6 +1191,8 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, const Win
 at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Window& window,
                                   bool record) {
   at::Tensor loss;
+  // After the forward: the first call is the one that shows whether the losses are per sample.
+  const auto correction = [&] { return correction_of(samples); };
   if (fused_) {
     keep_state_bound();
     optim::reattach(flats_);
@@ -1196,11 +1204,11 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
     }
     const std::string late = late_grad_name();
     if (late.empty()) {
-      if (window.update) fused_eager_update(samples, window.correction);
+      if (window.update) fused_eager_update(samples, correction());
     } else {
       unfuse(late);  // this window's update too: torch::optim's step() over these gradients
       if (window.update) {
-        correct_unfused(window.correction);
+        correct_unfused(correction());
         clip_unfused();
         optimizer_.step();
         ema_update();
@@ -1214,7 +1222,7 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
       weighted(loss, samples, at::Tensor()).backward();
     }
     if (window.update) {
-      correct_unfused(window.correction);
+      correct_unfused(correction());
       clip_unfused();
       optimizer_.step();
       ema_update();

@@ -561,7 +561,7 @@ TEST(StepCpu, AWindowEndedEarlyUpdatesOverTheMicroBatchesItHad) {
   torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
   nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(3));
   size_t next = 0;
-  for (const size_t size : {3, 2, 1, 3, 1}) {
+  for (const size_t size : {1, 3, 2, 1, 3}) {
     const std::vector<nt::Batch> window(batches.begin() + int64_t(next),
                                         batches.begin() + int64_t(next + size));
     for (size_t i = 0; i < size; ++i) {
