@@ -352,6 +352,33 @@ TEST(StepCpu, ASparseGradientGoesToTorchOptimsStepAtEveryStep) {
   EXPECT_EQ(step.stats().calls, 6);
 }
 
+// With accumulation too: the sparse gradient accumulates over the window's micro-batches, a
+// short one included (the update's correction multiplies it as it does the dense ones).
+TEST(StepCpu, ASparseGradientAccumulatesOverAWindow) {
+  auto make = [] {
+    torch::manual_seed(0);
+    return torch::nn::Sequential(
+        torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(30, 8).sparse(true)),
+        torch::nn::Linear(8, 4));
+  };
+  auto net = make(), ref = make();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(2));
+  torch::manual_seed(4);
+  for (int w = 0; w < 4; ++w) {
+    const int64_t second = w == 2 ? 6 : 16;  // a short micro-batch in the third window
+    const std::vector<nt::Batch> window{
+        {torch::randint(0, 30, {16, 5}), torch::randint(0, 4, {16})},
+        {torch::randint(0, 30, {second, 5}), torch::randint(0, 4, {second})}};
+    for (const nt::Batch& b : window) step(b);
+    reference_window(ref, ref_opt, window);
+    EXPECT_LT(max_diff(net, ref), 1e-5) << "window " << w;
+  }
+  EXPECT_TRUE(net[0]->parameters()[0].grad().is_sparse());
+  EXPECT_EQ(step.stats().updates, 4);
+}
+
 TEST(StepCpu, AClosedStepRefusesCalls) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
