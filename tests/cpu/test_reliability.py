@@ -231,11 +231,13 @@ def _replace_in_group(model, opt):
                         r"\(shape \(32,\), was \(32,\)\)"),
 ], ids=["group-added", "tensors-added-to-a-group", "tensor-moved-to-another-group",
         "tensor-replaced"])
-def test_a_change_of_the_optimizers_param_groups_after_construction_is_refused(change, said):
+@pytest.mark.parametrize("before_the_first_call", [False, True], ids=["later", "first-call"])
+def test_a_change_of_the_optimizers_param_groups_after_construction_is_refused(
+        change, said, before_the_first_call):
     """A param group added after the Step was built, or a group's tensors added to, removed,
     moved to another group (a learning rate of another group's) or replaced by another tensor
     (which the step would never update), is refused before the call runs anything, naming the
-    groups' sizes or the tensor."""
+    groups' sizes or the tensor: at a later call, or at the first."""
     model = MLP()
     first = list(model.net[0].parameters())
     groups = [{"params": first}] if change is not _move_between_groups else \
@@ -243,7 +245,8 @@ def test_a_change_of_the_optimizers_param_groups_after_construction_is_refused(c
     opt = torch.optim.SGD(groups, lr=0.1)
     step = nt.Step(model, opt, per_sample)
     batches = classification_batches(2, 8)
-    step(batches[0])
+    if not before_the_first_call:
+        step(batches[0])
     change(model, opt)
     saved = snapshot(model, opt)
     with pytest.raises(ValueError, match=rf"the optimizer's parameters changed after nt.Step was "
