@@ -32,6 +32,7 @@ from . import _options
 from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
+from ._iteration import autocast_name
 from ._model_watch import ScopeWatch, warn_replays_keep
 from ._padding import BucketPadding
 from ._sync import warn_at_user
@@ -124,11 +125,10 @@ class Evaluator:
             return
         now = step._autocast_now()
         if now != self._autocast:
-            from .step import _autocast_name
             device = step._device_type
             raise NimbleError(
-                f"step.evaluator: called {_autocast_name(device, *now)}, where its graphs were "
-                f"captured {_autocast_name(device, *self._autocast)}; a replay runs the "
+                f"step.evaluator: called {autocast_name(device, *now)}, where its graphs were "
+                f"captured {autocast_name(device, *self._autocast)}; a replay runs the "
                 "precision it was captured with. Evaluate under the same autocast at every "
                 "call, or make another evaluator for the other (step.evaluator(fn): its graphs "
                 "join the Step's pool). Nothing was run for this call.")

@@ -43,6 +43,11 @@ class Call(NamedTuple):
 FULL_STEP = Call()
 
 
+def autocast_name(device: str, on: bool, dtype: torch.dtype | None) -> str:
+    """The autocast a call is made under, for messages: `torch.autocast(...)` or none."""
+    return f"under torch.autocast({device!r}, dtype={dtype})" if on else "without autocast"
+
+
 class LateGradient(NimbleError):
     """A backward gave a gradient to a parameter the fused update had left out."""
 

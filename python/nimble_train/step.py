@@ -43,7 +43,7 @@ from ._ema import EMA, check_decay, unique_tensors
 from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
-from ._iteration import Call, Iteration, LateGradient, model_arguments
+from ._iteration import Call, Iteration, LateGradient, autocast_name, model_arguments
 from ._model_watch import ModelWatch, refuse_replaced, warn_replays_keep
 from ._multistream import traced_submodule
 from ._padding import BucketPadding, mixing_reason
@@ -364,9 +364,9 @@ class Step:
         if self._autocast[0] is not None and self._autocast_now() != self._autocast:
             device = self._device_type
             raise NimbleError(
-                f"nimble_train.Step: called {_autocast_name(device, *self._autocast_now())}, "
+                f"nimble_train.Step: called {autocast_name(device, *self._autocast_now())}, "
                 f"where the step's graphs were captured "
-                f"{_autocast_name(device, *self._autocast)}; a replay runs the precision "
+                f"{autocast_name(device, *self._autocast)}; a replay runs the precision "
                 "it was captured with. Make every call under the same autocast (for mixed "
                 "precision, nt.Step(..., amp='bf16') applies autocast inside the step), or "
                 "build a new Step: step.close(), then nt.Step(model, optimizer, ...) again. "
@@ -1168,7 +1168,3 @@ class Step:
             # The watch's aliases and the buffers kept the graphs' storage alive.
             self._watch, self._watched, self._model = None, [], None
             self._enter(Phase.CLOSED)
-
-
-def _autocast_name(device: str, on: bool, dtype: torch.dtype | None) -> str:
-    return f"under torch.autocast({device!r}, dtype={dtype})" if on else "without autocast"

@@ -1158,29 +1158,24 @@ at::Tensor Step::Impl::eager_step(const Batch& batch, int64_t samples, const Win
   }
   if (window.first) return eager_body(batch, samples, window, record);
   // Inside a window the gradients hold the window's micro-batches so far: a call that fails
-  // puts them back.
-  const bool flat = fused_;
+  // puts them back (copied into them where they are still there: the flat buffers' views).
   std::vector<at::Tensor> kept;
-  if (flat) {
-    for (const optim::FlatTensors& f : flats_) kept.push_back(f.grad.clone());
-  } else {
-    for (auto& group : optimizer_.param_groups()) {
-      for (const at::Tensor& p : group.params()) {
-        kept.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
-      }
+  for (auto& group : optimizer_.param_groups()) {
+    for (const at::Tensor& p : group.params()) {
+      kept.push_back(p.grad().defined() ? p.grad().clone() : at::Tensor());
     }
   }
   try {
     return eager_body(batch, samples, window, record);
   } catch (...) {
-    if (flat && fused_) {
-      for (size_t i = 0; i < flats_.size(); ++i) flats_[i].grad.copy_(kept[i]);
-    } else if (!flat) {
-      size_t i = 0;
-      for (auto& group : optimizer_.param_groups()) {
-        for (const at::Tensor& p : group.params()) {
-          at::Tensor param = p;
-          param.mutable_grad() = kept[i++];
+    size_t i = 0;
+    for (auto& group : optimizer_.param_groups()) {
+      for (at::Tensor p : group.params()) {
+        const at::Tensor& was = kept[i++];
+        if (was.defined() && p.grad().defined()) {
+          p.mutable_grad().copy_(was);
+        } else {
+          p.mutable_grad() = was;
         }
       }
     }

@@ -52,6 +52,14 @@ std::vector<torch::Tensor> snapshot(torch::nn::Sequential& a) {
 
 constexpr double kTol = 2e-6;
 
+// Bags of embeddings with a sparse gradient, then a classifier: the same weights at each call.
+torch::nn::Sequential sparse_bag() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(
+      torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(30, 8).sparse(true)),
+      torch::nn::Linear(8, 4));
+}
+
 }  // namespace
 
 TEST(StepCpu, SgdMomentumWithLrChangesEqualsTheHandWrittenLoop) {
@@ -329,13 +337,7 @@ TEST(StepCpu, AfterCloseTheOptimizerTrainsInAPlainLoop) {
 // A sparse gradient (an EmbeddingBag built with sparse(true)) cannot live in the flat buffers:
 // without a capture, torch::optim's own step() takes it at every step, as in the plain loop.
 TEST(StepCpu, ASparseGradientGoesToTorchOptimsStepAtEveryStep) {
-  auto make = [] {
-    torch::manual_seed(0);
-    return torch::nn::Sequential(
-        torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(30, 8).sparse(true)),
-        torch::nn::Linear(8, 4));
-  };
-  auto net = make(), ref = make();
+  auto net = sparse_bag(), ref = sparse_bag();
   ASSERT_EQ(max_diff(net, ref), 0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -355,13 +357,7 @@ TEST(StepCpu, ASparseGradientGoesToTorchOptimsStepAtEveryStep) {
 // With accumulation too: the sparse gradient accumulates over the window's micro-batches, a
 // short one included (the update's correction multiplies it as it does the dense ones).
 TEST(StepCpu, ASparseGradientAccumulatesOverAWindow) {
-  auto make = [] {
-    torch::manual_seed(0);
-    return torch::nn::Sequential(
-        torch::nn::EmbeddingBag(torch::nn::EmbeddingBagOptions(30, 8).sparse(true)),
-        torch::nn::Linear(8, 4));
-  };
-  auto net = make(), ref = make();
+  auto net = sparse_bag(), ref = sparse_bag();
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(2));

@@ -1,6 +1,8 @@
 """torch's settings that choose a captured step's kernels (src/capture/kernel_settings.h): each
 change is seen and named as a program sets it; a setting put back reads as before."""
 
+import functools
+
 import pytest
 import torch
 
@@ -98,18 +100,10 @@ def test_float32_precision_is_read_as_torch_resolves_it_through_either_api(setti
      lambda: setattr(torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction", True),
      "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
      "(False, False), was (True, True)"),
-    (lambda: torch.backends.cuda.enable_flash_sdp(False),
-     lambda: torch.backends.cuda.enable_flash_sdp(True),
-     "torch.backends.cuda.enable_flash_sdp()", "False, was True"),
-    (lambda: torch.backends.cuda.enable_mem_efficient_sdp(False),
-     lambda: torch.backends.cuda.enable_mem_efficient_sdp(True),
-     "torch.backends.cuda.enable_mem_efficient_sdp()", "False, was True"),
-    (lambda: torch.backends.cuda.enable_math_sdp(False),
-     lambda: torch.backends.cuda.enable_math_sdp(True),
-     "torch.backends.cuda.enable_math_sdp()", "False, was True"),
-    (lambda: torch.backends.cuda.enable_cudnn_sdp(False),
-     lambda: torch.backends.cuda.enable_cudnn_sdp(True),
-     "torch.backends.cuda.enable_cudnn_sdp()", "False, was True"),
+    *[(functools.partial(getattr(torch.backends.cuda, f"enable_{b}_sdp"), False),
+       functools.partial(getattr(torch.backends.cuda, f"enable_{b}_sdp"), True),
+       f"torch.backends.cuda.enable_{b}_sdp()", "False, was True")
+      for b in ("flash", "mem_efficient", "math", "cudnn")],
 ], ids=["cudnn", "cudnn-deterministic", "deterministic", "default-dtype", "fp16-reduction",
         "bf16-reduction", "flash", "mem-efficient", "math", "cudnn-attention"])
 def test_each_setting_is_seen_and_named_alone(settings_restored, change, undo, name, values):
