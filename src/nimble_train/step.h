@@ -57,8 +57,9 @@
 //    per-sample losses and a short micro-batch the update equals one step on all the window's
 //    samples together (each micro-batch weighted by its samples, the update's gradient factor
 //    correcting for the window's); a scalar loss is weighted 1 / K. step(batch, true) ends a
-//    window early (an epoch's end). Warm-up ends, and the fused update starts, at a window's
-//    end. A call that fails inside a window puts the window's gradients back.
+//    window early (an epoch's end); CallOptions().set_loss_weight(w) gives a call's loss weight
+//    itself (staged, as the weights are). Warm-up ends, and the fused update starts, at a
+//    window's end. A call that fails inside a window puts the window's gradients back.
 //  - ema = decay: after each update (in the graph too) an average of the weights moves towards
 //    them, avg.lerp_(p, 1 - decay), for every trained parameter (in flat buffers of the fused
 //    update's layout once it is fused: one lerp_ per buffer) and every floating-point buffer
@@ -147,6 +148,22 @@ struct StepOptions {
   StepOptions& set_ema(double decay) { ema = decay; return *this; }
 };
 
+// What a loop says of one call (step(batch, CallOptions().set_update(true))), as Python's
+// step(batch, update=..., loss_weight=...). Both are staged with the call: no new capture.
+struct CallOptions {
+  // With accumulate: true ends the window with this call (its update runs over the window's
+  // micro-batches so far: an epoch ending mid-window).
+  bool update = false;
+  // With accumulate: this micro-batch's loss is multiplied by it instead of the Step's
+  // weighting (a loop that normalises by the window's token count); the update then applies
+  // no correction for this call. Without accumulation only 1 is accepted (scale the loss in
+  // forward_loss instead).
+  std::optional<double> loss_weight;
+
+  CallOptions& set_update(bool v) { update = v; return *this; }
+  CallOptions& set_loss_weight(double v) { loss_weight = v; return *this; }
+};
+
 enum class Phase { kTemplate, kWarmup, kCapture, kReplay, kEager, kClosed };
 const char* phase_name(Phase phase);
 
@@ -186,6 +203,8 @@ class Step {
   // window's micro-batches so far: an epoch ending mid-window); false as operator()(batch).
   // Without accumulation every call updates.
   at::Tensor operator()(const Batch& batch, bool update);
+  // With what the loop says of this call (see CallOptions).
+  at::Tensor operator()(const Batch& batch, const CallOptions& call);
   // A torch::data example: the batch {data, target}. (A template, so that step({x, y}) is
   // always a Batch.)
   template <typename Data = at::Tensor, typename Target = at::Tensor>

@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <set>
@@ -334,7 +335,7 @@ class Step::Impl {
     }
   }
 
-  at::Tensor call(const Batch& batch, bool end_window);
+  at::Tensor call(const Batch& batch, const CallOptions& call);
   std::optional<at::Tensor> grad_norm() const {
     if (!grad_norm_.defined()) return std::nullopt;
     return grad_norm_;
@@ -367,24 +368,33 @@ class Step::Impl {
   // A call's place in its accumulation window: whether it starts it (the gradients are
   // zeroed first), whether it ends it (the update runs), and the factor the update multiplies
   // the window's gradients by (per-sample losses: the micro-batches' weights made exact for
-  // the window's samples). Without accumulation every call is both.
+  // the window's samples), and the loss weight the caller gave (CallOptions::loss_weight).
+  // Without accumulation every call is both.
   struct Window {
     bool first = true;
     bool update = true;
     double correction = 1.0;
-    int kind() const { return int(first) + 2 * int(update); }  // its graph: entries_[kind]
+    std::optional<double> loss_weight;
+    // Its graph: entries_[kind()].
+    static int kind_of(bool first, bool update) { return int(first) + 2 * int(update); }
+    int kind() const { return kind_of(first, update); }
   };
-  Window window_of(int64_t samples, bool end) const;
+  Window window_of(int64_t samples, const CallOptions& call) const;
   // The update's gradient factor for a window ending with a call of `samples`: its
-  // micro-batches' weights made exact for the window's samples (per-sample losses), else 1.
-  double correction_of(int64_t samples) const;
+  // micro-batches' weights made exact for the window's samples (per-sample losses), else 1
+  // (1 too when the call gives its loss weight itself).
+  double correction_of(int64_t samples, const Window& window) const;
+  // The call's loss weight with accumulation: the caller's, else samples / (accumulate *
+  // batch) for per-sample losses, 1 / accumulate for a scalar. Known once the first forward
+  // showed which the loss is.
+  double weight_of(int64_t samples, const Window& window) const;
   void advance(const Window& window, int64_t samples);
   at::Tensor eager_step(const Batch& batch, int64_t samples, const Window& window, bool warmup);
   at::Tensor eager_body(const Batch& batch, int64_t samples, const Window& window, bool record);
   // The fused update of an eager step, its values staged where the graph's would be.
-  void fused_eager_update(int64_t samples, double correction);
+  void fused_eager_update(int64_t samples, const Window& window, double correction);
   at::Tensor capture_and_launch(const Batch& batch, const Window& window);
-  at::Tensor launch(const Batch& batch, const Window& window);
+  at::Tensor launch(const Batch& batch, int64_t samples, const Window& window);
   bool can_pad() const {
     return options_.partial_batch == PartialBatch::kPad && per_sample_ == 1 &&
            !has_batch_statistics(*module_);
@@ -392,11 +402,11 @@ class Step::Impl {
 
   // The loss of one forward: per-sample losses averaged (rows at or past `valid` masked).
   at::Tensor loss_of(const Batch& batch, int64_t batch_size, const at::Tensor& valid);
-  // What the backward of a micro-batch's loss runs on with accumulation: per-sample losses
-  // weighted by the micro-batch's samples over `accumulate` full ones (`valid`: the graph's
-  // staged count, or undefined for `samples`), a scalar 1 / accumulate; the loss itself
-  // without accumulation.
-  at::Tensor weighted(const at::Tensor& loss, int64_t samples, const at::Tensor& valid) const;
+  // What the backward of an eager micro-batch's loss runs on: with accumulation the loss
+  // times weight_of(), without it the loss itself.
+  at::Tensor weighted(const at::Tensor& loss, int64_t samples, const Window& window) const;
+  // The same in a graph: the loss times the weight staged with each launch (weight_of()'s).
+  at::Tensor weighted_in_graph(const at::Tensor& loss) const;
   // torch::optim's step() after an accumulation window: the gradients times the correction.
   void correct_unfused(double correction);
   at::Tensor forward(const Batch& batch);
@@ -425,11 +435,12 @@ class Step::Impl {
   void check_params();
   void check_kernel_settings() const;
   void check_autocast() const;
+  void check_call(const CallOptions& call) const;
   // The optimizer's parameters, then the module's others, then its buffers (a BatchNorm's
   // running statistics): every tensor of the model the graph reads.
   std::vector<at::Tensor> watched_tensors() const;
   std::string param_name(int64_t i) const;  // the watch's i-th tensor, for an error
-  std::vector<float> staged_values(double correction) const;
+  std::vector<float> staged_values(double correction, double weight) const;
   void bind_state();       // optimizer.state() -> flat buffers, then views of them
   void keep_state_bound(); // a torch::load since the last call: bind again
   void after_update();     // host step counts, as torch::optim's step() would advance them
@@ -459,7 +470,8 @@ class Step::Impl {
   bool amsgrad_ = false;
   int64_t num_values_ = 0;  // the optimizer's staged values per launch (hyper-parameters)
   // Staged values per launch after the sample count: num_values_, then with accumulation the
-  // window's gradient correction (read by the update as its gradient factor).
+  // window's gradient correction (read by the update as its gradient factor) and the call's
+  // loss weight (read by the backward).
   int64_t num_staged_ = 0;
 
   // Gradient accumulation: the place of the next call in its window, the samples of the
@@ -572,7 +584,7 @@ Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimi
     }
     amsgrad_ = amsgrad_of(kind_, optimizer_.param_groups()[0].options());
     num_values_ = int64_t(group_sizes_.size()) * optim::kNumStagedHyper;
-    num_staged_ = num_values_ + (options_.accumulate > 1 ? 1 : 0);
+    num_staged_ = num_values_ + (options_.accumulate > 1 ? 2 : 0);
   }
   will_capture_ = options_.capture && device_.is_cuda();
   if (options_.ema.has_value()) ema_init();
@@ -645,15 +657,15 @@ void Step::Impl::make_template(const Batch& batch) {
     graph_ = std::make_unique<capture::StepGraph>(at::Device(at::kCUDA, index), num_staged_);
     const int64_t base = graph_->add_entry(specs_);
     if (options_.accumulate == 1) {
-      entries_[Window{true, true}.kind()] = base;
+      entries_[Window::kind_of(true, true)] = base;
     } else {
-      entries_[Window{true, false}.kind()] = base;
-      entries_[Window{false, true}.kind()] = graph_->add_entry_sharing_inputs(base);
+      entries_[Window::kind_of(true, false)] = base;
+      entries_[Window::kind_of(false, true)] = graph_->add_entry_sharing_inputs(base);
       if (options_.accumulate > 2) {
-        entries_[Window{false, false}.kind()] = graph_->add_entry_sharing_inputs(base);
+        entries_[Window::kind_of(false, false)] = graph_->add_entry_sharing_inputs(base);
       }
       // A window of one call (ended at its first: step(batch, true)), captured if one comes.
-      entries_[Window{true, true}.kind()] = graph_->add_entry_sharing_inputs(base);
+      entries_[Window::kind_of(true, true)] = graph_->add_entry_sharing_inputs(base);
     }
     entry_ = base;
     current_ = graph_->current();
@@ -711,12 +723,14 @@ at::Tensor Step::Impl::loss_of(const Batch& batch, int64_t batch_size, const at:
 }
 
 at::Tensor Step::Impl::weighted(const at::Tensor& loss, int64_t samples,
-                                const at::Tensor& valid) const {
-  const int64_t k = options_.accumulate;
-  if (k == 1) return loss;
-  if (per_sample_ != 1) return loss / double(k);
-  const double per_full = 1.0 / double(k * batch_size_);
-  return valid.defined() ? loss * (valid * per_full) : loss * (double(samples) * per_full);
+                                const Window& window) const {
+  if (options_.accumulate == 1) return loss;
+  return loss.to(at::kFloat) * weight_of(samples, window);
+}
+
+at::Tensor Step::Impl::weighted_in_graph(const at::Tensor& loss) const {
+  if (options_.accumulate == 1) return loss;
+  return loss.to(at::kFloat) * current_.select(0, 2 + num_values_);
 }
 
 void Step::Impl::correct_unfused(double correction) {
@@ -863,13 +877,16 @@ void Step::Impl::check_params() {
   watch_->restore();
 }
 
-std::vector<float> Step::Impl::staged_values(double correction) const {
+std::vector<float> Step::Impl::staged_values(double correction, double weight) const {
   std::vector<float> values(size_t(num_staged_), 0.0f);
   auto& groups = optimizer_.param_groups();
   for (size_t g = 0; g < groups.size(); ++g) {
     staged_row(kind_, groups[g].options(), values.data() + g * optim::kNumStagedHyper);
   }
-  if (num_staged_ > num_values_) values[size_t(num_values_)] = float(correction);
+  if (num_staged_ > num_values_) {
+    values[size_t(num_values_)] = float(correction);
+    values[size_t(num_values_) + 1] = float(weight);
+  }
   return values;
 }
 
@@ -1084,8 +1101,8 @@ at::Tensor Step::Impl::fused_update() {
 
 // ------------------------------------------------------------------ the steps
 
-void Step::Impl::fused_eager_update(int64_t samples, double correction) {
-  const std::vector<float> values = staged_values(correction);
+void Step::Impl::fused_eager_update(int64_t samples, const Window& window, double correction) {
+  const std::vector<float> values = staged_values(correction, weight_of(samples, window));
   std::vector<float> slot;
 #if NT_HAVE_CUDA
   if (graph_) {
@@ -1110,19 +1127,28 @@ void Step::Impl::fused_eager_update(int64_t samples, double correction) {
   ema_update();
 }
 
-Step::Impl::Window Step::Impl::window_of(int64_t samples, bool end) const {
+Step::Impl::Window Step::Impl::window_of(int64_t samples, const CallOptions& call) const {
   Window window;
   const int64_t k = options_.accumulate;
   if (k == 1) return window;
   window.first = micro_ == 0;
-  window.update = micro_ + 1 == k || end;
-  if (window.update) window.correction = correction_of(samples);
+  window.update = micro_ + 1 == k || call.update;
+  window.loss_weight = call.loss_weight;
+  if (window.update) window.correction = correction_of(samples, window);
   return window;
 }
 
-double Step::Impl::correction_of(int64_t samples) const {
-  if (options_.accumulate == 1 || per_sample_ != 1) return 1.0;
+double Step::Impl::correction_of(int64_t samples, const Window& window) const {
+  if (options_.accumulate == 1 || per_sample_ != 1 || window.loss_weight.has_value()) return 1.0;
   return double(options_.accumulate * batch_size_) / double(window_samples_ + samples);
+}
+
+double Step::Impl::weight_of(int64_t samples, const Window& window) const {
+  const int64_t k = options_.accumulate;
+  if (k == 1) return 1.0;
+  if (window.loss_weight.has_value()) return *window.loss_weight;
+  if (per_sample_ != 1) return 1.0 / double(k);
+  return double(samples) / double(k * batch_size_);
 }
 
 void Step::Impl::advance(const Window& window, int64_t samples) {
@@ -1187,7 +1213,7 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
                                   bool record) {
   at::Tensor loss;
   // After the forward: the first call is the one that shows whether the losses are per sample.
-  const auto correction = [&] { return correction_of(samples); };
+  const auto correction = [&] { return correction_of(samples, window); };
   if (fused_) {
     keep_state_bound();
     optim::reattach(flats_);
@@ -1195,11 +1221,11 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
     {
       const SyncRecorder::Active recording(syncs_, record);
       loss = loss_of(batch, samples, at::Tensor());
-      weighted(loss, samples, at::Tensor()).backward();
+      weighted(loss, samples, window).backward();
     }
     const std::string late = late_grad_name();
     if (late.empty()) {
-      if (window.update) fused_eager_update(samples, correction());
+      if (window.update) fused_eager_update(samples, window, correction());
     } else {
       unfuse(late);  // this window's update too: torch::optim's step() over these gradients
       if (window.update) {
@@ -1214,7 +1240,7 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
     {
       const SyncRecorder::Active recording(syncs_, record);
       loss = loss_of(batch, samples, at::Tensor());
-      weighted(loss, samples, at::Tensor()).backward();
+      weighted(loss, samples, window).backward();
     }
     if (window.update) {
       correct_unfused(correction());
@@ -1262,7 +1288,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
         fault_ = Fault::kNone;
         throw std::runtime_error("injected failure inside the capture (a rollback test)");
       }
-      weighted(loss, batch_size_, valid).backward();
+      weighted_in_graph(loss).backward();
       late = late_grad_name();
       if (!late.empty()) throw std::runtime_error(late + " got a gradient it had not had");
       if (window.update) {
@@ -1312,7 +1338,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
   kernel_settings_ = capture::kernel_settings();
   autocast_ = ambient_autocast(device_.type());
   phase_ = Phase::kReplay;
-  return launch(batch, window);
+  return launch(batch, batch_size_, window);
 #else
   (void)batch;
   (void)window;
@@ -1320,11 +1346,11 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
 #endif
 }
 
-at::Tensor Step::Impl::launch(const Batch& batch, const Window& window) {
+at::Tensor Step::Impl::launch(const Batch& batch, int64_t samples, const Window& window) {
 #if NT_HAVE_CUDA
   keep_state_bound();
   entry_ = entries_[size_t(window.kind())];
-  const std::vector<float> values = staged_values(window.correction);
+  const std::vector<float> values = staged_values(window.correction, weight_of(samples, window));
   if (fault_ == Fault::kAfterStaging) graph_->fail_next_launch(capture::LaunchFault::kAfterStaging);
   if (fault_ == Fault::kAfterCopyIn) graph_->fail_next_launch(capture::LaunchFault::kAfterCopyIn);
   if (fault_ != Fault::kInCapture) fault_ = Fault::kNone;
@@ -1334,6 +1360,7 @@ at::Tensor Step::Impl::launch(const Batch& batch, const Window& window) {
   return graph_losses_[size_t(window.kind())];
 #else
   (void)batch;
+  (void)samples;
   (void)window;
   throw Error("nimble_train::Step: this build has no CUDA");
 #endif
@@ -1364,10 +1391,26 @@ void Step::Impl::check_autocast() const {
               "step), or build a new Step (close() this one). Nothing was run for this call.");
 }
 
-at::Tensor Step::Impl::call(const Batch& batch, bool end_window) {
+void Step::Impl::check_call(const CallOptions& call) const {
+  if (!call.loss_weight.has_value()) return;
+  const double w = *call.loss_weight;
+  if (!std::isfinite(w)) {
+    throw Error("nimble_train::Step: CallOptions::loss_weight must be a finite number; got " +
+                std::to_string(w) + ". Nothing was run for this call.");
+  }
+  if (options_.accumulate == 1 && w != 1.0) {
+    throw Error("nimble_train::Step: CallOptions::loss_weight " + std::to_string(w) +
+                " needs StepOptions::accumulate > 1 (the weight is staged with the "
+                "accumulation's scales); scale the loss in forward_loss instead. Nothing was "
+                "run for this call.");
+  }
+}
+
+at::Tensor Step::Impl::call(const Batch& batch, const CallOptions& call) {
   if (phase_ == Phase::kClosed) {
     throw Error("nimble_train::Step: the step was closed; build a new Step to train further");
   }
+  check_call(call);
   if (!ema_saved_.empty()) {
     throw Error("nimble_train::Step: called inside ema_weights(), while the model holds the "
                 "averaged weights; training them would lose the trained ones. Call the step "
@@ -1398,7 +1441,7 @@ at::Tensor Step::Impl::call(const Batch& batch, bool end_window) {
                      ", with PartialBatch::kError. Drop short batches, or use kPad (padded and "
                      "masked in the graph) or kEager.");
   }
-  const Window window = window_of(samples, end_window);
+  const Window window = window_of(samples, call);
   at::Tensor loss;
   switch (phase_) {
     case Phase::kWarmup:
@@ -1430,7 +1473,7 @@ at::Tensor Step::Impl::call(const Batch& batch, bool end_window) {
       } else if (!captured) {
         loss = capture_and_launch(batch, window);
       } else {
-        loss = launch(batch, window);
+        loss = launch(batch, samples, window);
       }
       break;
     }
@@ -1642,9 +1685,12 @@ Step::~Step() = default;
 Step::Step(Step&&) noexcept = default;
 Step& Step::operator=(Step&&) noexcept = default;
 
-at::Tensor Step::operator()(const Batch& batch) { return impl_->call(batch, false); }
+at::Tensor Step::operator()(const Batch& batch) { return impl_->call(batch, CallOptions()); }
 at::Tensor Step::operator()(const Batch& batch, bool update) {
-  return impl_->call(batch, update);
+  return impl_->call(batch, CallOptions().set_update(update));
+}
+at::Tensor Step::operator()(const Batch& batch, const CallOptions& call) {
+  return impl_->call(batch, call);
 }
 bool Step::stepped() const { return impl_->stepped(); }
 std::optional<at::Tensor> Step::grad_norm() const { return impl_->grad_norm(); }

@@ -95,6 +95,20 @@ inline void reference_window(torch::nn::Sequential& net, torch::optim::Optimizer
   opt.step();
 }
 
+// One window of a loop that weights each micro-batch's mean loss itself (a loop normalising
+// by the window's token count): zero_grad; (mean * weights[i]).backward() for each; clipping;
+// step.
+inline void reference_weighted_window(torch::nn::Sequential& net, torch::optim::Optimizer& opt,
+                                      const std::vector<Batch>& window,
+                                      const std::vector<double>& weights, double clip = 0) {
+  opt.zero_grad();
+  for (size_t i = 0; i < window.size(); ++i) {
+    (F::cross_entropy(net->forward(window[i][0]), window[i][1]) * weights[i]).backward();
+  }
+  if (clip > 0) torch::nn::utils::clip_grad_norm_(net->parameters(), clip);
+  opt.step();
+}
+
 // A hand-written EMA (torch.optim.swa_utils' lerp) of a module's parameters and floating-point
 // buffers, by name, after each update: avg += (1 - decay) * (t - avg).
 struct ReferenceEma {
@@ -171,9 +185,10 @@ struct LateLayer {
 
 // The call is refused: a nimble_train::Error whose message says each of `said`.
 inline void expect_refused(Step& step, const Batch& batch,
-                           std::initializer_list<const char*> said) {
+                           std::initializer_list<const char*> said,
+                           const CallOptions& call = CallOptions()) {
   try {
-    step(batch);
+    step(batch, call);
     ADD_FAILURE() << "the call ran; expected a nimble_train::Error saying \""
                   << *said.begin() << "\"";
   } catch (const Error& e) {

@@ -4,7 +4,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cmath>
 #include <functional>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -19,6 +21,7 @@ using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
+using nimble_train::testing::reference_weighted_window;
 using nimble_train::testing::reference_window;
 using nimble_train::testing::ReferenceEma;
 using nimble_train::testing::set_lr;
@@ -616,6 +619,103 @@ TEST(StepCpu, AccumulationWeightsAScalarLossOneOverK) {
     reference_window(ref, ref_opt, window, 0, /*scalar=*/true);
     EXPECT_LT(max_diff(net, ref), 1e-5) << "window " << w;
   }
+}
+
+// CallOptions::loss_weight replaces the Step's weighting call by call (a loop normalising by
+// the window's token count), per-sample losses or a scalar, short micro-batches and windows
+// ended early included: each window's update equals the loop's (mean * w).backward() over its
+// micro-batches, with no correction for the window's samples.
+TEST(StepCpu, ALossWeightGivenPerCallReplacesTheStepsWeighting) {
+  for (const bool scalar : {false, true}) {
+    for (const bool adam : {false, true}) {
+      auto batches = make_batches(11, 16, 44);
+      batches[4] = {batches[4][0].narrow(0, 0, 6), batches[4][1].narrow(0, 0, 6)};
+      auto net = make_model(45), ref = make_model(45);
+      std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
+      if (adam) {
+        opt = std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                    torch::optim::AdamWOptions(1e-2));
+        ref_opt = std::make_unique<torch::optim::AdamW>(ref->parameters(),
+                                                        torch::optim::AdamWOptions(1e-2));
+      } else {
+        opt = std::make_unique<torch::optim::SGD>(net->parameters(),
+                                                  torch::optim::SGDOptions(0.1).momentum(0.9));
+        ref_opt = std::make_unique<torch::optim::SGD>(
+            ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+      }
+      nt::ForwardLoss loss_fn = per_sample(net);
+      if (scalar) {
+        loss_fn = [net](const nt::Batch& b) mutable {
+          return F::cross_entropy(net->forward(b[0]), b[1]);
+        };
+      }
+      nt::Step step(net, *opt, loss_fn, nt::StepOptions().set_accumulate(3).set_grad_clip(0.7));
+      size_t next = 0;
+      for (const size_t size : {3, 3, 2, 3}) {
+        const std::vector<nt::Batch> window(batches.begin() + int64_t(next),
+                                            batches.begin() + int64_t(next + size));
+        std::vector<double> weights;
+        for (size_t i = 0; i < size; ++i) weights.push_back(0.15 + 0.3 * double((i + next) % 4));
+        for (size_t i = 0; i < size; ++i) {
+          const torch::Tensor loss = step(window[i], nt::CallOptions()
+                                                         .set_update(i + 1 == size)
+                                                         .set_loss_weight(weights[i]));
+          EXPECT_EQ(step.stepped(), i + 1 == size);
+          if (i + 1 < size) {  // the loss is the micro-batch's mean, unweighted
+            EXPECT_NEAR(loss.item<double>(),
+                        F::cross_entropy(net->forward(window[i][0]), window[i][1]).item<double>(),
+                        1e-5);
+          }
+        }
+        reference_weighted_window(ref, *ref_opt, window, weights, 0.7);
+        EXPECT_LT(max_diff(net, ref), 1e-5)
+            << (scalar ? "scalar" : "per-sample") << ", " << (adam ? "AdamW" : "SGD")
+            << ", a window of " << size << " from call " << next;
+        next += size;
+      }
+      EXPECT_EQ(step.stats().updates, 4);
+    }
+  }
+}
+
+// A loss weight that is not a finite number, or one other than 1 without accumulation, is
+// refused before the call runs anything; 1 without accumulation is the plain step.
+TEST(StepCpu, ABadLossWeightIsRefusedBeforeAnythingRuns) {
+  auto batches = make_batches(3, 16, 46);
+  for (const int64_t k : {1, 2}) {
+    auto net = make_model(47);
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+    nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(k));
+    step(batches[0]);
+    const std::vector<torch::Tensor> before = snapshot(net);
+    std::vector<torch::Tensor> grads;
+    for (auto& p : net->parameters()) grads.push_back(p.grad().clone());
+    std::vector<double> bad = {std::nan(""), std::numeric_limits<double>::infinity()};
+    if (k == 1) bad.push_back(0.5);
+    for (const double w : bad) {
+      expect_refused(step, batches[1],
+                     {k == 1 && std::isfinite(w) ? "needs StepOptions::accumulate > 1"
+                                                 : "must be a finite number",
+                      "Nothing was run"},
+                     nt::CallOptions().set_loss_weight(w));
+      EXPECT_EQ(max_change(net, before), 0.0);
+      auto params = net->parameters();
+      for (size_t j = 0; j < params.size(); ++j) {
+        EXPECT_TRUE(torch::equal(params[j].grad(), grads[j])) << "k " << k << ", w " << w;
+      }
+      EXPECT_EQ(step.stats().calls, 1);
+    }
+  }
+  // Without accumulation a weight of 1 is the step itself.
+  auto net = make_model(48), ref = make_model(48);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  for (const nt::Batch& b : batches) {
+    step(b, nt::CallOptions().set_loss_weight(1.0));
+    reference_step(ref, ref_opt, b);
+  }
+  EXPECT_LT(max_diff(net, ref), 1e-6);
 }
 
 // A call that fails inside a window (the data pipeline, in forward_loss) leaves the window's

@@ -1,6 +1,7 @@
 // nimble_train::Step on a GPU: captured steps equal a hand-written LibTorch loop, learning rates
 // reach the graph without a new capture, a host sync in forward_loss is a SyncError, short
-// batches are padded in the graph (or run eagerly where padding would change results), a
+// batches are padded in the graph (or run eagerly where padding would change results), loss
+// weights given per call are staged, a
 // failed launch or capture leaves the model and optimizer as after the last completed step,
 // a module left in eval mode, a child replaced, a parameter member assigned anew, a sparse
 // gradient, a changed kernel setting (TF32, cuDNN) or another autocast in a captured step is
@@ -32,6 +33,7 @@ using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
 using nimble_train::testing::per_sample;
 using nimble_train::testing::reference_step;
+using nimble_train::testing::reference_weighted_window;
 using nimble_train::testing::reference_window;
 using nimble_train::testing::ReferenceEma;
 using nimble_train::testing::set_lr;
@@ -488,6 +490,50 @@ TEST_F(StepCuda, WindowsEndedEarlyReplayTheirOwnGraphsAndEqualTheLoop) {
 // ema = 0.9 in graphs, with accumulate = 2 and BatchNorm: the average moves in the update's
 // graph (one lerp_ per flat buffer, and the running statistics), and after every update equals
 // a hand-written EMA's; ema_weights() swaps it in for a scope and back.
+// Loss weights given per call (CallOptions::loss_weight) are staged with each launch: the
+// graphs of the Step's own weighting replay them, no new capture, a padded short micro-batch
+// and windows ended early included; each window's update equals the loop's (mean *
+// w).backward() over its micro-batches. Calls without a weight go back to the Step's.
+TEST_F(StepCuda, LossWeightsGivenPerCallAreStagedAndEqualTheLoop) {
+  auto batches = make_batches(32, 32, 38, device);
+  batches[21] = {batches[21][0].narrow(0, 0, 11), batches[21][1].narrow(0, 0, 11)};
+  auto net = make_model(39, device), ref = make_model(39, device);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref_opt(ref->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net),
+                nt::StepOptions().set_accumulate(3).set_grad_clip(1.0));
+  size_t next = 0;
+  int64_t windows = 0;
+  for (const size_t size : {3, 3, 3, 3, 2, 3, 3, 1, 3, 3}) {
+    const std::vector<nt::Batch> window(batches.begin() + int64_t(next),
+                                        batches.begin() + int64_t(next + size));
+    const bool own = windows == 8;  // the Step's weighting again, in the same graphs
+    std::vector<double> weights;
+    for (size_t i = 0; i < size; ++i) weights.push_back(0.1 + 0.25 * double((i + next) % 5));
+    for (size_t i = 0; i < size; ++i) {
+      nt::CallOptions call;
+      call.set_update(i + 1 == size);
+      if (!own) call.set_loss_weight(weights[i]);
+      step(window[i], call);
+      EXPECT_EQ(step.stepped(), i + 1 == size);
+    }
+    if (own) {
+      reference_window(ref, ref_opt, window, 1.0);
+    } else {
+      reference_weighted_window(ref, ref_opt, window, weights, 1.0);
+    }
+    EXPECT_LT(max_diff(net, ref), 5e-5) << "a window of " << size << " from call " << next;
+    next += size;
+    ++windows;
+  }
+  const nt::StepStats stats = step.stats();
+  EXPECT_EQ(stats.phase, nt::Phase::kReplay);
+  EXPECT_EQ(stats.captures, 4);  // first, middle, last, and a window of one
+  EXPECT_EQ(stats.updates, 10);
+  EXPECT_EQ(stats.eager_steps, 3);  // the warm-up: the short micro-batch is padded
+  EXPECT_EQ(stats.replays, int64_t(next) - 3);
+}
+
 TEST_F(StepCuda, TheEmaMovesInTheUpdatesGraphAndEqualsAHandWrittenAverage) {
   auto batches = make_batches(16, 32, 42, device);
   auto net = make_model(43, device, /*batch_norm=*/true);
