@@ -20,6 +20,8 @@ loss, as transformers.Trainer does by the window's label count); the correction 
 
 from __future__ import annotations
 
+import math
+
 
 class Window:
     """Where the next call falls in its window of `k` calls."""
@@ -44,6 +46,9 @@ class Window:
                 raise TypeError(f"loss_weight must be a float or None; got "
                                 f"{type(loss_weight).__name__}")
             loss_weight = float(loss_weight)
+            if not math.isfinite(loss_weight):
+                raise ValueError(f"loss_weight must be a finite number; got {loss_weight!r} "
+                                 "(nothing was run for this call)")
             if self.k == 1 and loss_weight != 1.0:
                 raise ValueError(
                     f"loss_weight={loss_weight!r} needs accumulate > 1 (the weight is staged "

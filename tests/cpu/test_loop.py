@@ -254,6 +254,14 @@ def test_call_keywords_are_checked():
         step((x, y), update=False)
     with pytest.raises(TypeError, match="loss_weight must be a float or None; got str"):
         step((x, y), loss_weight="0.5")
+    before = [p.detach().clone() for p in model.parameters()]
+    grads = [p.grad.clone() for p in model.parameters()]
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        with pytest.raises(ValueError, match="loss_weight must be a finite number"):
+            step((x, y), loss_weight=bad)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    assert step.stats()["steps"] == 1 and step.stats()["micro_batch"] == 1
     single = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1), mean_loss)
     with pytest.raises(ValueError, match="loss_weight=0.5 needs accumulate > 1"):
         single((x, y), loss_weight=0.5)
