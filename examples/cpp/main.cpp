@@ -34,6 +34,7 @@ namespace {
 
 constexpr int64_t kWarmup = 3;   // eager steps before the capture
 constexpr int64_t kBatches = 4;  // distinct synthetic batches, cycled
+constexpr int64_t kHeldOut = 4;  // held-out batches, evaluated after training
 constexpr double kSgdLr = 0.05;
 constexpr double kAdamWLr = 1e-3;
 
@@ -140,6 +141,12 @@ int train(const Args& args) {
   const at::Tensor images = torch::randn({kBatches, args.batch, 3, 32, 32}, on_device) +
                             colours.index_select(0, labels.flatten())
                                 .view({kBatches, args.batch, 3, 1, 1});
+  // Held-out batches of the same classes, for the evaluation after training.
+  const at::Tensor held_labels =
+      torch::randint(0, 10, {kHeldOut, args.batch}, on_device.dtype(torch::kLong));
+  const at::Tensor held_images = torch::randn({kHeldOut, args.batch, 3, 32, 32}, on_device) +
+                                 colours.index_select(0, held_labels.flatten())
+                                     .view({kHeldOut, args.batch, 3, 1, 1});
 
   // One loss per sample (reduction none): the Step averages them, and a short last batch can
   // then be padded and masked inside the graph instead of running eagerly.
@@ -189,6 +196,24 @@ int train(const Args& args) {
               static_cast<long long>(first_timed + 1), static_cast<long long>(args.steps),
               static_cast<long long>(args.batch), args.device.is_cuda() ? "cuda" : "cpu",
               args.adamw ? "AdamW" : "SGD");
+  // Evaluation: the model in eval mode, autograd off; on a GPU captured into the step's pool
+  // after one eager batch, then one launch per batch. Correct predictions are summed on the
+  // device: one host sync for the whole held-out set.
+  nimble_train::Evaluator evaluate = step.evaluator([net](const nimble_train::Batch& b) mutable {
+    return std::vector<at::Tensor>{net->forward(b[0]).argmax(1).eq(b[1]).sum()};
+  });
+  at::Tensor correct = torch::zeros({}, on_device.dtype(torch::kLong));
+  for (int64_t i = 0; i < kHeldOut; ++i) {
+    correct += evaluate({held_images[i], held_labels[i]})[0];
+  }
+  const nimble_train::EvaluatorStats evaluated = evaluate.stats();
+  std::printf("eval: accuracy %.4f over %lld held-out samples (evaluator: replays %lld, eager "
+              "%lld)\n",
+              static_cast<double>(correct.item<int64_t>()) /
+                  static_cast<double>(kHeldOut * args.batch),
+              static_cast<long long>(kHeldOut * args.batch),
+              static_cast<long long>(evaluated.replays), static_cast<long long>(evaluated.eager));
+
   const nimble_train::StepStats stats = step.stats();
   std::printf(
       "stats: phase %s, calls %lld, eager steps %lld, replays %lld, captures %lld, "

@@ -216,6 +216,7 @@ void StepGraph::launch(int64_t index, const std::vector<at::Tensor>& leaves,
              values.size());
     const c10::cuda::CUDAGuard guard(device_);
     e.inputs.copy_in(leaves, samples);
+    inject(LaunchFault::kAfterCopyIn);  // nothing staged: nothing to give back
     e.replay();
     return;
   }

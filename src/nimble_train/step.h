@@ -65,6 +65,8 @@
 //    update's layout once it is fused: one lerp_ per buffer) and every floating-point buffer
 //    (BatchNorm's running statistics, as timm's ModelEmaV2); integer buffers are the model's
 //    own. ema_weights() swaps the averages in for a scope; ema_state_dict() saves them.
+//  - evaluator(fn): an evaluation step (validation), captured into the step's pool once the
+//    step replays and replayed for each full batch (see Step::evaluator).
 //
 // Optimizers: torch::optim::SGD, Adam and AdamW are fused. Others run eagerly with
 // capture(false); capturing them raises an error that says so (LibTorch's optimizers keep
@@ -87,6 +89,7 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -181,6 +184,36 @@ struct StepStats {
   std::string capture_error; // why the capture failed (phase kEager after one), else empty
 };
 
+// An evaluation of the model (see Step::evaluator): its outputs for `batch` (logits, a loss
+// summed over the batch, a count of correct predictions), as tensors.
+using EvalFn = std::function<std::vector<at::Tensor>(const Batch&)>;
+
+struct EvaluatorStats {
+  int64_t replays = 0;        // calls answered by a graph launch (the capturing call included)
+  int64_t eager = 0;          // calls run eagerly (before the step replays, short batches, the
+                              // CPU, after a failed capture)
+  int64_t captures = 0;       // 0 or 1
+  std::string capture_error;  // why capturing fn failed (it then runs eagerly), else empty
+};
+
+class Step;
+
+// An evaluation step of a Step's model, made by Step::evaluator(fn). Copies share one state.
+class Evaluator {
+ public:
+  // fn(batch) with the model in eval mode (each module's own mode back after), autograd off
+  // and the Step's amp; returns its tensors, fresh (not overwritten by a later call).
+  std::vector<at::Tensor> operator()(const Batch& batch);
+  EvaluatorStats stats() const;
+
+  struct State;  // the Step's and the evaluator's (step.cpp)
+
+ private:
+  friend class Step;
+  explicit Evaluator(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  std::shared_ptr<State> state_;
+};
+
 class Step {
  public:
   Step(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
@@ -247,11 +280,26 @@ class Step {
   // shapes), so a state that does not fit changes nothing.
   void load_ema_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
 
+  // An evaluation step of the model (validation every epoch), as Python's step.evaluator(fn):
+  // fn(batch) runs with the model in eval mode, autograd off and the step's amp. The first
+  // batch fixes its layout; once the step replays its training graphs (its parameters keep
+  // their addresses from then on) and fn has run once on a full batch, fn is captured into
+  // the step's private pool (no second pool) and each later full batch is a copy-in and one
+  // replay, reading the weights where training writes them (inside ema_weights(): the
+  // averages). Shorter batches, the calls before, the CPU and a step without capture run
+  // eagerly. A capture that fails (a host sync in fn) warns, and fn runs eagerly from then on
+  // (stats().capture_error says why). A call under another at::autocast than the capture's
+  // is refused. Host numbers fn reads are baked into its graph, as forward_loss's are. The
+  // Step must outlive its evaluators' calls; after close() they raise.
+  Evaluator evaluator(EvalFn fn);
+
   // Makes the next launch fail at `point` (1: after staging its values, 2: after copying the
-  // batch in) or the next capture fail (3: inside the capture), for rollback tests.
+  // batch in; an evaluator's, which stages nothing, after its copy-in at either) or the next
+  // capture fail (3: inside the capture, an evaluator's too), for rollback tests.
   void inject_failure_for_testing(int point);
 
  private:
+  friend class Evaluator;
   class Impl;
   std::unique_ptr<Impl> impl_;
 };

@@ -122,9 +122,9 @@ std::string ModuleWatch::member_text(const Member& m) const {
          (m.parameter ? "a parameter" : "a buffer") + " of " + modules_[m.module]->name() + ")";
 }
 
-void ModuleWatch::check() {
+void ModuleWatch::check(bool modes) {
   check_structure();
-  check_modes();
+  if (modes) check_modes();
   bool assigned = false;
   for (const Member& m : members_) {
     if (m.field->unsafeGetTensorImpl() == m.captured.unsafeGetTensorImpl()) continue;

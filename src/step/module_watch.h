@@ -40,8 +40,9 @@ class ModuleWatch {
 
   // Throws nimble_train::Error naming the first change that cannot be taken, before changing
   // anything; then puts every buffer member that was assigned anew back (values kept). Host
-  // work: outside any capture.
-  void check();
+  // work: outside any capture. modes = false: training modes are not compared (an
+  // evaluation sets its own).
+  void check(bool modes = true);
 
   // The torch::nn members watched (for tests and diagnostics): "fc.weight", ...
   std::vector<std::string> member_names() const;

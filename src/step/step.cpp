@@ -324,16 +324,37 @@ enum class Fault { kNone, kAfterStaging = 1, kAfterCopyIn = 2, kInCapture = 3 };
 
 // ------------------------------------------------------------------ Step::Impl
 
+// An evaluator's state, shared by its copies; the Step's Impl points each back at itself
+// until it is destroyed.
+struct Evaluator::State {
+  Step::Impl* impl = nullptr;
+  EvalFn fn;
+  int64_t batch_size = 0;                // the first batch's: a shorter one runs eagerly
+  std::unique_ptr<StaticInputs> layout;  // the first batch's layout, which checks each call's
+  int64_t entry = -1;                    // its graph in the step's StepGraph, once added
+  bool met = false;                      // fn ran eagerly on a full batch (the capture follows)
+  std::vector<at::Tensor> outputs;       // the graph's outputs, overwritten by each replay
+  std::optional<at::ScalarType> autocast;  // the at::autocast its graph was captured under
+  EvaluatorStats stats;
+};
+
 class Step::Impl {
  public:
   Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
        ForwardLoss forward_loss, StepOptions options);
   ~Impl() {
+    for (const auto& weak : evaluators_) {
+      if (auto state = weak.lock()) state->impl = nullptr;
+    }
     try {
       release();
     } catch (const std::exception&) {  // a destructor must not throw; close() reports
     }
   }
+
+  // The evaluators (see step.h).
+  Evaluator make_evaluator(EvalFn fn);
+  std::vector<at::Tensor> evaluate(Evaluator::State& state, const Batch& batch);
 
   at::Tensor call(const Batch& batch, const CallOptions& call);
   std::optional<at::Tensor> grad_norm() const {
@@ -356,6 +377,12 @@ class Step::Impl {
   void load_ema_state_dict(const torch::OrderedDict<std::string, at::Tensor>& state);
 
  private:
+  // fn with the model in eval mode (each module's own mode back after), autograd off, the
+  // step's amp; its tensors checked.
+  std::vector<at::Tensor> run_eval(const EvalFn& fn, const Batch& batch);
+  // Captures the evaluator's fn into the step's pool; false (with a warning, and the cause in
+  // its stats) when that failed, and the model as it was.
+  bool capture_eval(Evaluator::State& state);
   void ema_init();
   void ema_use_flat();  // after fuse(): the parameters' averages into flat buffers
   void ema_update();    // after each update: device work only (captured in the graph)
@@ -531,6 +558,8 @@ class Step::Impl {
   std::vector<std::pair<at::Tensor, at::Tensor>> ema_flat_;
   std::vector<size_t> ema_loose_;      // the parameters averaged one by one
   std::vector<at::Tensor> ema_saved_;  // inside ema_weights(): the trained values
+
+  std::vector<std::weak_ptr<Evaluator::State>> evaluators_;
 };
 
 Step::Impl::Impl(std::shared_ptr<torch::nn::Module> module, torch::optim::Optimizer& optimizer,
@@ -614,10 +643,15 @@ void Step::Impl::inject(int point) {
 
 // ------------------------------------------------------------------ the template
 
-void Step::Impl::make_template(const Batch& batch) {
+namespace {
+
+// The layout a first batch fixes: its batch size and each tensor's spec. `who` starts each
+// error ("nimble_train::Step", "nimble_train::Evaluator").
+std::pair<int64_t, std::vector<LeafSpec>> layout_of(const Batch& batch, at::Device device,
+                                                    const std::string& who) {
   if (batch.empty() || !batch[0].defined() || batch[0].dim() == 0) {
-    throw ShapeError("nimble_train::Step: a batch is a non-empty vector of tensors whose first "
-                     "has the batch as dimension 0; got " +
+    throw ShapeError(who + ": a batch is a non-empty vector of tensors whose first has the "
+                     "batch as dimension 0; got " +
                      (batch.empty() ? std::string("an empty vector")
                                     : "a first tensor of shape " +
                                           (batch[0].defined() ? tuple_text(batch[0].sizes())
@@ -625,19 +659,18 @@ void Step::Impl::make_template(const Batch& batch) {
   }
   const int64_t size = batch[0].size(0);
   if (size == 0) {
-    throw ShapeError("nimble_train::Step: the first batch is empty (0 samples along dimension "
-                     "0); the first batch fixes the step's shapes and must be a full one. Skip "
-                     "empty batches.");
+    throw ShapeError(who + ": the first batch is empty (0 samples along dimension 0); the "
+                     "first batch fixes the shapes and must be a full one. Skip empty batches.");
   }
   std::vector<LeafSpec> specs;
   for (size_t i = 0; i < batch.size(); ++i) {
     const at::Tensor& t = batch[i];
     const std::string path = "batch[" + std::to_string(i) + "]";
-    if (!t.defined()) throw ShapeError("nimble_train::Step: " + path + " is an undefined tensor");
-    if (t.device() != device_) {
-      throw ShapeError("nimble_train::Step: " + path + " is on " + t.device().str() +
-                       " and the model on " + device_.str() + "; move the batch to " +
-                       device_.str() + " (once, before the loop, for data that fits)");
+    if (!t.defined()) throw ShapeError(who + ": " + path + " is an undefined tensor");
+    if (t.device() != device) {
+      throw ShapeError(who + ": " + path + " is on " + t.device().str() + " and the model on " +
+                       device.str() + "; move the batch to " + device.str() +
+                       " (once, before the loop, for data that fits)");
     }
     LeafSpec spec;
     spec.path = path;
@@ -649,6 +682,13 @@ void Step::Impl::make_template(const Batch& batch) {
     spec.batched = t.dim() >= 1 && t.size(0) == size;
     specs.push_back(std::move(spec));
   }
+  return {size, std::move(specs)};
+}
+
+}  // namespace
+
+void Step::Impl::make_template(const Batch& batch) {
+  auto [size, specs] = layout_of(batch, device_, "nimble_train::Step");
   batch_size_ = size;
   specs_ = specs;
 #if NT_HAVE_CUDA
@@ -1515,11 +1555,189 @@ void Step::Impl::own_grads() {
 void Step::Impl::release() {
 #if NT_HAVE_CUDA
   if (graph_) {
+    for (const auto& weak : evaluators_) {
+      if (auto state = weak.lock()) {
+        state->outputs.clear();
+        state->entry = -1;
+      }
+    }
     graph_losses_ = {};
     grad_norm_ = at::Tensor();
     graph_->release();
     graph_.reset();
   }
+#endif
+}
+
+// ------------------------------------------------------------------ the evaluators
+
+namespace {
+
+// The module in eval mode for the guard's lifetime; every module's own mode back after (a
+// child the user keeps in eval stays so).
+class Evaluating {
+ public:
+  explicit Evaluating(torch::nn::Module& root) {
+    for (const auto& m : root.modules(/*include_self=*/true)) modes_.emplace_back(m, m->is_training());
+    root.eval();
+  }
+  ~Evaluating() {
+    // modules() is in pre-order and train() is recursive: each module's own call comes last.
+    for (const auto& [module, training] : modes_) module->train(training);
+  }
+  Evaluating(const Evaluating&) = delete;
+  Evaluating& operator=(const Evaluating&) = delete;
+
+ private:
+  std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> modes_;
+};
+
+}  // namespace
+
+Evaluator Step::Impl::make_evaluator(EvalFn fn) {
+  if (!fn) {
+    throw Error("nimble_train::Step::evaluator: fn is empty; pass a function of the batch that "
+                "returns the model's outputs as tensors ([&](const Batch& b) { return "
+                "std::vector<at::Tensor>{net->forward(b[0])}; })");
+  }
+  auto state = std::make_shared<Evaluator::State>();
+  state->impl = this;
+  state->fn = std::move(fn);
+  evaluators_.erase(std::remove_if(evaluators_.begin(), evaluators_.end(),
+                                   [](const auto& weak) { return weak.expired(); }),
+                    evaluators_.end());
+  evaluators_.push_back(state);
+  return Evaluator(std::move(state));
+}
+
+std::vector<at::Tensor> Step::Impl::run_eval(const EvalFn& fn, const Batch& batch) {
+  std::vector<at::Tensor> out;
+  {
+    const Evaluating evaluating(*module_);
+    const c10::AutoGradMode no_grad(false);
+    const AutocastGuard autocast(options_.amp == Amp::kBF16, device_.type());
+    out = fn(batch);
+  }
+  if (out.empty()) {
+    throw Error("nimble_train::Evaluator: fn returned no tensors; return the outputs to keep "
+                "(logits, a loss summed over the batch, a count of correct predictions)");
+  }
+  for (size_t i = 0; i < out.size(); ++i) {
+    if (!out[i].defined()) {
+      throw Error("nimble_train::Evaluator: fn's output " + std::to_string(i) +
+                  " is an undefined tensor; return defined tensors only");
+    }
+  }
+  return out;
+}
+
+std::vector<at::Tensor> Step::Impl::evaluate(Evaluator::State& state, const Batch& batch) {
+  if (phase_ == Phase::kClosed) {
+    throw Error("nimble_train::Evaluator: its step was closed; build a new Step and make a new "
+                "evaluator from it (step.evaluator(fn))");
+  }
+  // What the graphs read is as the step holds it: the optimizer's parameters, the modules and
+  // their members (modes aside: an evaluation sets its own), data replaced since capture.
+  check_structure();
+  const bool replaying = phase_ == Phase::kReplay;
+  if (replaying) {
+    check_kernel_settings();
+    if (state.outputs.size() > 0 && ambient_autocast(device_.type()) != state.autocast) {
+      throw Error("nimble_train::Evaluator: called " +
+                  autocast_text(ambient_autocast(device_.type())) + " (at::autocast), where its "
+                  "graph was captured " + autocast_text(state.autocast) + "; a replay runs the "
+                  "precision it was captured with. Evaluate under the same autocast at every "
+                  "call, or make another evaluator for the other (step.evaluator(fn)). Nothing "
+                  "was run for this call.");
+    }
+    modules_->check(/*modes=*/false);
+  }
+  check_params();
+  if (!state.layout) {
+    auto [size, specs] = layout_of(batch, device_, "nimble_train::Evaluator");
+    state.batch_size = size;
+    state.layout = std::make_unique<StaticInputs>(std::move(specs));
+  }
+  int64_t samples = 0;
+  try {
+    samples = state.layout->check(batch);
+  } catch (const BatchMismatch& e) {
+    throw ShapeError(std::string("nimble_train::Evaluator: ") + e.what());
+  }
+  const bool full = samples == state.batch_size;
+#if NT_HAVE_CUDA
+  // A graph once the step replays and fn ran eagerly on a full batch (cuDNN and cuBLAS met
+  // its shapes outside a capture), unless capturing it failed.
+  bool graph = replaying && full && state.met && state.stats.capture_error.empty();
+  if (graph && state.outputs.empty()) graph = capture_eval(state);
+  if (graph) {
+    // Its graph stages nothing: either launch point fails it after the copy-in.
+    if (fault_ == Fault::kAfterStaging || fault_ == Fault::kAfterCopyIn) {
+      graph_->fail_next_launch(capture::LaunchFault::kAfterCopyIn);
+      fault_ = Fault::kNone;
+    }
+    graph_->launch(state.entry, batch, {});
+    std::vector<at::Tensor> out;
+    for (const at::Tensor& t : state.outputs) out.push_back(t.clone());
+    ++state.stats.replays;
+    return out;
+  }
+#endif
+  std::vector<at::Tensor> out = run_eval(state.fn, batch);
+  state.met = state.met || full;
+  ++state.stats.eager;
+  return out;
+}
+
+bool Step::Impl::capture_eval(Evaluator::State& state) {
+#if NT_HAVE_CUDA
+  if (state.entry < 0) state.entry = graph_->add_entry(state.layout->specs());
+  c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
+  const std::vector<at::Tensor>& statics = graph_->inputs(state.entry).buffers();
+  std::vector<at::Tensor> out;
+  std::string cause;
+  bool failed = false;
+  {
+    const c10::cuda::CUDAStreamGuard on_side(*side_);
+    try {
+      graph_->begin_capture(state.entry, /*staged=*/false);
+    } catch (const std::exception& e) {
+      failed = true;
+      cause = e.what();
+    }
+    if (!failed) {
+      try {
+        out = run_eval(state.fn, statics);
+        if (fault_ == Fault::kInCapture) {
+          fault_ = Fault::kNone;
+          throw std::runtime_error("injected failure inside the capture (a rollback test)");
+        }
+        const capture::CaptureResult result = graph_->end_capture();
+        failed = !result.ok;
+        cause = result.error;
+      } catch (const std::exception& e) {
+        graph_->abandon_capture();
+        failed = true;
+        cause = e.what();
+      }
+    }
+  }
+  if (failed) {
+    cause = cause.substr(0, cause.find('\n'));
+    state.stats.capture_error = cause.empty() ? std::string("unknown") : cause;
+    TORCH_WARN("nimble_train::Evaluator: capturing fn as a CUDA graph failed, so it runs "
+               "eagerly from now on (correct, at eager speed). Keep fn free of host "
+               "synchronisations (.item(), printing, data-dependent shapes) to have it "
+               "captured. Cause: ", state.stats.capture_error);
+    return false;
+  }
+  state.outputs = std::move(out);
+  state.autocast = ambient_autocast(device_.type());
+  ++state.stats.captures;
+  return true;
+#else
+  (void)state;
+  return false;
 #endif
 }
 
@@ -1697,6 +1915,18 @@ std::optional<at::Tensor> Step::grad_norm() const { return impl_->grad_norm(); }
 StepStats Step::stats() const { return impl_->stats(); }
 void Step::close() { impl_->close(); }
 void Step::inject_failure_for_testing(int point) { impl_->inject(point); }
+
+Evaluator Step::evaluator(EvalFn fn) { return impl_->make_evaluator(std::move(fn)); }
+
+std::vector<at::Tensor> Evaluator::operator()(const Batch& batch) {
+  if (state_->impl == nullptr) {
+    throw Error("nimble_train::Evaluator: its Step was destroyed; an evaluator is used while "
+                "the Step it came from lives");
+  }
+  return state_->impl->evaluate(*state_, batch);
+}
+
+EvaluatorStats Evaluator::stats() const { return state_->stats; }
 
 Step::EmaWeights Step::ema_weights() {
   impl_->ema_swap(true);

@@ -62,6 +62,15 @@ inline ForwardLoss per_sample(torch::nn::Sequential& net) {
   };
 }
 
+// The model's outputs in eval mode, without autograd (BatchNorm's running statistics).
+inline torch::Tensor eval_forward(torch::nn::Sequential& net, const torch::Tensor& x) {
+  const torch::NoGradGuard no_grad;
+  net->eval();
+  torch::Tensor out = net->forward(x);
+  net->train();
+  return out;
+}
+
 // One iteration of the hand-written loop: zero_grad, mean loss, backward, clipping, step.
 inline double reference_step(torch::nn::Sequential& net, torch::optim::Optimizer& opt,
                              const Batch& b, double clip = 0) {

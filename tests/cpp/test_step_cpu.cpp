@@ -16,6 +16,7 @@
 
 namespace nt = nimble_train;
 namespace F = torch::nn::functional;
+using nimble_train::testing::eval_forward;
 using nimble_train::testing::expect_refused;
 using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
@@ -54,6 +55,16 @@ std::vector<torch::Tensor> snapshot(torch::nn::Sequential& a) {
 }
 
 constexpr double kTol = 2e-6;
+
+// SGD with momentum (lr 0.1), or AdamW (lr 1e-2), over the model's parameters.
+std::unique_ptr<torch::optim::Optimizer> sgd_or_adamw(torch::nn::Sequential& net, bool adamw) {
+  if (adamw) {
+    return std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                 torch::optim::AdamWOptions(1e-2));
+  }
+  return std::make_unique<torch::optim::SGD>(net->parameters(),
+                                             torch::optim::SGDOptions(0.1).momentum(0.9));
+}
 
 // Bags of embeddings with a sparse gradient, then a classifier: the same weights at each call.
 torch::nn::Sequential sparse_bag() {
@@ -525,6 +536,118 @@ TEST(StepCpu, TheEmaStateLoadsBackAndAStateThatDoesNotFitIsRefused) {
   EXPECT_THROW(plain.ema_state_dict(), nt::Error);
 }
 
+// step.evaluator(fn) runs fn with the model in eval mode (BatchNorm reads its running
+// statistics, which it leaves alone) and autograd off, each module's own mode back after (a
+// child the user keeps in eval stays so); evaluations between training calls change nothing
+// of the training, which equals the loop's; a short batch is evaluated as it is.
+TEST(StepCpu, AnEvaluatorRunsFnInEvalModeAndLeavesTheTrainingAlone) {
+  auto batches = make_batches(6, 16, 50);
+  auto held_out = make_batches(3, 24, 51);
+  held_out[2] = {held_out[2][0].narrow(0, 0, 5), held_out[2][1].narrow(0, 0, 5)};
+  auto net = make_model(52, /*batch_norm=*/true), ref = make_model(52, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  nt::Evaluator evaluate = step.evaluator([net](const nt::Batch& b) mutable {
+    torch::Tensor logits = net->forward(b[0]);
+    return std::vector<torch::Tensor>{logits, F::cross_entropy(logits, b[1],
+        F::CrossEntropyFuncOptions().reduction(torch::kSum))};
+  });
+  for (size_t i = 0; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+    for (const nt::Batch& b : held_out) {
+      const std::vector<torch::Tensor> out = evaluate(b);
+      ASSERT_EQ(out.size(), 2u);
+      const torch::Tensor expected = eval_forward(ref, b[0]);
+      EXPECT_LT((out[0] - expected).abs().max().item<double>(), 1e-5) << "after step " << i;
+      EXPECT_NEAR(out[1].item<double>(),
+                  F::cross_entropy(expected, b[1], F::CrossEntropyFuncOptions().reduction(
+                                                       torch::kSum)).item<double>(), 1e-4);
+      EXPECT_FALSE(out[0].requires_grad());
+    }
+    EXPECT_TRUE(net->is_training());
+    EXPECT_LT(max_diff(net, ref), 1e-6) << "step " << i;
+    EXPECT_TRUE(torch::allclose(net->named_buffers()["3.running_mean"],
+                                ref->named_buffers()["3.running_mean"], 1e-5, 1e-7));
+  }
+  net[1]->eval();  // a child kept in eval by the loop stays so
+  evaluate(held_out[0]);
+  EXPECT_TRUE(net->is_training());
+  EXPECT_FALSE(net[1]->is_training());
+  EXPECT_TRUE(net[3]->is_training());
+  net[1]->train();
+  const nt::EvaluatorStats stats = evaluate.stats();
+  EXPECT_EQ(stats.eager, int64_t(batches.size() * held_out.size() + 1));
+  EXPECT_EQ(stats.replays, 0);  // the CPU runs eagerly
+  EXPECT_EQ(stats.captures, 0);
+  EXPECT_TRUE(stats.capture_error.empty());
+}
+
+// Inside ema_weights() an evaluator evaluates the averages.
+TEST(StepCpu, AnEvaluatorInsideEmaWeightsEvaluatesTheAverages) {
+  auto batches = make_batches(5, 16, 53);
+  auto net = make_model(54, /*batch_norm=*/true), ref = make_model(54, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_ema(0.8));
+  nt::Evaluator evaluate = step.evaluator([net](const nt::Batch& b) mutable {
+    return std::vector<torch::Tensor>{net->forward(b[0])};
+  });
+  for (const nt::Batch& b : batches) step(b);
+  torch::Tensor averaged, trained = evaluate(batches[0])[0];
+  {
+    const auto in = step.ema_weights();
+    averaged = evaluate(batches[0])[0];
+  }
+  auto state = step.ema_state_dict();
+  for (const auto& item : ref->named_parameters()) {
+    const torch::NoGradGuard no_grad;
+    item.value().copy_(state[item.key()]);
+  }
+  for (const auto& item : ref->named_buffers()) item.value().copy_(state[item.key()]);
+  EXPECT_LT((averaged - eval_forward(ref, batches[0][0])).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((averaged - trained).abs().max().item<double>(), 1e-3);
+  EXPECT_TRUE(torch::equal(evaluate(batches[0])[0], trained));  // the trained weights are back
+}
+
+// What an evaluator cannot do is a clear error: an empty fn, fn returning no tensor or an
+// undefined one, a batch of another layout than its first, its step closed or destroyed.
+TEST(StepCpu, AnEvaluatorsMisusesAreClearErrors) {
+  auto batches = make_batches(2, 16, 55);
+  auto net = make_model(56);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
+  auto step = std::make_unique<nt::Step>(net, opt, per_sample(net));
+  EXPECT_THROW(step->evaluator(nt::EvalFn()), nt::Error);
+  const auto said = [](nt::Evaluator& evaluate, const nt::Batch& b, const std::string& part) {
+    try {
+      evaluate(b);
+      ADD_FAILURE() << "the evaluation ran; expected an error saying " << part;
+    } catch (const nt::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  };
+  nt::Evaluator nothing = step->evaluator([](const nt::Batch&) {
+    return std::vector<torch::Tensor>{};
+  });
+  said(nothing, batches[0], "fn returned no tensors");
+  nt::Evaluator undefined = step->evaluator([](const nt::Batch&) {
+    return std::vector<torch::Tensor>{torch::Tensor()};
+  });
+  said(undefined, batches[0], "fn's output 0 is an undefined tensor");
+  nt::Evaluator evaluate = step->evaluator([net](const nt::Batch& b) mutable {
+    return std::vector<torch::Tensor>{net->forward(b[0])};
+  });
+  evaluate(batches[0]);
+  EXPECT_THROW(evaluate({batches[0][0].narrow(1, 0, 4), batches[0][1]}), nt::ShapeError);
+  said(evaluate, {batches[0][0].to(torch::kDouble), batches[0][1]}, "nimble_train::Evaluator");
+  nt::Evaluator copy = evaluate;  // copies share the state
+  EXPECT_EQ(copy.stats().eager, 1);
+  step->close();
+  said(evaluate, batches[1], "its step was closed");
+  step.reset();
+  said(copy, batches[1], "its Step was destroyed");
+}
+
 TEST(StepCpu, BadOptionsAreClearErrors) {
   auto net = make_model(0);
   torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1));
@@ -545,18 +668,7 @@ TEST(StepCpu, AccumulationEqualsTheHandWrittenLoopWindowByWindow) {
     auto batches = make_batches(12, 16, 24);
     batches[7] = {batches[7][0].narrow(0, 0, 5), batches[7][1].narrow(0, 0, 5)};
     auto net = make_model(25), ref = make_model(25);
-    std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
-    if (adam) {
-      opt = std::make_unique<torch::optim::AdamW>(net->parameters(),
-                                                  torch::optim::AdamWOptions(1e-2));
-      ref_opt = std::make_unique<torch::optim::AdamW>(ref->parameters(),
-                                                      torch::optim::AdamWOptions(1e-2));
-    } else {
-      opt = std::make_unique<torch::optim::SGD>(net->parameters(),
-                                                torch::optim::SGDOptions(0.1).momentum(0.9));
-      ref_opt = std::make_unique<torch::optim::SGD>(ref->parameters(),
-                                                    torch::optim::SGDOptions(0.1).momentum(0.9));
-    }
+    auto opt = sgd_or_adamw(net, adam), ref_opt = sgd_or_adamw(ref, adam);
     nt::Step step(net, *opt, per_sample(net),
                   nt::StepOptions().set_accumulate(3).set_grad_clip(0.5));
     for (size_t w = 0; w < 4; ++w) {
@@ -631,18 +743,7 @@ TEST(StepCpu, ALossWeightGivenPerCallReplacesTheStepsWeighting) {
       auto batches = make_batches(11, 16, 44);
       batches[4] = {batches[4][0].narrow(0, 0, 6), batches[4][1].narrow(0, 0, 6)};
       auto net = make_model(45), ref = make_model(45);
-      std::unique_ptr<torch::optim::Optimizer> opt, ref_opt;
-      if (adam) {
-        opt = std::make_unique<torch::optim::AdamW>(net->parameters(),
-                                                    torch::optim::AdamWOptions(1e-2));
-        ref_opt = std::make_unique<torch::optim::AdamW>(ref->parameters(),
-                                                        torch::optim::AdamWOptions(1e-2));
-      } else {
-        opt = std::make_unique<torch::optim::SGD>(net->parameters(),
-                                                  torch::optim::SGDOptions(0.1).momentum(0.9));
-        ref_opt = std::make_unique<torch::optim::SGD>(
-            ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-      }
+      auto opt = sgd_or_adamw(net, adam), ref_opt = sgd_or_adamw(ref, adam);
       nt::ForwardLoss loss_fn = per_sample(net);
       if (scalar) {
         loss_fn = [net](const nt::Batch& b) mutable {

@@ -5,7 +5,8 @@
 // failed launch or capture leaves the model and optimizer as after the last completed step,
 // a module left in eval mode, a child replaced, a parameter member assigned anew, a sparse
 // gradient, a changed kernel setting (TF32, cuDNN) or another autocast in a captured step is
-// refused, a parameter given its first gradient late trains eagerly with torch::optim, and a
+// refused, a parameter given its first gradient late trains eagerly with torch::optim, an
+// evaluator is captured in the step's pool and equals the eager evaluation, and a
 // parameter given new data, BatchNorm's statistics assigned anew, or a checkpoint loaded with
 // torch::load, trains on from it.
 // Skipped, with the reason, where there is no CUDA GPU.
@@ -28,6 +29,7 @@
 
 namespace nt = nimble_train;
 namespace F = torch::nn::functional;
+using nimble_train::testing::eval_forward;
 using nimble_train::testing::expect_refused;
 using nimble_train::testing::LateLayer;
 using nimble_train::testing::max_diff;
@@ -87,6 +89,19 @@ struct Replaying {
   torch::optim::SGD opt, ref_opt;
   nt::Step step;
 };
+
+// An evaluator of the logits and the summed cross-entropy.
+nt::Evaluator logits_and_loss(nt::Step& step, torch::nn::Sequential net) {
+  return step.evaluator([net](const nt::Batch& b) mutable {
+    torch::Tensor logits = net->forward(b[0]);
+    return std::vector<torch::Tensor>{
+        logits, F::cross_entropy(logits, b[1], F::CrossEntropyFuncOptions().reduction(torch::kSum))};
+  });
+}
+
+double diff(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a.to(torch::kDouble) - b.to(torch::kDouble)).abs().max().item<double>();
+}
 
 }  // namespace
 
@@ -487,9 +502,6 @@ TEST_F(StepCuda, WindowsEndedEarlyReplayTheirOwnGraphsAndEqualTheLoop) {
   EXPECT_EQ(step.stats().replays, int64_t(next) - 4);
 }
 
-// ema = 0.9 in graphs, with accumulate = 2 and BatchNorm: the average moves in the update's
-// graph (one lerp_ per flat buffer, and the running statistics), and after every update equals
-// a hand-written EMA's; ema_weights() swaps it in for a scope and back.
 // Loss weights given per call (CallOptions::loss_weight) are staged with each launch: the
 // graphs of the Step's own weighting replay them, no new capture, a padded short micro-batch
 // and windows ended early included; each window's update equals the loop's (mean *
@@ -534,6 +546,154 @@ TEST_F(StepCuda, LossWeightsGivenPerCallAreStagedAndEqualTheLoop) {
   EXPECT_EQ(stats.replays, int64_t(next) - 3);
 }
 
+// step.evaluator(fn): eager before the step replays and for short batches; once the step
+// replays and fn met a full batch, captured into the step's pool and replayed, reading the
+// weights (and BatchNorm's running statistics) where training writes them, equal to the eager
+// evaluation of the loop's model after every step; its outputs are fresh; training is left
+// alone; a parameter given new data after capture is what the evaluation's graph reads too.
+TEST_F(StepCuda, AnEvaluatorIsCapturedInTheStepsPoolAndEqualsTheEagerEvaluation) {
+  auto batches = make_batches(10, 32, 60, device);
+  auto held_out = make_batches(3, 48, 61, device);
+  held_out[2] = {held_out[2][0].narrow(0, 0, 17), held_out[2][1].narrow(0, 0, 17)};
+  auto net = make_model(62, device, /*batch_norm=*/true);
+  auto ref = make_model(62, device, /*batch_norm=*/true);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net));
+  nt::Evaluator evaluate = logits_and_loss(step, net);
+  for (size_t i = 0; i < batches.size(); ++i) {
+    step(batches[i]);
+    reference_step(ref, ref_opt, batches[i]);
+    for (const nt::Batch& b : held_out) {
+      const std::vector<torch::Tensor> out = evaluate(b);
+      const torch::Tensor expected = eval_forward(ref, b[0]);
+      EXPECT_LT(diff(out[0], expected), 1e-4) << "after step " << i;
+      EXPECT_NEAR(out[1].item<double>(),
+                  F::cross_entropy(expected, b[1], F::CrossEntropyFuncOptions().reduction(
+                                                       torch::kSum)).item<double>(), 1e-3);
+    }
+    EXPECT_LT(max_diff(net, ref), 5e-5) << "step " << i;
+    EXPECT_TRUE(torch::allclose(net->named_buffers()["3.running_var"],
+                                ref->named_buffers()["3.running_var"], 1e-4, 1e-5));
+  }
+  nt::EvaluatorStats stats = evaluate.stats();
+  EXPECT_EQ(stats.captures, 1);
+  EXPECT_EQ(stats.replays, 14);  // two full batches after each of the 7 steps from the capture
+  EXPECT_EQ(stats.eager, 3 * 3 + 7);  // every batch before, the short one after
+  EXPECT_TRUE(stats.capture_error.empty());
+  EXPECT_EQ(step.stats().captures, 1);
+
+  const torch::Tensor kept = evaluate(held_out[0])[0];
+  const torch::Tensor copy = kept.clone();
+  evaluate(held_out[1]);
+  EXPECT_TRUE(torch::equal(kept, copy));  // fresh outputs: the next replay leaves them alone
+
+  torch::Tensor weight = net->parameters()[0];
+  const torch::Tensor fresh = torch::randn_like(weight) * 0.1;
+  {
+    torch::NoGradGuard no_grad;
+    weight.set_data(fresh.clone());
+    ref->parameters()[0].set_data(fresh.clone());
+  }
+  EXPECT_LT(diff(evaluate(held_out[0])[0], eval_forward(ref, held_out[0][0])), 1e-4);
+  EXPECT_EQ(evaluate.stats().replays, 17);
+  step(batches[0]);
+  reference_step(ref, ref_opt, batches[0]);
+  EXPECT_LT(max_diff(net, ref), 5e-5);
+}
+
+// Inside ema_weights() the evaluator's graph evaluates the averages (copied into the tensors
+// it reads), and the trained weights after the scope.
+TEST_F(StepCuda, AnEvaluatorsGraphInsideEmaWeightsEvaluatesTheAverages) {
+  auto batches = make_batches(8, 32, 63, device);
+  auto net = make_model(64, device, /*batch_norm=*/true);
+  auto ref = make_model(64, device, /*batch_norm=*/true);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_ema(0.8));
+  nt::Evaluator evaluate = logits_and_loss(step, net);
+  for (const nt::Batch& b : batches) {
+    step(b);
+    evaluate(b);
+  }
+  ASSERT_EQ(evaluate.stats().captures, 1);
+  const torch::Tensor trained = evaluate(batches[0])[0];
+  torch::Tensor averaged;
+  {
+    const auto in = step.ema_weights();
+    averaged = evaluate(batches[0])[0];
+  }
+  auto state = step.ema_state_dict();
+  {
+    torch::NoGradGuard no_grad;
+    for (const auto& item : ref->named_parameters()) item.value().copy_(state[item.key()]);
+    for (const auto& item : ref->named_buffers()) item.value().copy_(state[item.key()]);
+  }
+  EXPECT_LT(diff(averaged, eval_forward(ref, batches[0][0])), 1e-4);
+  EXPECT_GT(diff(averaged, trained), 1e-3);
+  EXPECT_TRUE(torch::equal(evaluate(batches[0])[0], trained));
+  EXPECT_EQ(evaluate.stats().replays, 8);  // 5 in the loop, 3 here
+}
+
+// An evaluator whose capture fails (here injected) warns, evaluates eagerly, correctly, from
+// then on, and leaves the model and optimizer alone; one whose launch fails raises, and the
+// next call replays; training equals the loop's throughout.
+TEST_F(StepCuda, AnEvaluatorsFailedCaptureOrLaunchChangesNothing) {
+  Replaying r(65, device);
+  nt::Evaluator evaluate = logits_and_loss(r.step, r.net);
+  const nt::Batch& b = r.batches[9];
+  evaluate(b);
+  r.step.inject_failure_for_testing(3);
+  EXPECT_LT(diff(evaluate(b)[0], eval_forward(r.ref, b[0])), 1e-4);
+  nt::EvaluatorStats stats = evaluate.stats();
+  EXPECT_EQ(stats.captures, 0);
+  EXPECT_NE(stats.capture_error.find("injected failure"), std::string::npos)
+      << stats.capture_error;
+  EXPECT_LT(max_diff(r.net, r.ref), 1e-5);
+  r.train(5, 7);
+  EXPECT_LT(diff(evaluate(b)[0], eval_forward(r.ref, b[0])), 1e-4);
+  EXPECT_EQ(evaluate.stats().eager, 3);
+
+  nt::Evaluator second = logits_and_loss(r.step, r.net);
+  second(b);
+  second(b);
+  ASSERT_EQ(second.stats().captures, 1);
+  for (const int point : {1, 2}) {
+    r.step.inject_failure_for_testing(point);
+    EXPECT_ANY_THROW(second(r.batches[point]));
+    EXPECT_LT(max_diff(r.net, r.ref), 5e-5);
+    EXPECT_LT(diff(second(b)[0], eval_forward(r.ref, b[0])), 1e-4) << "point " << point;
+  }
+  r.train(7, 10);
+  EXPECT_LT(max_diff(r.net, r.ref), 5e-5);
+  EXPECT_EQ(r.step.stats().replays, 10 - 3);
+  EXPECT_EQ(second.stats().replays, 3);
+}
+
+// An evaluator's graph runs the precision it was captured with: a call under another
+// at::autocast is refused before anything runs.
+TEST_F(StepCuda, AnEvaluatorCalledUnderAnotherAutocastThanItsCaptureIsRefused) {
+  Replaying r(66, device);
+  nt::Evaluator evaluate = logits_and_loss(r.step, r.net);
+  evaluate(r.batches[0]);
+  evaluate(r.batches[0]);
+  ASSERT_EQ(evaluate.stats().captures, 1);
+  at::autocast::set_autocast_enabled(at::kCUDA, true);
+  at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  try {
+    evaluate(r.batches[1]);
+    ADD_FAILURE() << "the evaluation ran under another autocast";
+  } catch (const nt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("captured without autocast"), std::string::npos)
+        << e.what();
+  }
+  at::autocast::set_autocast_enabled(at::kCUDA, false);
+  EXPECT_LT(diff(evaluate(r.batches[1])[0], eval_forward(r.ref, r.batches[1][0])), 1e-4);
+  EXPECT_EQ(evaluate.stats().replays, 2);
+}
+
+// ema = 0.9 in graphs, with accumulate = 2 and BatchNorm: the average moves in the update's
+// graph (one lerp_ per flat buffer, and the running statistics), and after every update equals
+// a hand-written EMA's; ema_weights() swaps it in for a scope and back.
 TEST_F(StepCuda, TheEmaMovesInTheUpdatesGraphAndEqualsAHandWrittenAverage) {
   auto batches = make_batches(16, 32, 42, device);
   auto net = make_model(43, device, /*batch_norm=*/true);

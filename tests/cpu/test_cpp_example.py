@@ -15,6 +15,16 @@ from package_build import build_against_package
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "cpp")
 LOSS_LINE = re.compile(r"^step (\d+) lr \S+ loss (\S+)$", re.MULTILINE)
 SAMPLES_LINE = re.compile(r"^samples/s (\S+) over steps", re.MULTILINE)
+EVAL_LINE = re.compile(r"^eval: accuracy (\S+) over (\d+) held-out samples \(evaluator: "
+                       r"replays (\d+), eager (\d+)\)$", re.MULTILINE)
+
+
+def evaluation(stdout: str) -> tuple[float, int, int, int]:
+    """The evaluation's line: accuracy, samples, evaluator replays and eager calls."""
+    found = EVAL_LINE.search(stdout)
+    assert found, stdout
+    accuracy, samples, replays, eager = found.groups()
+    return float(accuracy), int(samples), int(replays), int(eager)
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +53,9 @@ def test_the_example_trains_on_the_cpu(train_cnn):
     samples = SAMPLES_LINE.search(ran.stdout)
     assert samples and float(samples.group(1)) > 0, ran.stdout
     assert re.search(r"^stats: phase \S+, calls 8,", ran.stdout, re.MULTILINE), ran.stdout
+    accuracy, samples, replays, eager = evaluation(ran.stdout)
+    assert 0 <= accuracy <= 1 and samples == 4 * 8, ran.stdout
+    assert (replays, eager) == (0, 4), ran.stdout  # the CPU evaluates eagerly
 
 
 def test_the_example_accumulates_gradients_on_the_cpu(train_cnn):
@@ -67,6 +80,9 @@ def test_the_example_captures_on_a_gpu(train_cnn):
     assert 30 in printed and all(math.isfinite(v) for v in printed.values()), ran.stdout
     stats = re.search(r"^stats: phase (\S+), .*captures (\d+),", ran.stdout, re.MULTILINE)
     assert stats and stats.groups() == ("replay", "1"), ran.stdout
+    accuracy, samples, replays, eager = evaluation(ran.stdout)
+    # the evaluator: one eager batch, then captured into the step's pool and replayed
+    assert 0 <= accuracy <= 1 and (replays, eager) == (3, 1), ran.stdout
 
 
 @pytest.mark.cuda
