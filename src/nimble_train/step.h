@@ -158,9 +158,10 @@ struct CallOptions {
   // micro-batches so far: an epoch ending mid-window).
   bool update = false;
   // With accumulate: this micro-batch's loss is multiplied by it instead of the Step's
-  // weighting (a loop that normalises by the window's token count); the update then applies
-  // no correction for this call. Without accumulation only 1 is accepted (scale the loss in
-  // forward_loss instead).
+  // weighting (a loop that normalises by the window's token count). Give it on every call of
+  // a window: the update's correction for the window's samples is decided at its last call,
+  // and a weight given there means none. Without accumulation only 1 is accepted (scale the
+  // loss in forward_loss instead).
   std::optional<double> loss_weight;
 
   CallOptions& set_update(bool v) { update = v; return *this; }
@@ -229,8 +230,8 @@ class Step {
   Step& operator=(Step&&) noexcept;
 
   // One training step on `batch`; returns the loss as a 0-dim float32 tensor on the device
-  // without a host sync. After capture it is the graph's own output, overwritten by the next
-  // call: clone() it to keep it.
+  // without a host sync. After capture it is the graphs' output buffer, overwritten by the
+  // next call (not by its evaluators'): clone() it to keep it.
   at::Tensor operator()(const Batch& batch);
   // With accumulate: `update` true ends the window with this call (its update runs, over the
   // window's micro-batches so far: an epoch ending mid-window); false as operator()(batch).

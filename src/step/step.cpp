@@ -330,8 +330,12 @@ struct Evaluator::State {
   Step::Impl* impl = nullptr;
   EvalFn fn;
   int64_t batch_size = 0;                // the first batch's: a shorter one runs eagerly
-  std::unique_ptr<StaticInputs> layout;  // the first batch's layout, which checks each call's
-  int64_t entry = -1;                    // its graph in the step's StepGraph, once added
+  std::vector<LeafSpec> specs;           // the first batch's layout
+  // What checks each call against it: its graph's entry in the step's StepGraph (whose static
+  // inputs the capture reads), or without a graph (the CPU, no capture, before the step's
+  // first call) inputs of its own.
+  int64_t entry = -1;
+  std::unique_ptr<StaticInputs> layout;
   bool met = false;                      // fn ran eagerly on a full batch (the capture follows)
   std::vector<at::Tensor> outputs;       // the graph's outputs, overwritten by each replay
   std::optional<at::ScalarType> autocast;  // the at::autocast its graph was captured under
@@ -520,7 +524,11 @@ class Step::Impl {
   // update; with it 1 first, 0 middle, 2 last, 3 a window of one call), over the same static
   // inputs; -1 where none.
   std::array<int64_t, 4> entries_{-1, -1, -1, -1};
-  std::array<at::Tensor, 4> graph_losses_;  // each graph's loss output
+  // The graphs' loss output, allocated outside their pool; each graph copies its loss into
+  // it. A graph's own tensors may take memory another graph (captured before it) freed, which
+  // that graph's replays overwrite: an evaluator's replay would change a loss held from the
+  // step's last call. The optimizer's tables (the grad norm) are outside the pool too.
+  at::Tensor graph_loss_;
   int64_t entry_ = -1;  // the graph launched last
   std::string capture_error_;
   // torch's settings that chose the graph's kernels (TF32, cuDNN, attention backends, ...),
@@ -1305,6 +1313,9 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
   entry_ = entries_[size_t(window.kind())];
   keep_state_bound();
   optim::reattach(flats_);
+  if (!graph_loss_.defined()) {
+    graph_loss_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device_));
+  }
   c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
   const std::vector<at::Tensor>& statics = graph_->inputs(entry_).buffers();
   const bool masked = per_sample_ == 1;
@@ -1335,7 +1346,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
         fused_update();
         ema_update();
       }
-      graph_losses_[size_t(window.kind())] = loss.detach().to(at::kFloat);
+      graph_loss_.copy_(loss.detach());
       result = graph_->end_capture();
       failed = !result.ok;
       cause = result.error.substr(0, result.error.find('\n'));
@@ -1344,6 +1355,10 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
       failed = true;
       cause = e.what();
       cause = cause.substr(0, cause.find('\n'));
+    } catch (...) {  // never leave a capture open: every later allocation would join it
+      result = graph_->abandon_capture();
+      failed = true;
+      cause = "forward_loss threw an exception that is not a std::exception";
     }
   }
   if (!late.empty()) {
@@ -1355,7 +1370,6 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
   }
   if (failed) {
     capture_error_ = cause;
-    graph_losses_ = {};
     grad_norm_ = at::Tensor();
     phase_ = Phase::kEager;
     if (result.invalidated && syncs_.count > 0) {
@@ -1397,7 +1411,7 @@ at::Tensor Step::Impl::launch(const Batch& batch, int64_t samples, const Window&
   graph_->launch(entry_, batch, values);
   if (window.update) after_update();
   ++replays_;
-  return graph_losses_[size_t(window.kind())];
+  return graph_loss_;
 #else
   (void)batch;
   (void)samples;
@@ -1561,7 +1575,7 @@ void Step::Impl::release() {
         state->entry = -1;
       }
     }
-    graph_losses_ = {};
+    graph_loss_ = at::Tensor();
     grad_norm_ = at::Tensor();
     graph_->release();
     graph_.reset();
@@ -1653,14 +1667,23 @@ std::vector<at::Tensor> Step::Impl::evaluate(Evaluator::State& state, const Batc
     modules_->check(/*modes=*/false);
   }
   check_params();
-  if (!state.layout) {
+  if (state.batch_size == 0) {
     auto [size, specs] = layout_of(batch, device_, "nimble_train::Evaluator");
     state.batch_size = size;
-    state.layout = std::make_unique<StaticInputs>(std::move(specs));
+    state.specs = std::move(specs);
   }
   int64_t samples = 0;
   try {
-    samples = state.layout->check(batch);
+#if NT_HAVE_CUDA
+    if (graph_ && state.entry < 0) state.entry = graph_->add_entry(state.specs);
+    if (graph_) {
+      samples = graph_->check(state.entry, batch);
+    } else
+#endif
+    {
+      if (!state.layout) state.layout = std::make_unique<StaticInputs>(state.specs);
+      samples = state.layout->check(batch);
+    }
   } catch (const BatchMismatch& e) {
     throw ShapeError(std::string("nimble_train::Evaluator: ") + e.what());
   }
@@ -1691,7 +1714,6 @@ std::vector<at::Tensor> Step::Impl::evaluate(Evaluator::State& state, const Batc
 
 bool Step::Impl::capture_eval(Evaluator::State& state) {
 #if NT_HAVE_CUDA
-  if (state.entry < 0) state.entry = graph_->add_entry(state.layout->specs());
   c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
   const std::vector<at::Tensor>& statics = graph_->inputs(state.entry).buffers();
   std::vector<at::Tensor> out;
@@ -1719,16 +1741,20 @@ bool Step::Impl::capture_eval(Evaluator::State& state) {
         graph_->abandon_capture();
         failed = true;
         cause = e.what();
+      } catch (...) {  // never leave a capture open: every later allocation would join it
+        graph_->abandon_capture();
+        failed = true;
+        cause = "fn threw an exception that is not a std::exception";
       }
     }
   }
   if (failed) {
     cause = cause.substr(0, cause.find('\n'));
     state.stats.capture_error = cause.empty() ? std::string("unknown") : cause;
-    TORCH_WARN("nimble_train::Evaluator: capturing fn as a CUDA graph failed, so it runs "
-               "eagerly from now on (correct, at eager speed). Keep fn free of host "
-               "synchronisations (.item(), printing, data-dependent shapes) to have it "
-               "captured. Cause: ", state.stats.capture_error);
+    TORCH_WARN("nimble_train::Evaluator: capturing fn as a CUDA graph failed (", 
+               state.stats.capture_error, "), so it runs eagerly from now on (correct, at "
+               "eager speed). The usual cause is a host synchronisation in fn (.item(), "
+               "printing, a data-dependent shape): keep fn on the device to have it captured.");
     return false;
   }
   state.outputs = std::move(out);

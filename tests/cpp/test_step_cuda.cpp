@@ -669,6 +669,32 @@ TEST_F(StepCuda, AnEvaluatorsFailedCaptureOrLaunchChangesNothing) {
   EXPECT_EQ(second.stats().replays, 3);
 }
 
+// The loss a call returns stays its value until the step's next call: an evaluator captured
+// before a kind of call (here the window's last, with accumulation) replays into memory of
+// its own that the later graph's loss must not share.
+TEST_F(StepCuda, ALossHeldAcrossAnEvaluatorsReplaysKeepsItsValue) {
+  auto batches = make_batches(8, 32, 67, device);
+  auto net = make_model(68, device);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(2).set_warmup(2));
+  nt::Evaluator evaluate = logits_and_loss(step, net);
+  step(batches[0]);
+  step(batches[1]);  // warm-up ends with the first window
+  step(batches[2]);  // the window's first call: captured
+  evaluate(batches[6]);
+  evaluate(batches[6]);  // the evaluator: captured after the first kind
+  // The MLP has no BatchNorm or dropout: its eval-mode forward is the training one.
+  const double expected =
+      F::cross_entropy(eval_forward(net, batches[3][0]), batches[3][1]).item<double>();
+  const torch::Tensor loss = step(batches[3]);  // the last kind: captured after the evaluator
+  ASSERT_EQ(step.stats().captures, 2);
+  ASSERT_EQ(evaluate.stats().captures, 1);
+  const torch::Tensor value = loss.clone();
+  for (int i = 0; i < 3; ++i) evaluate(batches[7 - i % 2]);
+  EXPECT_TRUE(torch::equal(loss, value));
+  EXPECT_NEAR(value.item<double>(), expected, 1e-4);  // the loss before this call's update
+}
+
 // An evaluator's graph runs the precision it was captured with: a call under another
 // at::autocast is refused before anything runs.
 TEST_F(StepCuda, AnEvaluatorCalledUnderAnotherAutocastThanItsCaptureIsRefused) {
