@@ -202,6 +202,8 @@ class Step;
 // An evaluation step of a Step's model, made by Step::evaluator(fn). Copies share one state.
 class Evaluator {
  public:
+  Evaluator() = default;  // empty until assigned one from Step::evaluator (calls raise)
+
   // fn(batch) with the model in eval mode (each module's own mode back after), autograd off
   // and the Step's amp; returns its tensors, fresh (not overwritten by a later call).
   std::vector<at::Tensor> operator()(const Batch& batch);

@@ -1945,6 +1945,10 @@ void Step::inject_failure_for_testing(int point) { impl_->inject(point); }
 Evaluator Step::evaluator(EvalFn fn) { return impl_->make_evaluator(std::move(fn)); }
 
 std::vector<at::Tensor> Evaluator::operator()(const Batch& batch) {
+  if (!state_) {
+    throw Error("nimble_train::Evaluator: this evaluator is empty (default-constructed); assign "
+                "it one made by step.evaluator(fn)");
+  }
   if (state_->impl == nullptr) {
     throw Error("nimble_train::Evaluator: its Step was destroyed; an evaluator is used while "
                 "the Step it came from lives");
@@ -1952,7 +1956,7 @@ std::vector<at::Tensor> Evaluator::operator()(const Batch& batch) {
   return state_->impl->evaluate(*state_, batch);
 }
 
-EvaluatorStats Evaluator::stats() const { return state_->stats; }
+EvaluatorStats Evaluator::stats() const { return state_ ? state_->stats : EvaluatorStats(); }
 
 Step::EmaWeights Step::ema_weights() {
   impl_->ema_swap(true);

@@ -642,6 +642,9 @@ TEST(StepCpu, AnEvaluatorsMisusesAreClearErrors) {
   said(evaluate, {batches[0][0].to(torch::kDouble), batches[0][1]}, "nimble_train::Evaluator");
   nt::Evaluator copy = evaluate;  // copies share the state
   EXPECT_EQ(copy.stats().eager, 1);
+  nt::Evaluator empty;
+  said(empty, batches[1], "this evaluator is empty");
+  EXPECT_EQ(empty.stats().eager, 0);
   step->close();
   said(evaluate, batches[1], "its step was closed");
   step.reset();
