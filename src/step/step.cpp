@@ -1346,7 +1346,9 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
         fused_update();
         ema_update();
       }
-      graph_loss_.copy_(loss.detach());
+      // A kernel, not copy_(): a copy of one dtype is a memcpy node, and a graph that is not
+      // all kernels launches at microseconds of host time per node (capture/graph_nodes.h).
+      at::mul_out(graph_loss_, loss.detach(), 1);
       result = graph_->end_capture();
       failed = !result.ok;
       cause = result.error.substr(0, result.error.find('\n'));
