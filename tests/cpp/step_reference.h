@@ -7,6 +7,9 @@
 #include <algorithm>
 #include <initializer_list>
 #include <map>
+#include <memory>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -204,6 +207,77 @@ inline void expect_refused(Step& step, const Batch& batch,
     const std::string what = e.what();
     for (const char* part : said) EXPECT_NE(what.find(part), std::string::npos) << what;
   }
+}
+
+// A random loop (from `seed`) against the hand-written one, window by window: accumulate 1
+// to 4, windows ended early, short micro-batches, loss weights given for whole windows,
+// clipping, SGD, Adam or AdamW, learning rates changed between windows, an EMA. The
+// parameters, the averages, stepped() and the update count must agree after every window
+// (within `tol`). On a GPU the Step captures a graph per kind of call and pads the short
+// micro-batches in them.
+inline void random_loop(uint32_t seed, MlpShape shape, torch::Device device, double tol) {
+  std::mt19937 rng(seed);
+  const auto pick = [&](int n) { return int(rng() % uint32_t(n)); };
+  const int64_t k = 1 + pick(4);
+  const int optimizer = pick(3);
+  const double clip = pick(2) == 0 ? 0.0 : 0.3 + 0.1 * pick(5);
+  const bool ema = pick(2) == 0;
+  auto net = make_mlp(100 + seed, shape, device), ref = make_mlp(100 + seed, shape, device);
+  const auto make = [&](torch::nn::Sequential& m) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (optimizer == 0) {
+      return std::make_unique<torch::optim::SGD>(
+          m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
+    }
+    if (optimizer == 1) {
+      return std::make_unique<torch::optim::Adam>(m->parameters(), torch::optim::AdamOptions(1e-2));
+    }
+    return std::make_unique<torch::optim::AdamW>(m->parameters(), torch::optim::AdamWOptions(1e-2));
+  };
+  auto opt = make(net), ref_opt = make(ref);
+  StepOptions options;
+  options.set_accumulate(k);
+  if (clip > 0) options.set_grad_clip(clip);
+  if (ema) options.set_ema(0.7);
+  Step step(net, *opt, per_sample(net), options);
+  std::optional<ReferenceEma> ref_ema;
+  if (ema) ref_ema.emplace(*ref, 0.7);
+  const std::string run = "seed " + std::to_string(seed) + " (accumulate " + std::to_string(k) +
+                          ", optimizer " + std::to_string(optimizer) + ", clip " +
+                          std::to_string(clip) + ", ema " + std::to_string(ema) + ")";
+  int64_t calls = 0, updates = 0;
+  for (int w = 0; w < 8; ++w) {
+    const int64_t size = pick(4) == 0 ? 1 + pick(int(k)) : k;  // ended early, or full
+    const double lr = (optimizer == 0 ? 0.1 : 1e-2) * (0.5 + 0.1 * pick(10));
+    set_lr(*opt, lr);
+    set_lr(*ref_opt, lr);
+    const bool weighted = k > 1 && pick(3) == 0;
+    std::vector<Batch> window;
+    std::vector<double> weights;
+    for (int64_t i = 0; i < size; ++i) {
+      const int64_t samples = calls == 0 || pick(4) != 0 ? 16 : 1 + pick(15);
+      torch::manual_seed(1000 * seed + uint32_t(calls));
+      window.push_back({torch::randn({samples, shape.features}).to(device),
+                        torch::randint(0, shape.classes, {samples}).to(device)});
+      weights.push_back(0.1 + 0.2 * pick(5));
+      CallOptions call;
+      call.set_update(i + 1 == size);
+      if (weighted) call.set_loss_weight(weights.back());
+      step(window.back(), call);
+      ++calls;
+      ASSERT_EQ(step.stepped(), i + 1 == size) << run << ", window " << w;
+    }
+    if (weighted) {
+      reference_weighted_window(ref, *ref_opt, window, weights, clip);
+    } else {
+      reference_window(ref, *ref_opt, window, clip);
+    }
+    if (ref_ema) ref_ema->update();
+    ++updates;
+    ASSERT_LT(max_diff(net, ref), tol) << run << ", window " << w;
+    if (ref_ema) ASSERT_LT(ref_ema->max_diff(step.ema_state_dict(), *net), tol) << run;
+  }
+  EXPECT_EQ(step.stats().updates, updates) << run;
+  EXPECT_EQ(step.stats().calls, calls) << run;
 }
 
 }  // namespace nimble_train::testing

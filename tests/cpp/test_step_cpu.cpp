@@ -7,8 +7,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <optional>
-#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -784,79 +782,10 @@ TEST(StepCpu, ALossWeightGivenPerCallReplacesTheStepsWeighting) {
   }
 }
 
-// Random loops, each against the hand-written one window by window: accumulate 1 to 4,
-// windows ended early, short micro-batches, loss weights given for whole windows, clipping,
-// SGD, Adam or AdamW, learning rates changed between windows, an EMA: the parameters, the
-// averages, stepped() and the update count agree after every window.
+// Random loops, each against the hand-written one window by window (step_reference.h).
 TEST(StepCpu, RandomLoopsEqualTheHandWrittenLoopWindowByWindow) {
   for (uint32_t seed = 0; seed < 24; ++seed) {
-    std::mt19937 rng(seed);
-    const auto pick = [&](int n) { return int(rng() % uint32_t(n)); };
-    const int64_t k = 1 + pick(4);
-    const int optimizer = pick(3);
-    const double clip = pick(2) == 0 ? 0.0 : 0.3 + 0.1 * pick(5);
-    const bool ema = pick(2) == 0;
-    auto net = make_model(100 + seed), ref = make_model(100 + seed);
-    const auto make = [&](torch::nn::Sequential& m) -> std::unique_ptr<torch::optim::Optimizer> {
-      if (optimizer == 0) {
-        return std::make_unique<torch::optim::SGD>(
-            m->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9).weight_decay(1e-3));
-      }
-      if (optimizer == 1) {
-        return std::make_unique<torch::optim::Adam>(m->parameters(),
-                                                    torch::optim::AdamOptions(1e-2));
-      }
-      return std::make_unique<torch::optim::AdamW>(m->parameters(),
-                                                   torch::optim::AdamWOptions(1e-2));
-    };
-    auto opt = make(net), ref_opt = make(ref);
-    nt::StepOptions options;
-    options.set_accumulate(k);
-    if (clip > 0) options.set_grad_clip(clip);
-    if (ema) options.set_ema(0.7);
-    nt::Step step(net, *opt, per_sample(net), options);
-    std::optional<ReferenceEma> ref_ema;
-    if (ema) ref_ema.emplace(*ref, 0.7);
-    const std::string run = "seed " + std::to_string(seed) + " (accumulate " +
-                            std::to_string(k) + ", optimizer " + std::to_string(optimizer) +
-                            ", clip " + std::to_string(clip) + ", ema " + std::to_string(ema) +
-                            ")";
-    int64_t calls = 0, updates = 0;
-    for (int w = 0; w < 8; ++w) {
-      const int64_t size = pick(4) == 0 ? 1 + pick(int(k)) : k;  // ended early, or full
-      const double lr = (optimizer == 0 ? 0.1 : 1e-2) * (0.5 + 0.1 * pick(10));
-      set_lr(*opt, lr);
-      set_lr(*ref_opt, lr);
-      const bool weighted = k > 1 && pick(3) == 0;
-      std::vector<nt::Batch> window;
-      std::vector<double> weights;
-      for (int64_t i = 0; i < size; ++i) {
-        const int64_t samples = calls == 0 || pick(4) != 0 ? 16 : 1 + pick(15);
-        torch::manual_seed(1000 * seed + uint32_t(calls));
-        window.push_back({torch::randn({samples, kShape.features}),
-                          torch::randint(0, kShape.classes, {samples})});
-        weights.push_back(0.1 + 0.2 * pick(5));
-        nt::CallOptions call;
-        call.set_update(i + 1 == size);
-        if (weighted) call.set_loss_weight(weights.back());
-        step(window.back(), call);
-        ++calls;
-        ASSERT_EQ(step.stepped(), i + 1 == size) << run << ", window " << w;
-      }
-      if (weighted) {
-        reference_weighted_window(ref, *ref_opt, window, weights, clip);
-      } else {
-        reference_window(ref, *ref_opt, window, clip);
-      }
-      if (ref_ema) ref_ema->update();
-      ++updates;
-      ASSERT_LT(max_diff(net, ref), 2e-5) << run << ", window " << w;
-      if (ref_ema) {
-        ASSERT_LT(ref_ema->max_diff(step.ema_state_dict(), *net), 2e-5) << run << ", window " << w;
-      }
-    }
-    EXPECT_EQ(step.stats().updates, updates) << run;
-    EXPECT_EQ(step.stats().calls, calls) << run;
+    nimble_train::testing::random_loop(seed, kShape, torch::kCPU, 2e-5);
   }
 }
 

@@ -669,6 +669,14 @@ TEST_F(StepCuda, AnEvaluatorsFailedCaptureOrLaunchChangesNothing) {
   EXPECT_EQ(second.stats().replays, 3);
 }
 
+// Random loops in graphs (step_reference.h): every kind of call captured as it comes, short
+// micro-batches padded, loss weights staged; each window equals the hand-written loop's.
+TEST_F(StepCuda, RandomLoopsInGraphsEqualTheHandWrittenLoopWindowByWindow) {
+  for (uint32_t seed = 0; seed < 12; ++seed) {
+    nimble_train::testing::random_loop(seed, kShape, device, 5e-5);
+  }
+}
+
 // The loss a call returns stays its value until the step's next call: an evaluator captured
 // before a kind of call (here the window's last, with accumulation) replays into memory of
 // its own that the later graph's loss must not share.
