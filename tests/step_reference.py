@@ -293,6 +293,69 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
                 assert a == b
 
 
+def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
+    """A random loop (from `seed`) against the plain eager one, window by window: accumulate 1
+    to 4, windows ended early (update=True), short micro-batches, loss weights given for whole
+    windows, clipping, SGD or AdamW, learning rates changed between windows, an EMA. Parameters,
+    optimizer state, the averages and stepped agree after every window; on a GPU the Step
+    captures a graph per kind of call and pads the short micro-batches in them."""
+    import random
+
+    import nimble_train as nt
+    rng = random.Random(seed)
+    k = rng.randint(1, 4)
+    make = rng.choice([
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=1e-3),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.05)])
+    clip = rng.choice([None, 0.3, 0.6])
+    decay = rng.choice([None, 0.7])
+    torch.manual_seed(seed)
+    (m1, o1), (m2, o2) = twin(MLP().to(device), make)
+    per_sample = torch.nn.CrossEntropyLoss(reduction="none")
+    step = nt.Step(m1, o1, per_sample, accumulate=k, grad_clip=clip, ema=decay)
+    averages = ({name: t.detach().clone() for name, t in m2.state_dict().items()
+                 if t.is_floating_point()} if decay is not None else None)
+    run = f"seed {seed}: accumulate {k}, clip {clip}, ema {decay}"
+    base_lr = o1.param_groups[0]["lr"]
+    calls = 0
+    for w in range(8):
+        size = rng.randint(1, k) if rng.random() < 0.25 else k  # ended early, or full
+        lr = base_lr * rng.uniform(0.5, 1.5)
+        for group in o1.param_groups + o2.param_groups:
+            group["lr"] = lr
+        weighted = k > 1 and rng.random() < 0.35
+        window, weights = [], []
+        for i in range(size):
+            samples = 16 if calls == 0 or rng.random() < 0.75 else rng.randint(1, 15)
+            window += classification_batches(1, samples, device=device, seed=1000 * seed + calls)
+            weights.append(rng.choice([0.1, 0.3, 0.5, 0.7]))
+            last = i == size - 1
+            step(window[-1], update=True if last else None,
+                 loss_weight=weights[-1] if weighted else None)
+            calls += 1
+            assert step.stepped == last, f"{run}, window {w}"
+        o2.zero_grad()
+        total = sum(y.shape[0] for _, y in window)
+        for (x, y), weight in zip(window, weights):
+            losses = per_sample(m2(x), y)
+            (losses.mean() * weight if weighted else losses.sum() / total).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m2.parameters(), clip)
+        o2.step()
+        if averages is not None:
+            for name, t in m2.state_dict().items():
+                if name in averages:
+                    averages[name].lerp_(t.detach(), 1 - decay)
+        assert_same_training(m1, o1, m2, o2, rtol=rtol, atol=atol)
+        if averages is not None:
+            ema = step.ema_state_dict()
+            for name, average in averages.items():
+                torch.testing.assert_close(ema[name], average, rtol=rtol, atol=atol,
+                                           msg=lambda m, name=name: f"{run}: ema {name}: {m}")
+    assert step.stats()["updates"] == 8, run
+    return step
+
+
 def batch_norm_stats_float64(x, eps=1e-5):
     """torch.batch_norm_stats(x, eps) in float64: each channel's mean and 1/sqrt(var + eps),
     var the biased variance over N, H and W."""

@@ -9,7 +9,7 @@ import torch
 import nimble_train as nt
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
                             eager_accumulation_loop, grad_scaler_accumulation_loop,
-                            hand_written_ema, run_accumulating, twin, with_short)
+                            hand_written_ema, random_loop, run_accumulating, twin, with_short)
 
 per_sample = torch.nn.CrossEntropyLoss(reduction="none")
 mean_loss = torch.nn.CrossEntropyLoss()
@@ -300,3 +300,10 @@ def test_gradients_set_to_none_inside_a_window_are_kept():
     eager_accumulation_loop(m2, o2, per_sample, batches, 3)
     assert step.stats()["updates"] == 3
     assert_same_training(m1, o1, m2, o2)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_loops_equal_the_eager_loop_window_by_window(seed):
+    """Accumulation, windows ended early, short micro-batches, loss weights, clipping, an EMA
+    and learning-rate changes, drawn at random (step_reference.random_loop)."""
+    random_loop(seed)

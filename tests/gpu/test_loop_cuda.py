@@ -9,7 +9,7 @@ import torch
 import nimble_train as nt
 from step_reference import (MLP, SmallCNN, assert_same_training, classification_batches,
                             eager_accumulation_loop, grad_scaler_accumulation_loop,
-                            hand_written_ema, run_accumulating, twin, with_short)
+                            hand_written_ema, random_loop, run_accumulating, twin, with_short)
 
 pytestmark = pytest.mark.cuda
 
@@ -258,3 +258,11 @@ def test_gradients_set_to_none_mid_window_survive_the_move_to_the_fused_update()
     expected = eager_accumulation_loop(m2, o2, per_sample, batches, 2)
     assert step.stats()["replays"] > 0 and step.stats()["updates"] == 5 == len(expected) // 2
     assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_loops_in_graphs_equal_the_eager_loop_window_by_window(seed):
+    """step_reference.random_loop on the GPU: every kind of call captured as it comes (a window
+    of one included), short micro-batches padded in the graphs, loss weights staged."""
+    step = random_loop(seed, "cuda", **TOL)
+    assert step.stats()["phase"] == "replay", step.stats()
