@@ -211,10 +211,12 @@ inline void expect_refused(Step& step, const Batch& batch,
 
 // A random loop (from `seed`) against the hand-written one, window by window: accumulate 1
 // to 4, windows ended early, short micro-batches, loss weights given for whole windows,
-// clipping, SGD, Adam or AdamW, learning rates changed between windows, an EMA. The
-// parameters, the averages, stepped() and the update count must agree after every window
-// (within `tol`). On a GPU the Step captures a graph per kind of call and pads the short
-// micro-batches in them.
+// clipping, SGD, Adam or AdamW, learning rates changed between windows, an EMA, and an
+// evaluator called between calls (mid-window too). The parameters, the averages, stepped()
+// and the update count must agree after every window (within `tol`), each evaluation with the
+// loop's model evaluated eagerly, and a loss held across an evaluation keeps its value. On a
+// GPU the Step captures a graph per kind of call and pads the short micro-batches in them,
+// and the evaluator is captured wherever its second full batch falls.
 inline void random_loop(uint32_t seed, MlpShape shape, torch::Device device, double tol) {
   std::mt19937 rng(seed);
   const auto pick = [&](int n) { return int(rng() % uint32_t(n)); };
@@ -239,6 +241,13 @@ inline void random_loop(uint32_t seed, MlpShape shape, torch::Device device, dou
   if (clip > 0) options.set_grad_clip(clip);
   if (ema) options.set_ema(0.7);
   Step step(net, *opt, per_sample(net), options);
+  Evaluator evaluate = step.evaluator([net](const Batch& b) mutable {
+    return std::vector<at::Tensor>{net->forward(b[0])};
+  });
+  // Held-out batches: its first call fixes its layout with a full one.
+  std::vector<Batch> held_out = make_mlp_batches(2, 16, 7 + seed, shape, device);
+  held_out.push_back({held_out[1][0].narrow(0, 0, 5), held_out[1][1].narrow(0, 0, 5)});
+  int64_t evaluations = 0;
   std::optional<ReferenceEma> ref_ema;
   if (ema) ref_ema.emplace(*ref, 0.7);
   const std::string run = "seed " + std::to_string(seed) + " (accumulate " + std::to_string(k) +
@@ -262,9 +271,16 @@ inline void random_loop(uint32_t seed, MlpShape shape, torch::Device device, dou
       CallOptions call;
       call.set_update(i + 1 == size);
       if (weighted) call.set_loss_weight(weights.back());
-      step(window.back(), call);
+      const at::Tensor loss = step(window.back(), call);
       ++calls;
       ASSERT_EQ(step.stepped(), i + 1 == size) << run << ", window " << w;
+      if (i + 1 < size && pick(3) == 0) {  // mid-window: the model is the loop's as it was
+        const at::Tensor held = loss.clone();
+        const Batch& b = held_out[evaluations++ == 0 ? 0 : size_t(pick(3))];
+        const at::Tensor out = evaluate(b)[0];
+        ASSERT_LT((out - eval_forward(ref, b[0])).abs().max().item<double>(), 10 * tol) << run;
+        ASSERT_TRUE(torch::equal(loss, held)) << run << ": an evaluation changed the held loss";
+      }
     }
     if (weighted) {
       reference_weighted_window(ref, *ref_opt, window, weights, clip);
@@ -274,10 +290,13 @@ inline void random_loop(uint32_t seed, MlpShape shape, torch::Device device, dou
     if (ref_ema) ref_ema->update();
     ++updates;
     ASSERT_LT(max_diff(net, ref), tol) << run << ", window " << w;
-    if (ref_ema) ASSERT_LT(ref_ema->max_diff(step.ema_state_dict(), *net), tol) << run;
+    if (ref_ema) {
+      ASSERT_LT(ref_ema->max_diff(step.ema_state_dict(), *net), tol) << run;
+    }
   }
   EXPECT_EQ(step.stats().updates, updates) << run;
   EXPECT_EQ(step.stats().calls, calls) << run;
+  EXPECT_EQ(evaluate.stats().eager + evaluate.stats().replays, evaluations) << run;
 }
 
 }  // namespace nimble_train::testing
