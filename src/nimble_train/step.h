@@ -247,6 +247,11 @@ class Step {
   at::Tensor operator()(const torch::data::Example<Data, Target>& example) {
     return (*this)(Batch{example.data, example.target});
   }
+  template <typename Data = at::Tensor, typename Target = at::Tensor>
+  at::Tensor operator()(const torch::data::Example<Data, Target>& example,
+                        const CallOptions& call) {
+    return (*this)(Batch{example.data, example.target}, call);
+  }
 
   // The global gradient norm before clipping of the last call (0-dim, on the device), with
   // grad_clip; std::nullopt without it or before the first fused step.

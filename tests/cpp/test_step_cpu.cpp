@@ -789,6 +789,28 @@ TEST(StepCpu, RandomLoopsEqualTheHandWrittenLoopWindowByWindow) {
   }
 }
 
+// A torch::data::Example is the batch {data, target}, with or without CallOptions.
+TEST(StepCpu, ATorchDataExampleIsTheBatchOfItsDataAndTarget) {
+  auto batches = make_batches(5, 16, 57);
+  auto net = make_model(58), twin = make_model(58);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW twin_opt(twin->parameters(), torch::optim::AdamWOptions(1e-2));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(2));
+  nt::Step twin_step(twin, twin_opt, per_sample(twin), nt::StepOptions().set_accumulate(2));
+  for (size_t i = 0; i < batches.size(); ++i) {
+    const torch::data::Example<> example(batches[i][0], batches[i][1]);
+    const auto call = nt::CallOptions().set_update(i == 2).set_loss_weight(0.25 * double(i + 1));
+    if (i % 2 == 0) {
+      step(example, call);
+    } else {
+      step(example);
+    }
+    twin_step(batches[i], i % 2 == 0 ? call : nt::CallOptions());
+  }
+  EXPECT_EQ(step.stats().updates, twin_step.stats().updates);
+  EXPECT_EQ(max_diff(net, twin), 0.0);
+}
+
 // A loss weight that is not a finite number, or one other than 1 without accumulation, is
 // refused before the call runs anything; 1 without accumulation is the plain step.
 TEST(StepCpu, ABadLossWeightIsRefusedBeforeAnythingRuns) {
