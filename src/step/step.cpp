@@ -1360,7 +1360,8 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
     } catch (...) {  // never leave a capture open: every later allocation would join it
       result = graph_->abandon_capture();
       failed = true;
-      cause = "forward_loss threw an exception that is not a std::exception";
+      cause = "the step's code (forward_loss, the backward, a hook) threw an exception that is "
+              "not a std::exception";
     }
   }
   if (!late.empty()) {
@@ -1577,10 +1578,10 @@ void Step::Impl::release() {
         state->entry = -1;
       }
     }
-    graph_loss_ = at::Tensor();
     grad_norm_ = at::Tensor();
-    graph_->release();
+    graph_->release();  // waits for the device: no replay still writes the loss
     graph_.reset();
+    graph_loss_ = at::Tensor();
   }
 #endif
 }

@@ -297,6 +297,11 @@ inline void random_loop(uint32_t seed, MlpShape shape, torch::Device device, dou
   EXPECT_EQ(step.stats().updates, updates) << run;
   EXPECT_EQ(step.stats().calls, calls) << run;
   EXPECT_EQ(evaluate.stats().eager + evaluate.stats().replays, evaluations) << run;
+  if (device.is_cuda()) {  // the graphs ran: the step's, and the evaluator's wherever captured
+    EXPECT_GT(step.stats().replays, 0) << run;
+    EXPECT_TRUE(evaluate.stats().capture_error.empty()) << run << ": "
+                                                        << evaluate.stats().capture_error;
+  }
 }
 
 }  // namespace nimble_train::testing

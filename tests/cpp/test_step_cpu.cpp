@@ -799,13 +799,14 @@ TEST(StepCpu, ATorchDataExampleIsTheBatchOfItsDataAndTarget) {
   nt::Step twin_step(twin, twin_opt, per_sample(twin), nt::StepOptions().set_accumulate(2));
   for (size_t i = 0; i < batches.size(); ++i) {
     const torch::data::Example<> example(batches[i][0], batches[i][1]);
-    const auto call = nt::CallOptions().set_update(i == 2).set_loss_weight(0.25 * double(i + 1));
-    if (i % 2 == 0) {
+    if (i < 3) {  // a window ended early, its calls weighted by the loop
+      const auto call = nt::CallOptions().set_update(i == 2).set_loss_weight(0.25 * double(i + 1));
       step(example, call);
+      twin_step(batches[i], call);
     } else {
       step(example);
+      twin_step(batches[i]);
     }
-    twin_step(batches[i], i % 2 == 0 ? call : nt::CallOptions());
   }
   EXPECT_EQ(step.stats().updates, twin_step.stats().updates);
   EXPECT_EQ(max_diff(net, twin), 0.0);

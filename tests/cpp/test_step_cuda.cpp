@@ -672,7 +672,7 @@ TEST_F(StepCuda, AnEvaluatorsFailedCaptureOrLaunchChangesNothing) {
 // Random loops in graphs (step_reference.h): every kind of call captured as it comes, short
 // micro-batches padded, loss weights staged; each window equals the hand-written loop's.
 TEST_F(StepCuda, RandomLoopsInGraphsEqualTheHandWrittenLoopWindowByWindow) {
-  for (uint32_t seed = 0; seed < 12; ++seed) {
+  for (uint32_t seed = 0; seed < 24; ++seed) {
     nimble_train::testing::random_loop(seed, kShape, device, 5e-5);
   }
 }
