@@ -255,7 +255,8 @@ class Step:
 
     def __call__(self, batch: Any, *, update: bool | None = None,
                  loss_weight: float | None = None) -> torch.Tensor:
-        """Runs one training step on `batch`; returns the loss (valid until the next call).
+        """Runs one training step on `batch`; returns the loss (valid until the next call; its
+        evaluators' calls leave it alone).
 
         With ``accumulate=K``, for loops whose windows vary: ``update=True`` ends the window
         with this call (the epoch's last micro-batches, fewer than K: the update sees them);

@@ -737,6 +737,30 @@ def test_a_buffers_data_replaced_after_capture_is_what_the_step_and_its_evaluato
     assert_same_training(m1, o1, m2, o2, **TOL)  # the running statistics included
 
 
+def test_a_loss_held_across_an_evaluators_replays_keeps_its_value():
+    """An evaluator captured before a kind of call (here the window's last, with
+    accumulation) replays into memory of its own, which the later graph's loss must not share:
+    the loss a call returns stays its value until the step's next call."""
+    torch.manual_seed(14)
+    model = MLP().cuda()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                   per_sample, accumulate=2, warmup=2)
+    batches = classification_batches(6, 16, device="cuda", seed=14)
+    evaluate = step.evaluator(lambda m, b: m(b[0]))
+    for b in batches[:3]:  # warm-up, then the window's first call, captured
+        step(b)
+    evaluate(batches[4])  # the evaluator, captured after the first kind
+    with torch.no_grad():
+        expected = per_sample(model(batches[3][0]), batches[3][1]).mean()
+    loss = step(batches[3])  # the window's last: captured after the evaluator
+    assert step.stats()["captures"] == 2 and evaluate.stats()["graphs"] == 1
+    held = loss.clone()
+    for b in (batches[4], batches[5], batches[4]):
+        evaluate(b)
+    assert torch.equal(loss, held)
+    torch.testing.assert_close(held, expected, rtol=1e-5, atol=1e-6)
+
+
 def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_runs():
     """model.head = nn.Linear(...) or load_state_dict(..., assign=True) after capture: the
     graphs run the old module and the optimizer holds the old parameters, so the new ones would
