@@ -296,9 +296,12 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
 def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
     """A random loop (from `seed`) against the plain eager one, window by window: accumulate 1
     to 4, windows ended early (update=True), short micro-batches, loss weights given for whole
-    windows, clipping, SGD or AdamW, learning rates changed between windows, an EMA. Parameters,
-    optimizer state, the averages and stepped agree after every window; on a GPU the Step
-    captures a graph per kind of call and pads the short micro-batches in them."""
+    windows, clipping, SGD or AdamW, learning rates changed between windows, an EMA, and an
+    evaluator called between calls (mid-window too). Parameters, optimizer state, the averages
+    and stepped agree after every window, each evaluation with the eager loop's model, and a
+    loss held across an evaluation keeps its value; on a GPU the Step captures a graph per kind
+    of call and pads the short micro-batches in them, and the evaluator is captured wherever
+    it is first called once the Step replays."""
     import random
 
     import nimble_train as nt
@@ -313,6 +316,10 @@ def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
     (m1, o1), (m2, o2) = twin(MLP().to(device), make)
     per_sample = torch.nn.CrossEntropyLoss(reduction="none")
     step = nt.Step(m1, o1, per_sample, accumulate=k, grad_clip=clip, ema=decay)
+    evaluate = step.evaluator(lambda m, b: m(b[0]))
+    held_out = classification_batches(2, 16, device=device, seed=7 + seed)
+    held_out.append((held_out[1][0][:5], held_out[1][1][:5]))
+    evaluations = 0
     averages = ({name: t.detach().clone() for name, t in m2.state_dict().items()
                  if t.is_floating_point()} if decay is not None else None)
     run = f"seed {seed}: accumulate {k}, clip {clip}, ema {decay}"
@@ -330,10 +337,19 @@ def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
             window += classification_batches(1, samples, device=device, seed=1000 * seed + calls)
             weights.append(rng.choice([0.1, 0.3, 0.5, 0.7]))
             last = i == size - 1
-            step(window[-1], update=True if last else None,
-                 loss_weight=weights[-1] if weighted else None)
+            loss = step(window[-1], update=True if last else None,
+                        loss_weight=weights[-1] if weighted else None)
             calls += 1
             assert step.stepped == last, f"{run}, window {w}"
+            if not last and rng.random() < 0.35:  # mid-window: the model is the loop's as it was
+                held = loss.clone()
+                batch = held_out[0 if evaluations == 0 else rng.randrange(3)]  # a full one first
+                evaluations += 1
+                with torch.no_grad():
+                    expected = m2(batch[0])  # the MLP has no dropout or batch statistics
+                torch.testing.assert_close(evaluate(batch), expected, rtol=10 * rtol,
+                                           atol=10 * atol)
+                assert torch.equal(loss, held), f"{run}: an evaluation changed the held loss"
         o2.zero_grad()
         total = sum(y.shape[0] for _, y in window)
         for (x, y), weight in zip(window, weights):
@@ -353,6 +369,10 @@ def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
                 torch.testing.assert_close(ema[name], average, rtol=rtol, atol=atol,
                                            msg=lambda m, name=name: f"{run}: ema {name}: {m}")
     assert step.stats()["updates"] == 8, run
+    counts = evaluate.stats()
+    assert counts["replays"] + counts["eager"] == evaluations, run
+    if device != "cpu":  # the graphs ran: the step's, and the evaluator's once it replays
+        assert step.stats()["replays"] > 0 and not counts["eager_buckets"], (run, counts)
     return step
 
 
