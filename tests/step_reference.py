@@ -1,6 +1,7 @@
 """Models, data and the plain eager training loop that Step is compared against."""
 
 import copy
+import random
 
 import torch
 import torch.nn.functional as F
@@ -302,9 +303,7 @@ def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
     loss held across an evaluation keeps its value; on a GPU the Step captures a graph per kind
     of call and pads the short micro-batches in them, and the evaluator is captured wherever
     it is first called once the Step replays."""
-    import random
-
-    import nimble_train as nt
+    import nimble_train as nt  # not at the top: the other helpers run without the package
     rng = random.Random(seed)
     k = rng.randint(1, 4)
     make = rng.choice([

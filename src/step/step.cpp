@@ -425,6 +425,15 @@ class Step::Impl {
   // The fused update of an eager step, its values staged where the graph's would be.
   void fused_eager_update(int64_t samples, const Window& window, double correction);
   at::Tensor capture_and_launch(const Batch& batch, const Window& window);
+#if NT_HAVE_CUDA
+  // Captures `body` as `entry`'s graph on the side stream, once the device's queued work is
+  // done (as torch.cuda.graph does); an injected in-capture fault fails it after `body`. A
+  // failure to begin throws; any exception of `body` abandons the capture, which is then
+  // failed, its error the first line of why. `what` names the code for an exception that is
+  // not a std::exception.
+  capture::CaptureResult capture_on_side(int64_t entry, bool staged,
+                                         const std::function<void()>& body, const char* what);
+#endif
   at::Tensor launch(const Batch& batch, int64_t samples, const Window& window);
   bool can_pad() const {
     return options_.partial_batch == PartialBatch::kPad && per_sample_ == 1 &&
@@ -1301,6 +1310,33 @@ at::Tensor Step::Impl::eager_body(const Batch& batch, int64_t samples, const Win
   return loss.detach().to(at::kFloat);
 }
 
+#if NT_HAVE_CUDA
+capture::CaptureResult Step::Impl::capture_on_side(int64_t entry, bool staged,
+                                                   const std::function<void()>& body,
+                                                   const char* what) {
+  c10::cuda::device_synchronize();  // no work queued from before
+  const c10::cuda::CUDAStreamGuard on_side(*side_);
+  graph_->begin_capture(entry, staged);
+  capture::CaptureResult result;
+  try {
+    body();
+    if (fault_ == Fault::kInCapture) {
+      fault_ = Fault::kNone;
+      throw std::runtime_error("injected failure inside the capture (a rollback test)");
+    }
+    result = graph_->end_capture();
+  } catch (const std::exception& e) {
+    result = graph_->abandon_capture();
+    result.error = e.what();
+  } catch (...) {  // never leave a capture open: every later allocation would join it
+    result = graph_->abandon_capture();
+    result.error = std::string(what) + " threw an exception that is not a std::exception";
+  }
+  result.error = result.error.substr(0, result.error.find('\n'));
+  return result;
+}
+#endif
+
 at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& window) {
 #if NT_HAVE_CUDA
   // Not fused yet (warmup == 1, or accumulation: warm-up ended with the first window's update):
@@ -1316,29 +1352,15 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
   if (!graph_loss_.defined()) {
     graph_loss_ = at::empty({}, at::TensorOptions().dtype(at::kFloat).device(device_));
   }
-  c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
   const std::vector<at::Tensor>& statics = graph_->inputs(entry_).buffers();
   const bool masked = per_sample_ == 1;
-  std::string cause, late;
-  bool failed = false;
+  std::string late;
   capture::CaptureResult result;
-  {
-    const c10::cuda::CUDAStreamGuard on_side(*side_);
-    try {
-      graph_->begin_capture(entry_);
-    } catch (const std::exception& e) {
-      throw CaptureError(std::string("nimble_train::Step: capturing the step as a CUDA graph "
-                                     "failed to start: ") + e.what() +
-                         ". The model and optimizer are as after the last completed step.");
-    }
-    try {
+  try {
+    result = capture_on_side(entry_, /*staged=*/true, [&] {
       if (window.first) optim::zero_grads(flats_);
       const at::Tensor valid = masked ? current_.select(0, 0) : at::Tensor();
       at::Tensor loss = loss_of(statics, batch_size_, valid);
-      if (fault_ == Fault::kInCapture) {
-        fault_ = Fault::kNone;
-        throw std::runtime_error("injected failure inside the capture (a rollback test)");
-      }
       weighted_in_graph(loss).backward();
       late = late_grad_name();
       if (!late.empty()) throw std::runtime_error(late + " got a gradient it had not had");
@@ -1349,20 +1371,11 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
       // A kernel, not copy_(): a copy of one dtype is a memcpy node, and a graph that is not
       // all kernels launches at microseconds of host time per node (capture/graph_nodes.h).
       at::mul_out(graph_loss_, loss.detach(), 1);
-      result = graph_->end_capture();
-      failed = !result.ok;
-      cause = result.error.substr(0, result.error.find('\n'));
-    } catch (const std::exception& e) {
-      result = graph_->abandon_capture();
-      failed = true;
-      cause = e.what();
-      cause = cause.substr(0, cause.find('\n'));
-    } catch (...) {  // never leave a capture open: every later allocation would join it
-      result = graph_->abandon_capture();
-      failed = true;
-      cause = "the step's code (forward_loss, the backward, a hook) threw an exception that is "
-              "not a std::exception";
-    }
+    }, "the step's code (forward_loss, the backward, a hook)");
+  } catch (const std::exception& e) {  // it failed to begin
+    throw CaptureError(std::string("nimble_train::Step: capturing the step as a CUDA graph "
+                                   "failed to start: ") + e.what() +
+                       ". The model and optimizer are as after the last completed step.");
   }
   if (!late.empty()) {
     // A parameter the fused update left out got a gradient in the captured forward: nothing
@@ -1371,8 +1384,8 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
     unfuse(late);
     return eager_step(batch, batch_size_, window, false);
   }
-  if (failed) {
-    capture_error_ = cause;
+  if (!result.ok) {
+    capture_error_ = result.error;
     grad_norm_ = at::Tensor();
     phase_ = Phase::kEager;
     if (result.invalidated && syncs_.count > 0) {
@@ -1382,14 +1395,14 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
           "forward_loss or the backward (CUDA's sync debug mode). Keep values on the device: "
           "no .item(), .cpu(), printing CUDA tensors or data-dependent shapes (nonzero, boolean "
           "indexing) inside the step; or set_capture(false). The model and optimizer are as "
-          "after the last step; later calls run eagerly. Cause: " + cause);
+          "after the last step; later calls run eagerly. Cause: " + result.error);
     }
     throw CaptureError(
         std::string("nimble_train::Step: capturing the step as a CUDA graph failed") +
         (result.invalidated ? " (CUDA invalidated the capture: a call it forbids while "
                               "capturing ran, such as a host synchronisation)" : "") +
-        ": " + cause + ". The model and optimizer are as after the last completed step; later "
-        "calls run eagerly (set_capture(false) does that from the start).");
+        ": " + result.error + ". The model and optimizer are as after the last completed step; "
+        "later calls run eagerly (set_capture(false) does that from the start).");
   }
   ++captures_;
   kernel_settings_ = capture::kernel_settings();
@@ -1595,7 +1608,9 @@ namespace {
 class Evaluating {
  public:
   explicit Evaluating(torch::nn::Module& root) {
-    for (const auto& m : root.modules(/*include_self=*/true)) modes_.emplace_back(m, m->is_training());
+    for (const auto& m : root.modules(/*include_self=*/true)) {
+      modes_.emplace_back(m, m->is_training());
+    }
     root.eval();
   }
   ~Evaluating() {
@@ -1717,44 +1732,19 @@ std::vector<at::Tensor> Step::Impl::evaluate(Evaluator::State& state, const Batc
 
 bool Step::Impl::capture_eval(Evaluator::State& state) {
 #if NT_HAVE_CUDA
-  c10::cuda::device_synchronize();  // no work queued from before (as torch.cuda.graph does)
   const std::vector<at::Tensor>& statics = graph_->inputs(state.entry).buffers();
   std::vector<at::Tensor> out;
-  std::string cause;
-  bool failed = false;
-  {
-    const c10::cuda::CUDAStreamGuard on_side(*side_);
-    try {
-      graph_->begin_capture(state.entry, /*staged=*/false);
-    } catch (const std::exception& e) {
-      failed = true;
-      cause = e.what();
-    }
-    if (!failed) {
-      try {
-        out = run_eval(state.fn, statics);
-        if (fault_ == Fault::kInCapture) {
-          fault_ = Fault::kNone;
-          throw std::runtime_error("injected failure inside the capture (a rollback test)");
-        }
-        const capture::CaptureResult result = graph_->end_capture();
-        failed = !result.ok;
-        cause = result.error;
-      } catch (const std::exception& e) {
-        graph_->abandon_capture();
-        failed = true;
-        cause = e.what();
-      } catch (...) {  // never leave a capture open: every later allocation would join it
-        graph_->abandon_capture();
-        failed = true;
-        cause = "fn threw an exception that is not a std::exception";
-      }
-    }
+  capture::CaptureResult result;
+  try {
+    result = capture_on_side(state.entry, /*staged=*/false,
+                             [&] { out = run_eval(state.fn, statics); }, "fn");
+  } catch (const std::exception& e) {  // it failed to begin
+    result.error = std::string("failed to start: ") + e.what();
+    result.error = result.error.substr(0, result.error.find('\n'));
   }
-  if (failed) {
-    cause = cause.substr(0, cause.find('\n'));
-    state.stats.capture_error = cause.empty() ? std::string("unknown") : cause;
-    TORCH_WARN("nimble_train::Evaluator: capturing fn as a CUDA graph failed (", 
+  if (!result.ok) {
+    state.stats.capture_error = result.error.empty() ? std::string("unknown") : result.error;
+    TORCH_WARN("nimble_train::Evaluator: capturing fn as a CUDA graph failed (",
                state.stats.capture_error, "), so it runs eagerly from now on (correct, at "
                "eager speed). The usual cause is a host synchronisation in fn (.item(), "
                "printing, a data-dependent shape): keep fn on the device to have it captured.");

@@ -94,8 +94,8 @@ struct Replaying {
 nt::Evaluator logits_and_loss(nt::Step& step, torch::nn::Sequential net) {
   return step.evaluator([net](const nt::Batch& b) mutable {
     torch::Tensor logits = net->forward(b[0]);
-    return std::vector<torch::Tensor>{
-        logits, F::cross_entropy(logits, b[1], F::CrossEntropyFuncOptions().reduction(torch::kSum))};
+    const auto sum = F::CrossEntropyFuncOptions().reduction(torch::kSum);
+    return std::vector<torch::Tensor>{logits, F::cross_entropy(logits, b[1], sum)};
   });
 }
 
