@@ -6,6 +6,8 @@ import random
 import torch
 import torch.nn.functional as F
 
+import nimble_train as nt
+
 
 class MLP(torch.nn.Module):
     def __init__(self, features=12, hidden=32, classes=5, dropout=0.0):
@@ -303,7 +305,6 @@ def random_loop(seed, device="cpu", *, rtol=1e-5, atol=1e-6):
     loss held across an evaluation keeps its value; on a GPU the Step captures a graph per kind
     of call and pads the short micro-batches in them, and the evaluator is captured wherever
     it is first called once the Step replays."""
-    import nimble_train as nt  # not at the top: the other helpers run without the package
     rng = random.Random(seed)
     k = rng.randint(1, 4)
     make = rng.choice([
