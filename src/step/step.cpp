@@ -1059,6 +1059,11 @@ void Step::Impl::fuse() {
   fused_ = true;
   bind_state();
   ema_use_flat();
+  // Past warm-up the watch holds the storage the graphs read, which is now the flat buffers'
+  // (fused at a window's eager first call, or before a capture). Left at the old storage it
+  // would count every parameter as given new data and move it back there on each call, off
+  // what the graphs train.
+  if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) watch_->fix_storage();
 }
 
 void Step::Impl::bind_state() {
@@ -1342,10 +1347,7 @@ at::Tensor Step::Impl::capture_and_launch(const Batch& batch, const Window& wind
   // Not fused yet (warmup == 1, or accumulation: warm-up ended with the first window's update):
   // the first update showed which parameters get gradients. The data moves into the flat
   // buffers, which is where the graph reads it.
-  if (!fused_) {
-    fuse();
-    watch_->fix_storage();
-  }
+  if (!fused_) fuse();
   entry_ = entries_[size_t(window.kind())];
   keep_state_bound();
   optim::reattach(flats_);

@@ -477,6 +477,38 @@ TEST_F(StepCuda, AccumulationCapturesAGraphPerKindOfCallAndEqualsTheLoopWindowBy
   EXPECT_EQ(stats.replays, 21);
 }
 
+// The first window after warm-up opens with a short batch: that call runs eagerly and moves
+// the parameters into the flat buffers, and the middle and last calls are captured there. The
+// graphs and the module's parameters must stay on that storage in every later window (the
+// replays train it, the module reads it) and equal the loop.
+TEST_F(StepCuda, AFirstCallAfterWarmUpThatRunsEagerlyLeavesTheGraphsOnTheModulesParameters) {
+  auto batches = make_batches(24, 16, 80, device);
+  batches[3] = {batches[3][0].narrow(0, 0, 5), batches[3][1].narrow(0, 0, 5)};
+  auto net = make_model(81, device), ref = make_model(81, device);
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  nt::Step step(net, opt, per_sample(net), nt::StepOptions().set_accumulate(3));
+  std::vector<const void*> storage;
+  for (size_t w = 0; w < 8; ++w) {
+    const std::vector<nt::Batch> window(batches.begin() + int64_t(3 * w),
+                                        batches.begin() + int64_t(3 * w + 3));
+    for (const nt::Batch& b : window) step(b);
+    reference_window(ref, ref_opt, window, 0.0);
+    ASSERT_LT(max_diff(net, ref), 5e-5) << "window " << w;
+    if (w == 1) {
+      for (const auto& p : net->parameters()) storage.push_back(p.const_data_ptr());
+    } else if (w > 1) {
+      const auto params = net->parameters();
+      for (size_t i = 0; i < params.size(); ++i) {
+        EXPECT_EQ(params[i].const_data_ptr(), storage[i]) << "window " << w << ", parameter " << i;
+      }
+    }
+  }
+  const nt::StepStats stats = step.stats();
+  EXPECT_EQ(stats.captures, 3);  // the middle and last in window 1, the first in window 2
+  EXPECT_EQ(stats.replays, 3 * 6 + 2);
+}
+
 // Windows ended early (step(batch, true)) in graphs: a window of one call is a fourth kind of
 // call, captured when it first comes; every window's update equals the loop's over the
 // micro-batches it had.
