@@ -111,9 +111,13 @@ class CapturedStep:
         self.bases = [self.graph.add_entry(layout.specs(b)) for b in range(len(layout.sizes))]
         self.batches = [layout.template.unflatten(self.graph.inputs(e)) for e in self.bases]
         self.outputs: dict[int, object] = {}  # each captured entry's output (a training loss)
-        # The training graphs' loss, outside their pool (_loss_out): a float32 0-dim buffer
-        # every training capture writes its loss into, allocated before the first.
-        self._loss_buffer: torch.Tensor | None = None
+        # Each training graph's loss, outside the pool (_loss_out): a float32 0-dim buffer per
+        # entry, allocated before its first capture; and, by a buffer's data address, the loss
+        # its capture's body returned, which a replay's result stands for (an integration finds
+        # what that body recorded by its address: Step._loss_made). Held, so that no later
+        # capture's loss takes that address.
+        self._loss_buffers: dict[int, torch.Tensor] = {}
+        self.loss_made: dict[int, torch.Tensor] = {}
         self.unplanned: set[int] = set()  # entries of evaluation graphs
         self.dense_masks = False  # captures give SDPA dense attention masks (plan_streams)
         self.current = self.graph.current  # [1 + extra + update_values]
@@ -310,8 +314,9 @@ class CapturedStep:
                                    native=planned and self._native_bn_model is not None)
         pools = (our_max_pool(self._max_pool_model) if self._max_pool_model is not None
                  else contextlib.nullcontext())
-        if planned and self._loss_buffer is None:
-            self._loss_buffer = torch.empty((), dtype=torch.float32, device=stream.device)
+        if planned and entry not in self._loss_buffers:
+            self._loss_buffers[entry] = torch.empty((), dtype=torch.float32,
+                                                    device=stream.device)
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).
         torch.cuda.synchronize(stream.device)
@@ -337,8 +342,9 @@ class CapturedStep:
                 self.small_conv_layers = small_layers
                 if forward is not None:
                     forward.join()  # every side stream rejoins the capture stream
+                made = loss
                 if planned:
-                    loss = self._loss_out(loss)
+                    loss = self._loss_out(entry, loss)
             except BaseException as exc:
                 for part in (forward, side):
                     if part is not None:
@@ -361,6 +367,8 @@ class CapturedStep:
         if not result.ok:
             raise failure(result.invalidated, result.error.splitlines()[0], sync_records)
         self.outputs[entry] = _detached(loss)
+        if loss is not made:
+            self.loss_made[loss.data_ptr()] = made.detach()
         if inside is not None and forward.calls == calls:
             # The step never called the submodule (training_step called its layers itself):
             # the forward ran as it is, on one stream; later captures need no plan of it.
@@ -384,14 +392,14 @@ class CapturedStep:
                     if tuple(seg.get("segment_pool_id", ())) == pool]
         return sum(seg["total_size"] for seg in segments) if segments else None
 
-    def _loss_out(self, loss):
-        """A training graph's loss written into the buffer outside the pool, which the graph
-        returns. A graph's own tensors may take memory that a graph captured before it freed
+    def _loss_out(self, entry: int, loss):
+        """A training graph's loss written into its entry's buffer outside the pool, which the
+        graph returns. A graph's own tensors may take memory that a graph captured before it freed
         (the pool is shared), which that graph's replays overwrite: an evaluator's replay would
         change the loss a loop holds from the step's last call. Written with a kernel, not
         copy_() (a memcpy node: a graph that is not all kernels launches slowly,
         src/capture/graph_nodes.h). A loss of another dtype or shape stays the graph's own."""
-        out = self._loss_buffer
+        out = self._loss_buffers[entry]
         if (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.dtype == out.dtype
                 and loss.device == out.device):
             torch.mul(loss.detach(), 1, out=out)
@@ -401,7 +409,8 @@ class CapturedStep:
     def release(self) -> None:
         self.outputs = {}
         self.graph.release()  # waits for the device: no replay still writes the loss
-        self._loss_buffer = None
+        self._loss_buffers = {}
+        self.loss_made = {}
 
 
 def _detached(output):

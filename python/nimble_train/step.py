@@ -295,6 +295,14 @@ class Step:
                     return self._graph.outputs[entry]
         return self._call(batch)
 
+    def _loss_made(self, loss: torch.Tensor) -> int:
+        """The data address of the loss the step's body returned for `loss`, a call's result:
+        an eager call's own, and for a replay the one its graph's capture made (a replay returns
+        its graph's loss buffer, outside the pool). Integrations find what that body recorded
+        (Lightning's self.log values) by it."""
+        made = self._graph.loss_made.get(loss.data_ptr()) if self._graph is not None else None
+        return (made if made is not None else loss).data_ptr()
+
     def _call(self, batch: Any) -> torch.Tensor:
         try:
             if self._compiled_masks is None:

@@ -161,8 +161,8 @@ class _TrainingStepModule(torch.nn.Module):
         self.module = module
         self.step_args: tuple = ()     # training_step's arguments after the batch (batch_idx)
         self.step_kwargs: dict = {}
-        # The bodies that ran, by the address of the loss they returned: a replay returns the
-        # loss tensor its capture made, an eager step the one its body just made.
+        # The bodies that ran, by the address of the loss they returned: an eager step's body
+        # just ran, a replay's ran in its capture (Step._loss_made).
         self.bodies: dict[int, _Body] = {}
 
     def forward(self, batch: Any) -> torch.Tensor:
@@ -174,9 +174,10 @@ class _TrainingStepModule(torch.nn.Module):
         self.bodies[loss.data_ptr()] = _Body(logs, extra, captured=capturing)
         return loss
 
-    def body_of(self, loss: torch.Tensor) -> _Body:
-        """The records of the body that made `loss`; eager bodies' records are dropped."""
-        body = self.bodies.get(loss.data_ptr())
+    def body_of(self, made: int) -> _Body:
+        """The records of the body whose loss was at address `made`; eager bodies' records are
+        dropped."""
+        body = self.bodies.get(made)
         if body is None:
             raise NimbleError(
                 "NimbleStrategy: the Step returned a loss that no run of training_step made, so "
@@ -334,7 +335,7 @@ class NimbleStrategy(SingleDeviceStrategy):
         loss = step({"batch": batch}, update=self._stepping)
         self._calls += 1
         self._micro = 0 if self._stepping else self._micro + 1
-        body = self._module.body_of(loss)
+        body = self._module.body_of(step._loss_made(loss))
         self._log(body.logs, "training_step")
         if not body.extra:
             return loss
