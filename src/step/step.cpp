@@ -1059,11 +1059,11 @@ void Step::Impl::fuse() {
   fused_ = true;
   bind_state();
   ema_use_flat();
-  // Past warm-up the watch holds the storage the graphs read, which is now the flat buffers'
-  // (fused at a window's eager first call, or before a capture). Left at the old storage it
-  // would count every parameter as given new data and move it back there on each call, off
-  // what the graphs train.
-  if (phase_ == Phase::kCapture || phase_ == Phase::kReplay) watch_->fix_storage();
+  // Fused after warm-up, before any graph (a capture's call, or a window's eager first call on
+  // a short batch): the watch fixed the storage at warm-up's end and follows the data into the
+  // flat buffers, where the graphs read it. Left at the old storage it would count every
+  // parameter as given new data and move it back there on each call, off what the graphs train.
+  if (phase_ == Phase::kCapture) watch_->fix_storage();
 }
 
 void Step::Impl::bind_state() {
