@@ -118,6 +118,10 @@ class CapturedStep:
         # capture's loss takes that address.
         self._loss_buffers: dict[int, torch.Tensor] = {}
         self.loss_made: dict[int, torch.Tensor] = {}
+        # For the same reason, an update graph's gradient norm when the optimizer runs as it is
+        # (clip_grad_norm_'s, made in the graph; the fused update's is in its own table): a
+        # 0-dim buffer per entry of the norm's dtype (norm_buffer), written as the loss is.
+        self._norm_buffers: dict[int, torch.Tensor] = {}
         self.unplanned: set[int] = set()  # entries of evaluation graphs
         self.dense_masks = False  # captures give SDPA dense attention masks (plan_streams)
         self.current = self.graph.current  # [1 + extra + update_values]
@@ -396,20 +400,36 @@ class CapturedStep:
         """A training graph's loss written into its entry's buffer outside the pool, which the
         graph returns. A graph's own tensors may take memory that a graph captured before it freed
         (the pool is shared), which that graph's replays overwrite: an evaluator's replay would
-        change the loss a loop holds from the step's last call. Written with a kernel, not
-        copy_() (a memcpy node: a graph that is not all kernels launches slowly,
-        src/capture/graph_nodes.h). A loss of another dtype or shape stays the graph's own."""
-        out = self._loss_buffers[entry]
-        if (isinstance(loss, torch.Tensor) and loss.dim() == 0 and loss.dtype == out.dtype
-                and loss.device == out.device):
-            torch.mul(loss.detach(), 1, out=out)
+        change the loss a loop holds from the step's last call. A loss of another dtype or
+        shape stays the graph's own (write_out)."""
+        return self.write_out(loss, self._loss_buffers[entry])
+
+    def norm_buffer(self, entry: int, dtype: torch.dtype) -> torch.Tensor:
+        """The buffer outside the pool that an update graph's gradient norm is written into
+        (write_out); allocated before its capture begins."""
+        out = self._norm_buffers.get(entry)
+        if out is None or out.dtype != dtype:
+            out = self._norm_buffers[entry] = torch.empty((), dtype=dtype,
+                                                          device=self.current.device)
+        return out
+
+    @staticmethod
+    def write_out(value, out: torch.Tensor):
+        """`value` written into `out`, a 0-dim buffer outside the pool, inside a capture; `out`
+        is returned. With a kernel, not copy_() (a memcpy node: a graph that is not all kernels
+        launches slowly, src/capture/graph_nodes.h). A value of another dtype, shape or device
+        is returned as it is."""
+        if (isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == out.dtype
+                and value.device == out.device):
+            torch.mul(value.detach(), 1, out=out)
             return out
-        return loss
+        return value
 
     def release(self) -> None:
         self.outputs = {}
         self.graph.release()  # waits for the device: no replay still writes the loss
         self._loss_buffers = {}
+        self._norm_buffers = {}
         self.loss_made = {}
 
 

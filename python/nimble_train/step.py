@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 from typing import Any, Callable
 
 import torch
@@ -240,6 +241,7 @@ class Step:
         self._capture_error: str | None = None  # its message: no frames or tensors kept
         self._last_entry = -1  # the graph the last call launched (-1: it ran eagerly)
         self._norms: dict[int, torch.Tensor | None] = {}  # update entry -> its gradient norm
+        self._last_norm: torch.Tensor | None = None  # the last update's (grad_norm)
         self._counts = {"steps": 0, "updates": 0, "eager_steps": 0, "replays": 0,
                         "captures": 0}
         fusing = self._update.needs_fusing
@@ -490,6 +492,8 @@ class Step:
         self._counts["steps"] += 1
         if self._window.advance(samples):
             self._counts["updates"] += 1
+            self._last_norm = (self._norms.get(self._last_entry) if self._last_entry >= 0
+                               else self._iteration.grad_norm)
 
     def _eager_call(self, samples: int) -> Call:
         """The Call of an eager step: the scales as floats, or, when the step has a staging
@@ -892,9 +896,17 @@ class Step:
         host = self._update.host_state if kind[1] else None
         if host is not None:  # an optimizer captured as it is: what its step() does on the host
             host.take(self._param_name)
+        # The norm clip_grad_norm_ makes in an update graph (an optimizer run as it is) goes
+        # into a buffer outside the pool, as the loss does (CapturedStep.norm_buffer); its dtype
+        # is clip_grad_norm_'s, the gradients' promoted.
+        norm_out = None
+        if kind[1] and self.grad_clip is not None and self._update.fused is None:
+            dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))
+            norm_out = graph.norm_buffer(entry, dtype)
         try:
             with self._update.lr_on_device(graph.update_values):
-                graph.capture(entry, lambda forward: self._capture_body(bucket, kind, forward),
+                graph.capture(entry,
+                              lambda forward: self._capture_body(bucket, kind, forward, norm_out),
                               self._stream, self._sync.records, undo=self._undo_forwards)
         except NimbleError:
             self._undo_forwards()
@@ -926,7 +938,8 @@ class Step:
         if host is not None:  # and what the optimizer's step() did on the host
             host.restore()
 
-    def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward) -> torch.Tensor:
+    def _capture_body(self, bucket: int, kind: tuple[bool, bool], forward,
+                      norm_out: torch.Tensor | None = None) -> torch.Tensor:
         # A graph user code still holds (a loss kept without .detach()) keeps each parameter's
         # gradient accumulation on the stream its step ran on, outside this capture.
         _C.bind_grad_accumulators([p for p in self.model.parameters() if p.requires_grad])
@@ -943,6 +956,9 @@ class Step:
         loss = self._iteration.loss(self._graph.batches[bucket], self._template.batch_size,
                                     self._graph.valid, forward)
         self._iteration.backward_and_update(loss, call)
+        if norm_out is not None and self._update.fused is None:
+            self._iteration.grad_norm = CapturedStep.write_out(self._iteration.grad_norm,
+                                                               norm_out)
         host = self._update.host_state
         if update and host is not None and host.taken:
             host.check_and_keep()  # state it assigned anew read by the next replay; or refused
@@ -1088,11 +1104,7 @@ class Step:
         ``clip_grad_norm_`` returns it) of the last update, a 0-dim device tensor rewritten by
         the next update (read it when :attr:`stepped`); None without grad_clip or before an
         update."""
-        if self.grad_clip is None:
-            return None
-        if self._last_entry >= 0:
-            return self._norms.get(self._last_entry)
-        return self._iteration.grad_norm
+        return self._last_norm if self.grad_clip is not None else None
 
     # ------------------------------------------------------------------ EMA
 

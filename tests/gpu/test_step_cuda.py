@@ -737,10 +737,26 @@ def test_a_buffers_data_replaced_after_capture_is_what_the_step_and_its_evaluato
     assert_same_training(m1, o1, m2, o2, **TOL)  # the running statistics included
 
 
+def _in_pool(step, tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s memory is in a segment of the Step's graphs' private pool."""
+    pool, ptr = tuple(step._graph.graph.pool_id), tensor.data_ptr()
+    return any(tuple(seg.get("segment_pool_id", ())) == pool
+               and seg["address"] <= ptr < seg["address"] + seg["total_size"]
+               for seg in torch.cuda.memory_snapshot())
+
+
+def _assert_outside_the_pool(step, tensor: torch.Tensor) -> None:
+    """`tensor` outside the pool, whose segments hold the evaluators' graphs' outputs."""
+    inside = [step._graph.outputs[e] for e in step._graph.unplanned]
+    assert inside and all(_in_pool(step, t) for t in inside)  # the check sees the pool
+    assert not _in_pool(step, tensor)
+
+
 def test_a_loss_held_across_an_evaluators_replays_keeps_its_value():
     """An evaluator captured before a kind of call (here the window's last, with
     accumulation) replays into memory of its own, which the later graph's loss must not share:
-    the loss a call returns stays its value until the step's next call."""
+    the loss a call returns stays its value until the step's next call. It lies outside the
+    graphs' pool, where no replay writes but its own graph's."""
     torch.manual_seed(14)
     model = MLP().cuda()
     step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -754,11 +770,87 @@ def test_a_loss_held_across_an_evaluators_replays_keeps_its_value():
         expected = per_sample(model(batches[3][0]), batches[3][1]).mean()
     loss = step(batches[3])  # the window's last: captured after the evaluator
     assert step.stats()["captures"] == 2 and evaluate.stats()["graphs"] == 1
+    _assert_outside_the_pool(step, loss)
     held = loss.clone()
     for b in (batches[4], batches[5], batches[4]):
         evaluate(b)
     assert torch.equal(loss, held)
     torch.testing.assert_close(held, expected, rtol=1e-5, atol=1e-6)
+
+
+def _eager_clipped_norms(model, optimizer, batches, k, clip):
+    """The norms clip_grad_norm_ returns in the eager loop of windows of k full micro-batches."""
+    norms = []
+    for start in range(0, len(batches) - k + 1, k):
+        optimizer.zero_grad()
+        for x, y in batches[start: start + k]:
+            (per_sample(model(x), y).mean() / k).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+    return norms
+
+
+def test_a_gradient_norm_held_across_other_graphs_replays_keeps_its_value():
+    """The norm clip_grad_norm_ makes in an update graph (RMSprop: the optimizer captured as
+    it is) lies outside the pool, as the loss does: the graphs captured before the update
+    graph (the window's first call's, an evaluator's) replay without changing step.grad_norm,
+    the last update's until the next update."""
+    torch.manual_seed(15)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.RMSprop(p, lr=1e-3,
+                                                                       momentum=0.9))
+    batches = classification_batches(6, 16, device="cuda", seed=15)
+    held_out = classification_batches(2, 64, device="cuda", seed=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # RMSprop: captured as it is
+        step = nt.Step(m1, o1, per_sample, accumulate=2, warmup=2, grad_clip=0.2)
+        evaluate = step.evaluator(lambda m, b: m(b[0]))
+        for b in batches[:3]:  # warm-up, then the window's first call, captured
+            step(b)
+        evaluate(held_out[0])  # the evaluator, captured after the first kind
+        step(batches[3])  # the window's last: captured after the evaluator
+        assert step.stats()["captures"] == 2 and evaluate.stats()["graphs"] == 1
+        assert step.stepped and step._update.fused is None
+        _assert_outside_the_pool(step, step.grad_norm)
+        held = step.grad_norm.clone()
+        step(batches[4])  # the next window's first call: its graph replays
+        assert not step.stepped
+        for b in (held_out[0], held_out[1], held_out[0]):
+            evaluate(b)
+        assert torch.equal(step.grad_norm, held)
+        step(batches[5])  # the update graph replays
+        norm = step.grad_norm.clone()
+    expected = _eager_clipped_norms(m2, o2, batches, 2, 0.2)
+    assert min(float(n) for n in expected) > 0.2  # the clip acts
+    torch.testing.assert_close(torch.stack([held, norm]), torch.stack(expected[1:]),
+                               rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
+class FailsInCapturedUpdate(torch.optim.RMSprop):
+    def step(self, closure=None):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this update cannot be captured")
+        return super().step(closure)
+
+
+def test_a_capture_failing_after_the_clip_leaves_the_last_updates_gradient_norm():
+    """A capture that fails after clip_grad_norm_ (in the optimizer's own step) leaves
+    step.grad_norm the last completed update's, not the abandoned graph's."""
+    torch.manual_seed(16)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: FailsInCapturedUpdate(p, lr=1e-3))
+    batches = classification_batches(3, 16, device="cuda", seed=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # captured as it is
+        step = nt.Step(m1, o1, per_sample, warmup=2, grad_clip=0.2)
+        step(batches[0])
+        step(batches[1])
+        with pytest.raises(nt.CaptureError, match="this update cannot be captured"):
+            step(batches[2])
+    destroy_a_mem_pool()
+    expected = _eager_clipped_norms(m2, o2, batches[:2], 1, 0.2)
+    assert float(expected[1]) > 0.2  # the clip acts
+    torch.testing.assert_close(step.grad_norm, expected[1], rtol=1e-5, atol=1e-6)
+    assert_same_training(m1, o1, m2, o2, **TOL)
 
 
 def test_a_module_or_parameter_replaced_after_capture_is_refused_and_nothing_runs():
