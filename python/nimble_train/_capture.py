@@ -111,13 +111,15 @@ class CapturedStep:
         self.bases = [self.graph.add_entry(layout.specs(b)) for b in range(len(layout.sizes))]
         self.batches = [layout.template.unflatten(self.graph.inputs(e)) for e in self.bases]
         self.outputs: dict[int, object] = {}  # each captured entry's output (a training loss)
-        # Each training graph's loss, outside the pool (_loss_out): a float32 0-dim buffer per
-        # entry, allocated before its first capture; and, by a buffer's data address, the loss
+        # Each training graph's loss, outside the pool (_loss_out): a 0-dim buffer per entry of
+        # loss_dtype (the Step's, from its eager steps: float32, or a scalar loss's own),
+        # allocated before its first capture; and, by a buffer's data address, the loss
         # its capture's body returned, which a replay's result stands for (an integration finds
         # what that body recorded by its address: Step._loss_made). Held, so that no later
         # capture's loss takes that address.
         self._loss_buffers: dict[int, torch.Tensor] = {}
         self.loss_made: dict[int, torch.Tensor] = {}
+        self.loss_dtype = torch.float32
         # For the same reason, an update graph's gradient norm when the optimizer runs as it is
         # (clip_grad_norm_'s, made in the graph; the fused update's is in its own table): a
         # 0-dim buffer per entry of the norm's dtype (norm_buffer), written as the loss is.
@@ -318,8 +320,9 @@ class CapturedStep:
                                    native=planned and self._native_bn_model is not None)
         pools = (our_max_pool(self._max_pool_model) if self._max_pool_model is not None
                  else contextlib.nullcontext())
-        if planned and entry not in self._loss_buffers:
-            self._loss_buffers[entry] = torch.empty((), dtype=torch.float32,
+        if planned and (entry not in self._loss_buffers
+                        or self._loss_buffers[entry].dtype != self.loss_dtype):
+            self._loss_buffers[entry] = torch.empty((), dtype=self.loss_dtype,
                                                     device=stream.device)
         # As torch.cuda.graph does: no work still queued from before (the allocator cannot
         # process its events once this thread captures).

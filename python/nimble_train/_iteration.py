@@ -66,6 +66,9 @@ class Iteration:
         # A compiled model's weight products (_inductor_grads.WeightProducts), or None
         self.products = products
         self.per_sample: bool | None = None  # does loss_fn return one loss per sample?
+        # The dtype of the loss a step returns: float32 for per-sample losses (their mean),
+        # else the scalar's own, as the last step saw it (a graph's loss buffer takes it).
+        self.loss_dtype = torch.float32
         self.grad_norm: torch.Tensor | None = None  # the last clipping's norm (before it)
         self._got_grad = [False] * len(params)  # which parameters a backward reached
         # A step to be captured: the first parameter an eager backward gave a sparse gradient
@@ -87,6 +90,7 @@ class Iteration:
         with self._autocast():
             losses = self._forward(batch, model or self.model)
         if not self._classify(losses, batch_size):
+            self.loss_dtype = losses.dtype
             return losses
         losses = losses.float()
         if valid is None:

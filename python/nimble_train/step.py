@@ -899,6 +899,7 @@ class Step:
         # The norm clip_grad_norm_ makes in an update graph (an optimizer run as it is) goes
         # into a buffer outside the pool, as the loss does (CapturedStep.norm_buffer); its dtype
         # is clip_grad_norm_'s, the gradients' promoted.
+        graph.loss_dtype = self._iteration.loss_dtype  # the loss buffer's
         norm_out = None
         if kind[1] and self.grad_clip is not None and self._update.fused is None:
             dtype = functools.reduce(torch.promote_types, (p.dtype for p in self._params))

@@ -752,30 +752,40 @@ def _assert_outside_the_pool(step, tensor: torch.Tensor) -> None:
     assert not _in_pool(step, tensor)
 
 
-def test_a_loss_held_across_an_evaluators_replays_keeps_its_value():
+@pytest.mark.parametrize("dtype,loss_fn", [
+    (torch.float32, per_sample),  # the step returns their mean, in float32
+    (torch.bfloat16, torch.nn.CrossEntropyLoss()),  # a scalar loss of the model's dtype
+    (torch.float64, torch.nn.CrossEntropyLoss()),
+], ids=["per-sample", "bf16-scalar", "fp64-scalar"])
+def test_a_loss_held_across_an_evaluators_replays_keeps_its_value(dtype, loss_fn):
     """An evaluator captured before a kind of call (here the window's last, with
     accumulation) replays into memory of its own, which the later graph's loss must not share:
     the loss a call returns stays its value until the step's next call. It lies outside the
-    graphs' pool, where no replay writes but its own graph's."""
+    graphs' pool, where no replay writes but its own graph's, in the dtype eager steps return."""
     torch.manual_seed(14)
-    model = MLP().cuda()
+    model = MLP().cuda().to(dtype)
     step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                   per_sample, accumulate=2, warmup=2)
-    batches = classification_batches(6, 16, device="cuda", seed=14)
+                   loss_fn, accumulate=2, warmup=2)
+    batches = [(x.to(dtype), y)
+               for x, y in classification_batches(6, 16, device="cuda", seed=14)]
     evaluate = step.evaluator(lambda m, b: m(b[0]))
-    for b in batches[:3]:  # warm-up, then the window's first call, captured
-        step(b)
+    # warm-up, then the window's first call, captured
+    eager = [step(b) for b in batches[:3]][0]
     evaluate(batches[4])  # the evaluator, captured after the first kind
     with torch.no_grad():
-        expected = per_sample(model(batches[3][0]), batches[3][1]).mean()
+        expected = loss_fn(model(batches[3][0]), batches[3][1])
+        expected = expected.float().mean() if expected.dim() else expected
     loss = step(batches[3])  # the window's last: captured after the evaluator
     assert step.stats()["captures"] == 2 and evaluate.stats()["graphs"] == 1
+    assert loss.dtype == eager.dtype == expected.dtype
     _assert_outside_the_pool(step, loss)
     held = loss.clone()
     for b in (batches[4], batches[5], batches[4]):
         evaluate(b)
     assert torch.equal(loss, held)
-    torch.testing.assert_close(held, expected, rtol=1e-5, atol=1e-6)
+    tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {"rtol": 1e-5,
+                                                                          "atol": 1e-6}
+    torch.testing.assert_close(held, expected, **tol)
 
 
 def _eager_clipped_norms(model, optimizer, batches, k, clip):
