@@ -428,6 +428,14 @@ class CapturedStep:
             return out
         return value
 
+    def drop_all(self) -> None:
+        """Every captured graph (the training ones and the evaluators') dropped: each is
+        captured again when next called. The pool and the buffers outside it stay."""
+        for entry in range(self.graph.num_entries):
+            if self.graph.captured(entry):
+                self.graph.drop(entry)
+            self.outputs.pop(entry, None)
+
     def release(self) -> None:
         self.outputs = {}
         self.graph.release()  # waits for the device: no replay still writes the loss

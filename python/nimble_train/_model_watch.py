@@ -59,7 +59,9 @@ forward; a closure variable of a class made in a function, ``def make_block(p): 
 Block(nn.Module): ...``), and those of the plain functions either calls by a global name (a
 helper of the user's, ``return _jitter(x)``, or one a factory made, closure and all; not an
 installed package's) are watched as numbers are: the graphs run the value captured, so
-another value is refused (check_constants).
+another value is refused (check_constants). The modules it reads there (scope_modules: a GAN's
+discriminator in its generator's loss, a perceptual loss's network) are read by the graphs
+too: their parameters and buffers are watched as the model's frozen ones are (ParamWatch).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -801,6 +803,38 @@ def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
                 out.append((kind, table, name))
         todo += _helpers(fn)
     return out
+
+
+def scope_modules(fn: object) -> list[torch.nn.Module]:
+    """The modules a function (a loss function) reads by name from its closure or its module's
+    globals, or holds as a partial's argument, a bound method's object or that object's
+    attribute (``self.features`` in a method of a plain object), and those the plain functions
+    it calls as globals read (_helpers, followed through): a GAN's discriminator in its
+    generator's loss, the frozen network a perceptual loss runs. Their parameters and buffers
+    are tensors the graphs read."""
+    owner = getattr(fn, "__self__", None)
+    plain = hasattr(owner, "__dict__") and not isinstance(owner, (types.ModuleType, type))
+    found = ([owner] if isinstance(owner, torch.nn.Module) else
+             list(vars(owner).values()) if plain else [])
+    if isinstance(fn, functools.partial):
+        found += [*fn.args, *fn.keywords.values()]
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    todo, seen = ([fn] if isinstance(fn, types.FunctionType) else []), set()
+    while todo:
+        fn = todo.pop(0)
+        if fn in seen:
+            continue
+        seen.add(fn)
+        for cell in fn.__closure__ or ():
+            try:
+                found.append(cell.cell_contents)
+            except ValueError:  # a closure variable not assigned yet
+                pass
+        found += [fn.__globals__.get(name) for name in global_names(fn.__code__)]
+        todo += _helpers(fn)
+    modules = {id(m): m for m in found if isinstance(m, torch.nn.Module)}
+    return list(modules.values())
 
 
 def scope_entry(kind: str, table: object, key: str) -> tuple:

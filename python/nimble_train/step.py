@@ -45,7 +45,7 @@ from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration, LateGradient, autocast_name, model_arguments
-from ._model_watch import ModelWatch, refuse_replaced, warn_replays_keep
+from ._model_watch import ModelWatch, refuse_replaced, scope_modules, warn_replays_keep
 from ._multistream import traced_submodule
 from ._padding import BucketPadding, mixing_reason
 from ._sync import SyncRecorder
@@ -53,6 +53,7 @@ from ._update import Update
 from ._window import Window
 from .distributed import DEFAULT_BUCKET_MB, current_world
 from .errors import DistributedError, NimbleError
+from .optim.fused import in_flat_buffers
 
 
 class Phase(enum.Enum):
@@ -223,6 +224,7 @@ class Step:
         self._bucket_counts: list[list[int]] = []  # per bucket [replays, eager steps]
         self._evaluators: list[Evaluator] = []
         self._captured_entries: set[int] = set()  # entries captured at least once
+        self._captures_before = 0  # captures before the graphs were last all dropped
         self._padded = 0       # padded eager steps so far
         self._padding: str | None = None  # "proven" or "refused: why", once checked
         # With buckets: the first padded batch's losses with and without the padding
@@ -716,11 +718,15 @@ class Step:
 
     def _read_besides(self) -> list[torch.Tensor]:
         """The tensors the graphs read besides the optimizer's parameters: the model's frozen
-        parameters and its buffers, the loss module's buffers (a class weight), and the
-        tensors their modules hold in plain attributes (a temperature)."""
+        parameters and its buffers, the loss module's parameters (a perceptual loss's frozen
+        network) and buffers (a class weight), those of the modules a loss function reads from
+        its scope (a GAN's discriminator), and the tensors the model's and the loss module's
+        modules hold in plain attributes (a temperature)."""
         held = [*self.model.parameters(), *self.model.buffers()]
         if isinstance(self.loss_fn, torch.nn.Module):
-            held += list(self.loss_fn.buffers())
+            held += [*self.loss_fn.parameters(), *self.loss_fn.buffers()]
+        for module in scope_modules(self.loss_fn):
+            held += [*module.parameters(), *module.buffers()]
         held += [t for _, t in self._model.tensor_attributes()]
         known = {id(p) for p in self._params}
         return [t for t in unique_tensors(held) if id(t) not in known]
@@ -732,6 +738,10 @@ class Step:
         names = {id(q): name for name, q in self.model.named_parameters()}
         if id(t) in names:
             return names[id(t)]
+        if isinstance(self.loss_fn, torch.nn.Module):
+            names = {id(q): name for name, q in self.loss_fn.named_parameters(prefix="loss_fn")}
+            if id(t) in names:
+                return names[id(t)]
         buffers = list(self.model.named_buffers())
         if isinstance(self.loss_fn, torch.nn.Module):
             buffers += self.loss_fn.named_buffers(prefix="loss_fn")
@@ -742,6 +752,12 @@ class Step:
         names = {id(a): name for name, a in attributes}
         if id(t) in names:
             return f"the tensor attribute {names[id(t)]}"
+        for module in scope_modules(self.loss_fn):
+            kind = type(module).__name__
+            names = {id(q): f"parameter {name!r}" for name, q in module.named_parameters()}
+            names.update((id(b), f"buffer {name!r}") for name, b in module.named_buffers())
+            if id(t) in names:
+                return f"the loss function's {kind}'s {names[id(t)]}"
         return f"optimizer parameter {i} (shape {tuple(t.shape)})"
 
     def _fix_model(self) -> None:
@@ -769,8 +785,12 @@ class Step:
         if model is None:
             return  # before capture: nothing is fixed but the flags
         model.refuse_replaced_objects()
-        for i in watch.moved():
-            why = watch.why_not_restorable(i)
+        moved = watch.moved()
+        trained = len(self._params)
+        # Read where another step's update moved them (see _read_anew); the rest goes back.
+        taken = [i for i in moved if i >= trained and in_flat_buffers(self._watched[i])]
+        for i in moved:
+            why = watch.why_not_restorable(i) if i not in taken else ""
             if why:
                 j = watch.shares_memory_with(i)
                 if j >= 0:
@@ -778,8 +798,25 @@ class Step:
                            "graphs (captured with them apart) cannot keep")
                 refuse_replaced(f"the data of {self._param_name(i)}", why)
         tensors = model.replaced_tensors()
+        if taken:
+            self._read_anew(taken)
         watch.restore()
         model.put_back(tensors)
+
+    def _read_anew(self, others: list[int]) -> None:
+        """Parameters the graphs read and this step does not train, which another step's
+        fused update moved into its flat buffers since they were captured (a GAN's two steps,
+        each reading the other's network, the one that fused last having moved them): the
+        graphs are captured again, as they are next called, reading them there. Put back where
+        these graphs read them, as a replaced parameter's data is, they would move at every
+        call of either step, and both would copy them and leave their fast paths."""
+        self._watch.adopt(others)
+        if self._graph is not None:
+            self._graph.drop_all()
+            self._refresh_launch_entries()
+            # captured again for this, not for changed hyper-parameters (_capture's warning)
+            self._captured_entries.clear()
+            self._captures_before = self._counts["captures"]
 
     def _refuse_trainable_change(self) -> None:
         """A parameter frozen or unfrozen (requires_grad_) since warm-up: the flat buffers and
@@ -926,7 +963,8 @@ class Step:
         self._autocast = self._autocast_now()  # and the autocast they run (_check_ambient)
         self._kernel_settings = _C.kernel_settings()  # and the settings of its kernels
         self._captured_entries.add(entry)
-        recaptures = self._counts["captures"] - len(self._captured_entries)
+        recaptures = (self._counts["captures"] - self._captures_before
+                      - len(self._captured_entries))
         self._update.warn_if_recapturing_often(recaptures, self._counts["steps"], self.warmup)
 
     def _undo_forwards(self) -> None:

@@ -260,6 +260,16 @@ void ParamWatch::undo_moves() {
   for (const int64_t i : moved()) params_[size_t(i)].set_data(captured_[size_t(i)]);
 }
 
+void ParamWatch::adopt(const std::vector<int64_t>& others) {
+  for (const int64_t i : others) {
+    NT_CHECK(!captured_.empty(), "ParamWatch::adopt: no storage fixed yet (fix_storage first)");
+    NT_CHECK(i >= int64_t(flags_.size()) && i < int64_t(params_.size()), "ParamWatch::adopt: ",
+             i, " is not the index of a parameter outside the trained ones [", flags_.size(),
+             ", ", params_.size(), ")");
+  }
+  for (const int64_t i : others) captured_[size_t(i)] = params_[size_t(i)].detach();
+}
+
 void reattach(std::vector<FlatTensors>& flats) {
   const c10::AutoGradMode no_grad(false);
   for (FlatTensors& flat : flats) {

@@ -110,6 +110,11 @@ class ParamWatch {
   // Every moved parameter views the storage the graphs read again, its values as they are there:
   // after a failed capture, which ran nothing (the data its forwards gave holds no values).
   void undo_moves();
+  // The graphs about to be captured again read each of `others` (indices of parameters after
+  // the trained ones) where its data is now: one another step's update moved into its flat
+  // buffers, which the old graphs would go on reading where it was. Throws, changing nothing,
+  // for a trained parameter's index or before fix_storage.
+  void adopt(const std::vector<int64_t>& others);
 
  private:
   bool is_moved(size_t i) const;

@@ -209,7 +209,10 @@ void bind_optim(py::module_& m) {
       .def("restore", &optim::ParamWatch::restore,
            "Copies each moved parameter's values where the graphs read them; it views them again.")
       .def("undo_moves", &optim::ParamWatch::undo_moves,
-           "Each moved parameter views the storage the graphs read again, values untouched.");
+           "Each moved parameter views the storage the graphs read again, values untouched.")
+      .def("adopt", &optim::ParamWatch::adopt, py::arg("others"),
+           "The graphs captured next read these parameters outside the trained ones where "
+           "their data is now.");
 
   py::class_<optim::UpdateTarget>(m, "UpdateTarget",
                                   "What one pass of the fused update reads and writes.")

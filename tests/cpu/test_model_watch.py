@@ -5,6 +5,7 @@ refused, naming it; a buffer's new values go where the graphs read them. The GPU
 through these against the eager loop; these check the mechanics."""
 
 import functools
+import gc
 import types
 import warnings
 
@@ -14,7 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
-from nimble_train._model_watch import ModelWatch, warn_replays_keep
+from nimble_train._model_watch import ModelWatch, scope_modules, warn_replays_keep
+from nimble_train.optim import FusedOptimizer
+from nimble_train.optim.fused import in_flat_buffers
 from step_reference import Tempered
 
 
@@ -1129,3 +1132,52 @@ def test_what_the_steps_own_forwards_change_is_taken_and_a_change_of_the_users_i
     watch.after_forward()
     with pytest.raises(NimbleError, match=r"parameter '0.weight' was replaced"):
         watch.refuse_replaced_objects()
+
+
+CRITIC = nn.Linear(4, 1)  # a global a loss function reads
+
+
+def _critic_score(x):  # a helper of the user's, called as a global
+    return CRITIC(x).mean()
+
+
+class _Perceptual:
+    def __init__(self):
+        self.features = nn.Conv2d(3, 4, 3)
+
+    def loss(self, out, target):
+        return F.mse_loss(self.features(out), self.features(target))
+
+
+def test_scope_modules_finds_the_modules_a_loss_function_reads():
+    """A GAN generator's loss reads the discriminator, a perceptual loss its network: from a
+    closure, a global (through a helper too), a partial's argument, a bound method's object
+    or that object's attribute."""
+    d = nn.Linear(4, 1)
+    features = nn.Conv2d(3, 4, 3)
+    assert scope_modules(lambda out, y: F.binary_cross_entropy_with_logits(d(out), y)) == [d]
+    assert scope_modules(lambda out, y: _critic_score(out)) == [CRITIC]
+    assert scope_modules(functools.partial(lambda net, out, y: net(out).sum(), features)) == [
+        features]
+    assert scope_modules(nn.MSELoss().forward)[0].__class__ is nn.MSELoss
+    perceptual = _Perceptual()
+    assert scope_modules(perceptual.loss) == [perceptual.features]
+    assert scope_modules(F.cross_entropy) == []
+
+    def late(out, y):
+        return net(out).sum()  # noqa: F821 -- assigned after this function is made
+    assert scope_modules(late) == []
+    net = nn.Linear(2, 2)
+    assert scope_modules(late) == [net]
+
+
+def test_in_flat_buffers_tells_parameters_a_fused_optimizer_moved():
+    torch.manual_seed(0)
+    moved, kept = nn.Linear(4, 3), nn.Linear(4, 3)
+    assert not in_flat_buffers(moved.weight)
+    fused = FusedOptimizer(torch.optim.SGD(moved.parameters(), lr=0.1))
+    assert in_flat_buffers(moved.weight) and in_flat_buffers(moved.bias)
+    assert not in_flat_buffers(kept.weight)
+    del fused
+    gc.collect()
+    assert not in_flat_buffers(moved.weight)  # no optimizer writes it there any more

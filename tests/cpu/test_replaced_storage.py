@@ -73,6 +73,30 @@ def test_undo_moves_puts_each_tensor_back_on_the_storage_the_graphs_read_untouch
     watch.undo_moves()  # nothing moved: nothing to do
 
 
+def test_adopt_takes_an_untrained_parameters_new_storage_and_refuses_a_trained_one():
+    """Another step's update moved a parameter this step reads but does not train into its
+    flat buffers: the graphs captured next read it there, and the rest stays watched."""
+    params = _params(3)
+    watch = _C.ParamWatch(params, 2)
+    with pytest.raises(ValueError, match="fix_storage first"):
+        watch.adopt([2])
+    watch.fix_storage()
+    flat = torch.zeros(20)
+    params[2].data = flat[4:13].view(3, 3)
+    params[0].data = torch.zeros(4, 3)
+    assert watch.moved() == [0, 2]
+    with pytest.raises(ValueError, match=r"0 is not the index of a parameter outside the "
+                                           r"trained ones \[2, 3\)"):
+        watch.adopt([2, 0])
+    assert watch.moved() == [0, 2]  # nothing adopted
+    watch.adopt([2])
+    assert watch.moved() == [0]
+    assert params[2].data_ptr() == flat.data_ptr() + 4 * flat.element_size()
+    watch.restore()  # the trained one goes back; the adopted one stays where it is now
+    assert not watch.changed()
+    assert params[2].data_ptr() == flat.data_ptr() + 4 * flat.element_size()
+
+
 def test_tensors_given_at_fix_storage_take_the_place_of_the_untrained_ones():
     # Warm-up fixed the trained parameters (and a frozen one); capture reads a buffer too, and
     # the frozen one's replacement: those are watched from then on, the one they replace not.

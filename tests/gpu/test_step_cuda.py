@@ -575,6 +575,53 @@ def test_parameter_data_replaced_after_capture_trains_on_from_the_new_values(mak
     run.assert_same()
 
 
+class PerceptualLoss(torch.nn.Module):
+    """A loss that runs a frozen network of its own on the output and the target."""
+
+    def __init__(self, features):
+        super().__init__()
+        self.features = features
+
+    def forward(self, out, target):
+        return F.mse_loss(self.features(out), self.features(F.one_hot(target, 5).float()))
+
+
+@pytest.mark.parametrize("held", ["loss-module", "closure"])
+def test_a_loss_functions_frozen_network_given_new_data_after_capture_is_what_it_reads(held):
+    """A frozen network the loss runs (a perceptual loss), held by the loss module or read by
+    a loss function from its closure, re-initialised by `p.data = t` after capture: the graphs
+    read its new values, as the eager loop's loss does."""
+    torch.manual_seed(17)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.Adam(p, lr=2e-3))
+    nets = []
+    for _ in range(2):
+        torch.manual_seed(18)
+        nets.append(torch.nn.Linear(5, 6).cuda().requires_grad_(False))
+    if held == "loss-module":
+        loss_fns = [PerceptualLoss(net) for net in nets]
+    else:
+        def perceptual(net):  # the loss function's closure holds the network
+            return lambda out, y: F.mse_loss(net(out), net(F.one_hot(y, 5).float()))
+        loss_fns = [perceptual(net) for net in nets]
+    batches = classification_batches(9, 16, device="cuda", seed=19)
+    step = nt.Step(m1, o1, loss_fns[0], warmup=2)
+    losses = [step(b).clone() for b in batches[:4]]
+    expected = eager_loop(m2, o2, loss_fns[1], batches[:4])
+    new = torch.randn_like(nets[0].weight)
+    # The old data kept alive: a graph still reading it reads the old values (freed, its
+    # memory could hold the other network's new data).
+    old = [net.weight.data for net in nets]
+    for net in nets:
+        net.weight.data = new.clone()
+    losses += [step(b).clone() for b in batches[4:]]
+    expected += eager_loop(m2, o2, loss_fns[1], batches[4:])
+    torch.cuda.synchronize()
+    assert step.stats()["replays"] == 7
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOL)
+    assert_same_training(m1, o1, m2, o2, **TOL)
+    del old
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 @pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
 def test_a_checkpoint_loaded_into_a_running_step_is_what_it_trains_on_from(make_opt, streams):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Callable
 
 import torch
@@ -13,6 +14,19 @@ from ._flat import build_flat_buffers, cut_pieces, own_storage, update_targets
 from ._hyper import LAYOUT, STAGED, Structure, make_tables
 from ._state import FlatState
 from ._support import algorithm, trainable, why_unsupported
+
+
+# Every FusedOptimizer alive, for in_flat_buffers.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def in_flat_buffers(t: torch.Tensor) -> bool:
+    """Whether t's data lies in a FusedOptimizer's flat parameter buffers: that optimizer's
+    update moved it there and writes it there (a captured step that reads a parameter another
+    step trains, as a GAN's generator step reads the discriminator, tells by it)."""
+    where = t.untyped_storage().data_ptr()
+    return any(flat.untyped_storage().data_ptr() == where
+               for fused in list(_LIVE) for flat in fused.flat_params.values())
 
 
 class FusedOptimizer:
@@ -97,6 +111,7 @@ class FusedOptimizer:
             optimizer.register_load_state_dict_post_hook(lambda _opt: self._state.on_load()),
             optimizer.register_state_dict_pre_hook(lambda _opt: self._state.check_whole()),
         ]
+        _LIVE.add(self)
 
     @staticmethod
     def num_staged_values(optimizer: torch.optim.Optimizer) -> int:
