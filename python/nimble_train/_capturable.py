@@ -64,14 +64,18 @@ def _move_step_counters(optimizer: torch.optim.Optimizer, group: dict) -> None:
 
 
 def hyperparameters(optimizer: torch.optim.Optimizer, staged_lr: list[bool]) -> list[dict]:
-    """What a captured step bakes in, per group: everything but params and the staged lr."""
+    """What a captured step bakes in, per group: everything but params and the staged lr. A
+    device tensor (a CUDA lr) is read by the graph where it is, so it is kept as itself: a
+    scheduler's fill_ reaches the graph, another tensor put in its place does not (a
+    recapture is due); a CPU tensor by its value."""
     snapshot = []
     for group, on_device in zip(optimizer.param_groups, staged_lr):
         baked = {}
         for key, value in group.items():
             if key == "params" or key == "initial_lr" or (on_device and key == "lr"):
                 continue
-            baked[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            on_cpu = isinstance(value, torch.Tensor) and value.device.type == "cpu"
+            baked[key] = value.clone() if on_cpu else value
         snapshot.append(baked)
     return snapshot
 
@@ -87,7 +91,10 @@ def same_hyperparameters(a: list[dict], b: list[dict]) -> bool:
             if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
                 if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)):
                     return False
-                if u.device.type == "cpu" and v.device.type == "cpu" and not torch.equal(u, v):
+                if u.device.type == "cpu" and v.device.type == "cpu":
+                    if not torch.equal(u, v):
+                        return False
+                elif u is not v:  # the graph reads the tensor it was captured with
                     return False
             elif u != v:
                 return False

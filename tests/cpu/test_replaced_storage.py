@@ -265,3 +265,24 @@ def test_a_closed_update_leaves_no_hook_on_the_optimizer():
     update.close()
     opt.load_state_dict(opt.state_dict())
     assert not update.loaded
+
+
+def test_a_device_tensor_hyper_parameter_is_held_as_itself_and_a_cpu_one_by_value():
+    """What an optimizer captured as it is bakes in: a device tensor (a CUDA lr; a meta one
+    here) is read by the graph where it is, so a new tensor in its place is a change (a
+    recapture) and an in-place update is not; a CPU tensor's value is baked, so its in-place
+    update is a change."""
+    from nimble_train import _capturable
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.randn(3))], lr=0.1, momentum=0.9)
+    group = opt.param_groups[0]
+    lr = group["lr"] = torch.tensor(1e-3, device="meta")
+    group["weight_decay"] = torch.tensor(0.01)
+    baked = _capturable.hyperparameters(opt, [False])
+    assert baked[0]["lr"] is lr and baked[0]["weight_decay"] is not group["weight_decay"]
+    assert _capturable.same_hyperparameters(_capturable.hyperparameters(opt, [False]), baked)
+    group["weight_decay"].fill_(0.02)
+    assert not _capturable.same_hyperparameters(_capturable.hyperparameters(opt, [False]), baked)
+    group["weight_decay"].fill_(0.01)
+    assert _capturable.same_hyperparameters(_capturable.hyperparameters(opt, [False]), baked)
+    group["lr"] = torch.tensor(1e-3, device="meta")  # another tensor, though equal
+    assert not _capturable.same_hyperparameters(_capturable.hyperparameters(opt, [False]), baked)

@@ -622,6 +622,29 @@ def test_a_loss_functions_frozen_network_given_new_data_after_capture_is_what_it
     del old
 
 
+def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_the_update_reads():
+    """An optimizer captured as it is with a CUDA tensor learning rate: the graph reads the
+    tensor where it is, so a scheduler's fill_ reaches it as it is, and another tensor put in
+    the group (group["lr"] = t) has the update graph captured again, reading that one."""
+    torch.manual_seed(21)
+    make = lambda p: torch.optim.RMSprop(  # noqa: E731
+        p, lr=torch.tensor(2e-3, device="cuda"), momentum=0.9, capturable=True)
+    run = SideBySide(cuda_twin(MLP(), make))
+    batches = classification_batches(10, 16, device="cuda", seed=22)
+    run.train(batches[:4])
+    for o in (run.o1, run.o2):
+        o.param_groups[0]["lr"].fill_(1e-3)
+    run.train(batches[4:6])
+    captures = run.step.stats()["captures"]
+    old = [o.param_groups[0]["lr"] for o in (run.o1, run.o2)]  # alive: the old graph's reads
+    for o in (run.o1, run.o2):
+        o.param_groups[0]["lr"] = torch.tensor(4e-3, device="cuda")
+    run.train(batches[6:])
+    run.assert_same()
+    assert run.step.stats()["replays"] == 8 and run.step.stats()["captures"] == captures + 1
+    del old
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 @pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
 def test_a_checkpoint_loaded_into_a_running_step_is_what_it_trains_on_from(make_opt, streams):
