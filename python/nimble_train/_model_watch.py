@@ -59,7 +59,10 @@ forward; a closure variable of a class made in a function, ``def make_block(p): 
 Block(nn.Module): ...``), and those of the plain functions either calls by a global name (a
 helper of the user's, ``return _jitter(x)``, or one a factory made, closure and all; not an
 installed package's) are watched as numbers are: the graphs run the value captured, so
-another value is refused (check_constants). The modules it reads there (scope_modules: a GAN's
+another value is refused (check_constants). A tensor either reads there by name (class
+weights a loss function reads as a global) is watched by identity: another tensor under the
+name after capture is refused, an in-place change is what the graphs read; one the step's own
+forwards assign is taken. The modules it reads there (scope_modules: a GAN's
 discriminator in its generator's loss, a perceptual loss's network) are read by the graphs
 too: their parameters and buffers are watched as the model's frozen ones are (ParamWatch).
 
@@ -91,7 +94,7 @@ import site
 import sys
 import sysconfig
 import types
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -118,6 +121,8 @@ _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
+# tensors read by name from a function's scope: by identity
+_SCOPE_TENSORS = ("closure tensor", "global tensor")
 # A module's dicts of the hooks that run around its forward and backward, and their kinds.
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
@@ -223,10 +228,18 @@ class ModelWatch:
         for i, module in enumerate(self.modules):
             scope += [(kind, i, table, key) for kind, table, key in code_numbers(type(module))]
         scope += [(kind, -1, table, key) for kind, table, key in scope_numbers(loss_fn)]
+        # And the tensors they read there (a class weight a loss function reads as a global),
+        # by identity: the graphs read the tensor itself (kinds "closure tensor", "global
+        # tensor"; check_constants).
+        for i, module in enumerate(self.modules):
+            scope += [(kind + " tensor", i, table, key)
+                      for kind, table, key in code_tensors(type(module))]
+        scope += [(kind + " tensor", -1, table, key)
+                  for kind, table, key in scope_tensors(loss_fn)]
         for kind, i, table, key in scope:
             if (id(table), key) not in watched:
                 watched.add((id(table), key))
-                entries.append(scope_entry(kind, table, key))
+                entries.append(scope_entry(kind.removesuffix(" tensor"), table, key))
                 self._what.append((kind, i, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
@@ -292,6 +305,8 @@ class ModelWatch:
                 if not _same_value(now, was):
                     changed.append((self._entry_name(what, i, key), was, now))
                 self._take(e)
+            elif what in _SCOPE_TENSORS and now is not _MISSING:
+                self._take(e)  # a tensor the step's own forwards assigned: their output
         return changed
 
     def _take(self, e: int) -> None:
@@ -374,6 +389,19 @@ class ModelWatch:
                                     "build a new Step for each new value: step.close(), then "
                                     "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
                                     "state carries over)")
+        for kind in _SCOPE_TENSORS:
+            for i, key, old, now in self._unequal(kind):
+                where = scope_name(self._reader(i), kind.removesuffix(" tensor"), key)
+                seen = ("was deleted" if now is _MISSING else
+                        "was given another tensor" if isinstance(now, torch.Tensor) else
+                        f"was given a {type(now).__name__}")
+                raise NimbleError(
+                    f"nimble_train.Step: {where} {seen} after capture, where it held a tensor "
+                    f"({_description(old)}); the graphs read the tensor they were captured with, "
+                    "whatever the name holds now. Change its values in place (with "
+                    f"torch.no_grad(): {key}.copy_(new)), or build a new Step: step.close(), "
+                    "then nt.Step(model, optimizer, loss_fn) again (the optimizer's state "
+                    "carries over). Nothing was run for this call.")
         for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -746,15 +774,34 @@ def code_numbers(cls: type) -> list[tuple[str, object, str]]:
     return [entry for fn in _own_code(cls)[1] for entry in _numbers_in_scope(fn)]
 
 
-def _numbers_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
-    """("closure", cell, name) and ("global", globals, name) for each number (bool, int, float,
-    str) fn reads by name from its closure or its module's globals."""
+def code_tensors(cls: type) -> list[tuple[str, object, str]]:
+    """The same for each tensor (a mask its forward reads as a global)."""
+    return [entry for fn in _own_code(cls)[1] for entry in _tensors_in_scope(fn)]
+
+
+def _in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
+    """("closure", cell, name) and ("global", globals, name) for each name fn reads from its
+    closure or its module's globals."""
     code = fn.__code__
     scope = [("closure", cell, name)
              for name, cell in zip(code.co_freevars, fn.__closure__ or ())]
-    scope += [("global", fn.__globals__, name) for name in global_names(code)]
-    return [(kind, table, name) for kind, table, name in scope
+    return scope + [("global", fn.__globals__, name) for name in global_names(code)]
+
+
+def _numbers_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
+    """Those of _in_scope that hold a number (bool, int, float, str)."""
+    return [(kind, table, name) for kind, table, name in _in_scope(fn)
             if type(_now(table, None if kind == "closure" else name)) in _NUMBERS]
+
+
+def _tensors_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
+    """Those of _in_scope that hold a tensor (not a parameter: a module's, watched as such)."""
+    return [(kind, table, name) for kind, table, name in _in_scope(fn)
+            if _is_plain_tensor(_now(table, None if kind == "closure" else name))]
+
+
+def _is_plain_tensor(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -787,6 +834,15 @@ def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
     float, str) a function (a loss function, an evaluator's fn) reads by name from its closure
     or its module's globals, and the plain functions it calls as globals (_helpers, followed
     through) from theirs; none for a module (watched as one) or any other callable."""
+    return _scope_of(fn, _numbers_in_scope)
+
+
+def scope_tensors(fn: object) -> list[tuple[str, object, str]]:
+    """The same for each tensor (a class weight a loss function reads as a global)."""
+    return _scope_of(fn, _tensors_in_scope)
+
+
+def _scope_of(fn: object, found: Callable) -> list[tuple[str, object, str]]:
     fn = fn.func if isinstance(fn, functools.partial) else fn
     fn = getattr(fn, "__func__", fn)  # a bound method: its function
     if not isinstance(fn, types.FunctionType):
@@ -797,7 +853,7 @@ def scope_numbers(fn: object) -> list[tuple[str, object, str]]:
         if fn in seen:
             continue
         seen.add(fn)
-        for kind, table, name in _numbers_in_scope(fn):
+        for kind, table, name in found(fn):
             if (id(table), name) not in watched:
                 watched.add((id(table), name))
                 out.append((kind, table, name))

@@ -1181,3 +1181,80 @@ def test_in_flat_buffers_tells_parameters_a_fused_optimizer_moved():
     del fused
     gc.collect()
     assert not in_flat_buffers(moved.weight)  # no optimizer writes it there any more
+
+
+CLASS_WEIGHT = torch.ones(5)  # a global tensor a loss function reads
+
+
+def _weighted_loss():
+    shift = torch.zeros(5)
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out + shift, target, weight=CLASS_WEIGHT)
+
+    def set_shift(value):
+        nonlocal shift
+        shift = value
+    return loss_fn, set_shift
+
+
+def test_tensors_a_loss_function_reads_from_its_scope_are_watched_by_identity():
+    """The graphs read the tensor a name held at capture: changed in place it is what they
+    read; another tensor under the name after capture is refused, naming it, before anything
+    runs (before the first capture, or assigned by the step's own forwards, it is taken)."""
+    global CLASS_WEIGHT
+    loss_fn, set_shift = _weighted_loss()
+    watch = captured_watch(_model(), loss_fn)
+    assert [w for w in watch._what if w[0].endswith(" tensor")] == [
+        ("closure tensor", -1, "shift"), ("global tensor", -1, "CLASS_WEIGHT")]
+    CLASS_WEIGHT.mul_(2.0)  # in place: what the graphs read
+    assert watch.first_changed() == -1
+    shift = dict(zip(loss_fn.__code__.co_freevars, loss_fn.__closure__))["shift"].cell_contents
+    set_shift(torch.ones(5))
+    with pytest.raises(NimbleError, match=r"loss_fn's closure variable 'shift' was given another "
+                                          r"tensor after capture, where it held a tensor "
+                                          r"\(torch.float32 \[5\] on cpu\).*shift.copy_\(new\).*"
+                                          r"Nothing was run"):
+        watch.refuse_replaced_objects()
+    set_shift(shift)
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    weight = CLASS_WEIGHT
+    try:
+        CLASS_WEIGHT = None
+        with pytest.raises(NimbleError, match=r"the global 'CLASS_WEIGHT' that loss_fn reads was "
+                                              r"given a NoneType after capture"):
+            watch.refuse_replaced_objects()
+        CLASS_WEIGHT = torch.ones(5)
+        assert watch.after_forward() == []  # as if loss_fn had assigned it itself: taken
+        assert watch.first_changed() == -1
+        fresh = ModelWatch(_model(), loss_fn)  # before the first capture: taken
+        CLASS_WEIGHT = torch.zeros(5)
+        fresh.refuse_replaced_objects()
+        assert fresh.first_changed() == -1
+    finally:
+        CLASS_WEIGHT = weight
+
+
+MASK = torch.ones(4)  # a global tensor a forward reads
+
+
+class _Masked(nn.Module):
+    def forward(self, x):
+        return x * MASK
+
+
+def test_a_tensor_a_forward_reads_as_a_global_is_watched_by_identity():
+    global MASK
+    watch = captured_watch(nn.Sequential(_Masked(), nn.Linear(4, 2)))
+    assert ("global tensor", 1, "MASK") in watch._what
+    mask = MASK
+    try:
+        MASK = torch.zeros(4)
+        with pytest.raises(NimbleError, match=r"the global 'MASK' that '0' \(_Masked\) reads was "
+                                              r"given another tensor after capture"):
+            watch.refuse_replaced_objects()
+    finally:
+        MASK = mask
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1

@@ -622,6 +622,46 @@ def test_a_loss_functions_frozen_network_given_new_data_after_capture_is_what_it
     del old
 
 
+CLASS_WEIGHT = None  # the class weights _weighted reads, as a global
+
+
+def _weighted(out, target):
+    return F.cross_entropy(out, target, weight=CLASS_WEIGHT)
+
+
+def test_a_tensor_the_loss_function_reads_as_a_global_is_read_in_place_and_not_replaced():
+    """A loss function reading class weights from a global tensor: updated in place after
+    capture they are what the graphs read, as the eager loop's loss does; the name given
+    another tensor is refused before anything runs (the graphs would read the old one)."""
+    global CLASS_WEIGHT
+    torch.manual_seed(23)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    batches = classification_batches(8, 16, device="cuda", seed=24)
+    CLASS_WEIGHT = torch.ones(5, device="cuda")
+    step = nt.Step(m1, o1, _weighted, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    expected = eager_loop(m2, o2, _weighted, batches[:4])
+    CLASS_WEIGHT.copy_(torch.arange(1.0, 6.0, device="cuda"))  # in place: read by the graphs
+    losses = [step(b).clone() for b in batches[4:6]]
+    expected = eager_loop(m2, o2, _weighted, batches[4:6])
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOL)
+    before = copy.deepcopy(m1.state_dict())
+    weight = CLASS_WEIGHT
+    CLASS_WEIGHT = torch.ones(5, device="cuda")
+    with pytest.raises(nt.NimbleError, match=r"the global 'CLASS_WEIGHT' that loss_fn reads was "
+                                             r"given another tensor after capture.*Nothing was "
+                                             r"run"):
+        step(batches[6])
+    assert_nothing_ran(m1, before)
+    CLASS_WEIGHT = weight
+    step(batches[6])
+    step(batches[7])
+    eager_loop(m2, o2, _weighted, batches[6:])
+    assert step.stats()["replays"] == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
 def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_the_update_reads():
     """An optimizer captured as it is with a CUDA tensor learning rate: the graph reads the
     tensor where it is, so a scheduler's fill_ reaches it as it is, and another tensor put in
