@@ -791,13 +791,13 @@ def _in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
 def _numbers_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
     """Those of _in_scope that hold a number (bool, int, float, str)."""
     return [(kind, table, name) for kind, table, name in _in_scope(fn)
-            if type(_now(table, None if kind == "closure" else name)) in _NUMBERS]
+            if type(_now(table, name)) in _NUMBERS]
 
 
 def _tensors_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
     """Those of _in_scope that hold a tensor (not a parameter: a module's, watched as such)."""
     return [(kind, table, name) for kind, table, name in _in_scope(fn)
-            if _is_plain_tensor(_now(table, None if kind == "closure" else name))]
+            if _is_plain_tensor(_now(table, name))]
 
 
 def _is_plain_tensor(value: object) -> bool:
@@ -862,33 +862,18 @@ def _scope_of(fn: object, found: Callable) -> list[tuple[str, object, str]]:
 
 
 def scope_modules(fn: object) -> list[torch.nn.Module]:
-    """The modules a function (a loss function) reads by name from its closure or its module's
-    globals, or holds as a partial's argument, a bound method's object or that object's
-    attribute (``self.features`` in a method of a plain object), and those the plain functions
-    it calls as globals read (_helpers, followed through): a GAN's discriminator in its
-    generator's loss, the frozen network a perceptual loss runs. Their parameters and buffers
-    are tensors the graphs read."""
+    """The modules a function (a loss function) reads by name from its scope (as
+    scope_numbers finds numbers, helpers followed), or holds as a partial's argument, a bound
+    method's object or that object's attribute (``self.features`` in a method of a plain
+    object): a GAN's discriminator in its generator's loss, the frozen network a perceptual
+    loss runs. Their parameters and buffers are tensors the graphs read."""
     owner = getattr(fn, "__self__", None)
     plain = hasattr(owner, "__dict__") and not isinstance(owner, (types.ModuleType, type))
     found = ([owner] if isinstance(owner, torch.nn.Module) else
              list(vars(owner).values()) if plain else [])
     if isinstance(fn, functools.partial):
         found += [*fn.args, *fn.keywords.values()]
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)  # a bound method: its function
-    todo, seen = ([fn] if isinstance(fn, types.FunctionType) else []), set()
-    while todo:
-        fn = todo.pop(0)
-        if fn in seen:
-            continue
-        seen.add(fn)
-        for cell in fn.__closure__ or ():
-            try:
-                found.append(cell.cell_contents)
-            except ValueError:  # a closure variable not assigned yet
-                pass
-        found += [fn.__globals__.get(name) for name in global_names(fn.__code__)]
-        todo += _helpers(fn)
+    found += [_now(table, name) for _, table, name in _scope_of(fn, _in_scope)]
     modules = {id(m): m for m in found if isinstance(m, torch.nn.Module)}
     return list(modules.values())
 

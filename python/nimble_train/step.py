@@ -735,13 +735,12 @@ class Step:
         """The name of the i-th tensor the graphs read: the optimizer's parameters (from the
         first call on), then, once the trainable set is fixed, the model's others."""
         t = self._params[i] if i < len(self._params) else self._watched[i]
-        names = {id(q): name for name, q in self.model.named_parameters()}
+        params = list(self.model.named_parameters())
+        if isinstance(self.loss_fn, torch.nn.Module):
+            params += self.loss_fn.named_parameters(prefix="loss_fn")
+        names = {id(q): name for name, q in params}
         if id(t) in names:
             return names[id(t)]
-        if isinstance(self.loss_fn, torch.nn.Module):
-            names = {id(q): name for name, q in self.loss_fn.named_parameters(prefix="loss_fn")}
-            if id(t) in names:
-                return names[id(t)]
         buffers = list(self.model.named_buffers())
         if isinstance(self.loss_fn, torch.nn.Module):
             buffers += self.loss_fn.named_buffers(prefix="loss_fn")
