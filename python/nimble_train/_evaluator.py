@@ -18,7 +18,12 @@ compiler meets its shapes) and is captured again; failing then, it stays eager, 
 With a compiled model each bucket runs eagerly once before its capture (dynamo compiles the
 model anew for eval mode), on static inputs like the graph's. The numbers ``fn`` reads by name
 from its closure or its module's globals (a threshold) are baked into its graphs: from its
-first capture on, another value is refused (_model_watch.ScopeWatch).
+first capture on, another value is refused (_model_watch.ScopeWatch), and so is another tensor
+or module under a name it reads one by. The modules it reads there besides the model (an
+averaged copy the user keeps, ``lambda m, b: ema(b[0])``; a teacher) are run by its graphs as
+they were at capture (ScopeModules): a mode changed or a child module, parameter or buffer
+replaced is refused; a parameter's or buffer's data replaced (``p.data = t``) goes back where
+the graphs read it, its values copied there.
 """
 
 from __future__ import annotations
@@ -33,10 +38,11 @@ from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
-from ._model_watch import ScopeWatch, warn_replays_keep
+from ._model_watch import ScopeWatch, named_scope_modules, warn_replays_keep
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
+from .optim.fused import in_flat_buffers
 
 
 class Evaluator:
@@ -56,6 +62,7 @@ class Evaluator:
         self._eager_only: dict[int, str] = {}  # capture failed once met too: why
         self.counts = {"replays": 0, "eager": 0, "captures": 0}
         self._scope: ScopeWatch | None = None  # fn's numbers, from its first capture on
+        self._reads: ScopeModules | None = None  # and the modules it reads from its scope
         self._autocast: tuple | None = None  # the autocast its graphs were captured under
         # With buckets: the first padded batch's outputs with and without the padding
         # (_padding.BucketPadding, made with the layout).
@@ -70,6 +77,8 @@ class Evaluator:
         step._settle_model(training=False)
         if self._scope is not None:
             self._scope.check()
+        if self._reads is not None and self._reads.settle():
+            self._drop_graphs()  # they read tensors another step's update moved, where they were
         if self._template is None:
             self._start(batch)
         template = self._template
@@ -206,6 +215,7 @@ class Evaluator:
         scope = self._scope or ScopeWatch(self.fn, "the evaluator's fn",
                                           "make a new evaluator for each new value "
                                           "(step.evaluator(fn); its graphs join the Step's pool)")
+        reads = self._reads or ScopeModules(self.fn, step)  # as they are for this capture
 
         def captured():
             out = self._run(static, capturing=True)
@@ -232,12 +242,119 @@ class Evaluator:
                 self._deferred.add(bucket)
             return
         self._scope = scope  # from its first capture on, fn's numbers are the graphs'
+        self._reads = reads
         if self._autocast is None:
             self._autocast = step._autocast_now()  # and the autocast they run
         step._model.captured = True  # and the model's
         warn_replays_keep(self._took_changes(), step._warned_numbers, "an evaluator's capture")
         self._deferred.discard(bucket)
         self.counts["captures"] += 1
+
+    def _drop_graphs(self) -> None:
+        """This evaluator's graphs dropped: each is captured again at its bucket's next call."""
+        graph = self._step._graph
+        for entry in self._entries:
+            if entry is not None and graph is not None and graph.graph.captured(entry):
+                graph.graph.drop(entry)
+                graph.outputs.pop(entry, None)
+
+
+class ScopeModules:
+    """The modules an evaluator's fn reads from its scope besides the Step's model (an averaged
+    copy of the model the user keeps, a teacher), as its graphs run them: their modes, child
+    modules, parameters and buffers by identity (another one is refused: the graphs run the
+    old), and the data of their parameters and buffers where it was at capture (ParamWatch:
+    replaced data goes back there, its values copied; data another step's fused update moved
+    into its flat buffers is read there, the graphs captured again). The model's own modules
+    are the Step's to watch (and the evaluator puts them in eval mode itself), and so are the
+    tensors the Step's graphs read."""
+
+    def __init__(self, fn: Callable, step) -> None:
+        seen = {id(m) for m in step.model.modules()}
+        named = []
+        for prefix, top in named_scope_modules(fn):
+            for name, module in top.named_modules(prefix=prefix):
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    named.append((name, module))
+        self._what, entries = [], []  # per entry (kind, name)
+        for name, module in named:
+            attributes = vars(module)
+            if "training" in attributes:
+                entries.append((attributes, "training", attributes["training"]))
+                self._what.append(("mode", name))
+            for kind, table in (("module", module._modules), ("parameter", module._parameters),
+                                ("buffer", module._buffers)):
+                for key, value in table.items():
+                    entries.append((table, key, value))
+                    self._what.append((kind, f"{name}.{key}"))
+        self._entries = entries
+        self._watch = _C.EntryWatch(entries)
+        known = {id(t) for t in step._watched}
+        self._names, self._tensors = [], []
+        for name, module in named:
+            for key, t in (*module.named_parameters(recurse=False),
+                           *module.named_buffers(recurse=False)):
+                if id(t) not in known:
+                    known.add(id(t))
+                    self._names.append(f"{name}.{key}")
+                    self._tensors.append(t)
+        self._storage = _C.ParamWatch(self._tensors, 0)
+        self._storage.fix_storage()
+
+    def settle(self) -> bool:
+        """Before anything runs: a mode changed or an object replaced is refused; replaced data
+        goes back where the graphs read it. Returns whether the graphs must be captured again
+        (data another step's update moved into its flat buffers is read there from now on)."""
+        if self._watch.first_changed() >= 0:
+            self._refuse_changed()
+        storage = self._storage
+        if not storage.changed():
+            return False
+        moved = storage.moved()
+        taken = [i for i in moved if in_flat_buffers(self._tensors[i])]
+        for i in moved:
+            why = storage.why_not_restorable(i) if i not in taken else ""
+            if why:
+                raise NimbleError(
+                    f"step.evaluator: the data of {self._names[i]!r}, in a module fn reads from "
+                    f"its scope, was replaced after the evaluator's capture (p.data = ..., "
+                    f"module.to(...)), and {why}. Change values in place (with torch.no_grad(): "
+                    "p.copy_(t)), or make a new evaluator for the new module "
+                    "(step.evaluator(fn)). Nothing was run for this call.")
+        if taken:
+            storage.adopt(taken)
+        storage.restore()
+        return bool(taken)
+
+    def _refuse_changed(self) -> None:
+        for e in self._watch.changed():
+            kind, name = self._what[e]
+            table, key, old = self._entries[e]
+            now = table.get(key, None)
+            if kind == "mode":
+                if key in table and bool(now) == bool(old):
+                    self._watch.update(e)  # the same mode again (training = 1)
+                    self._entries[e] = (table, key, now)
+                    continue
+                mode = lambda training: "training" if training else "eval"  # noqa: E731
+                raise NimbleError(
+                    f"step.evaluator: module {name!r}, which fn reads from its scope, is in "
+                    f"{mode(now)} mode, and the evaluator's graphs were captured with it in "
+                    f"{mode(old)} mode; a replay runs the modes it was captured with. Put the "
+                    "mode back, or make a new evaluator for the new one (step.evaluator(fn)). "
+                    "Nothing was run for this call.")
+            seen = ("removed" if key not in table or now is None else
+                    "set where the graphs read none" if old is None else
+                    f"replaced by another {type(now).__name__}" if kind == "module" else
+                    "replaced by another tensor")
+            raise NimbleError(
+                f"step.evaluator: {kind} {name!r}, in a module fn reads from its scope, was "
+                f"{seen} after the evaluator's capture (module.{key} = ..., or "
+                "load_state_dict(..., assign=True)); its graphs run the one they were captured "
+                "with. Load new values in place (load_state_dict without assign=True, or with "
+                "torch.no_grad(): p.copy_(t)), or make a new evaluator for the new module "
+                "(step.evaluator(fn)). Nothing was run for this call.")
 
 
 @contextlib.contextmanager

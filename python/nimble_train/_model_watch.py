@@ -63,8 +63,12 @@ another value is refused (check_constants). A tensor either reads there by name 
 weights a loss function reads as a global) is watched by identity: another tensor under the
 name after capture is refused, an in-place change is what the graphs read; one the step's own
 forwards assign is taken. The modules it reads there (scope_modules: a GAN's
-discriminator in its generator's loss, a perceptual loss's network) are read by the graphs
-too: their parameters and buffers are watched as the model's frozen ones are (ParamWatch).
+discriminator in its generator's loss, a perceptual loss's network) are run by the graphs
+too: they are watched as the model's modules are, named as the loss function names them
+(``'critic.1'``), their parameters and buffers as the model's frozen ones (ParamWatch), and the
+names it reads them by by identity (scope_module_names); but not the hooks on their
+parameters' gradients, which the step that trains them may register (its buckets) and these
+graphs do not run.
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -121,8 +125,9 @@ _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
-# tensors read by name from a function's scope: by identity
+# tensors and modules read by name from a function's scope: by identity
 _SCOPE_TENSORS = ("closure tensor", "global tensor")
+_SCOPE_MODULES = ("closure module", "global module", "attribute module")
 # A module's dicts of the hooks that run around its forward and backward, and their kinds.
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
@@ -144,9 +149,20 @@ class ModelWatch:
 
     def __init__(self, model: torch.nn.Module, loss_fn: object = None):
         named = list(model.named_modules())
+        seen = {id(module) for _, module in named}
+        # The modules the loss function reads from its scope (a GAN's discriminator, a
+        # perceptual loss's network), named as it names them: the graphs run them in the mode
+        # they are in now, as the model's. The hooks on their parameters' gradients are not
+        # watched: the step that trains them may hook them (its buckets), which this step's
+        # graphs do not run.
+        scope_start = len(named)
+        for prefix, scoped in named_scope_modules(loss_fn):
+            for name, module in scoped.named_modules(prefix=prefix):
+                if id(module) not in seen:
+                    seen.add(id(module))
+                    named.append((name, module))
         modes_end = len(named)
         if isinstance(loss_fn, torch.nn.Module):
-            seen = {id(module) for _, module in named}
             named += [(name, module) for name, module in loss_fn.named_modules(prefix="loss_fn")
                       if id(module) not in seen]
         self.names = [name for name, _ in named]
@@ -191,7 +207,8 @@ class ModelWatch:
             holders += [(i, key, numbers) for key, value in attributes.items()
                         if (numbers := _held_numbers(module, key, value))]
             for key, p in module._parameters.items():
-                if p is not None and id(p) not in seen_params:
+                if p is not None and id(p) not in seen_params and not (
+                        scope_start <= i < modes_end):
                     seen_params.add(id(p))
                     self._params.append((i, key, p))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
@@ -236,10 +253,14 @@ class ModelWatch:
                       for kind, table, key in code_tensors(type(module))]
         scope += [(kind + " tensor", -1, table, key)
                   for kind, table, key in scope_tensors(loss_fn)]
+        # And the names it reads its modules under, by identity (another module there would
+        # not be the one the graphs run).
+        scope += [(kind + " module", -1, table, key)
+                  for kind, table, key in scope_module_names(loss_fn)]
         for kind, i, table, key in scope:
             if (id(table), key) not in watched:
                 watched.add((id(table), key))
-                entries.append(scope_entry(kind.removesuffix(" tensor"), table, key))
+                entries.append(scope_entry(kind.split()[0], table, key))
                 self._what.append((kind, i, key))
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
@@ -305,7 +326,7 @@ class ModelWatch:
                 if not _same_value(now, was):
                     changed.append((self._entry_name(what, i, key), was, now))
                 self._take(e)
-            elif what in _SCOPE_TENSORS and now is not _MISSING:
+            elif what in _SCOPE_TENSORS + _SCOPE_MODULES and now is not _MISSING:
                 self._take(e)  # a tensor the step's own forwards assigned: their output
         return changed
 
@@ -389,19 +410,12 @@ class ModelWatch:
                                     "build a new Step for each new value: step.close(), then "
                                     "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
                                     "state carries over)")
-        for kind in _SCOPE_TENSORS:
+        for kind in _SCOPE_TENSORS + _SCOPE_MODULES:
             for i, key, old, now in self._unequal(kind):
-                where = scope_name(self._reader(i), kind.removesuffix(" tensor"), key)
-                seen = ("was deleted" if now is _MISSING else
-                        "was given another tensor" if isinstance(now, torch.Tensor) else
-                        f"was given a {type(now).__name__}")
-                raise NimbleError(
-                    f"nimble_train.Step: {where} {seen} after capture, where it held a tensor "
-                    f"({_description(old)}); the graphs read the tensor they were captured with, "
-                    "whatever the name holds now. Change its values in place (with "
-                    f"torch.no_grad(): {key}.copy_(new)), or build a new Step: step.close(), "
-                    "then nt.Step(model, optimizer, loss_fn) again (the optimizer's state "
-                    "carries over). Nothing was run for this call.")
+                refuse_scope_object(self._reader(i), kind, key, old, now,
+                                    "build a new Step: step.close(), then nt.Step(model, "
+                                    "optimizer, loss_fn) again (the optimizer's state carries "
+                                    "over)")
         for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -867,15 +881,48 @@ def scope_modules(fn: object) -> list[torch.nn.Module]:
     method's object or that object's attribute (``self.features`` in a method of a plain
     object): a GAN's discriminator in its generator's loss, the frozen network a perceptual
     loss runs. Their parameters and buffers are tensors the graphs read."""
+    return [module for _, module in named_scope_modules(fn)]
+
+
+def named_scope_modules(fn: object) -> list[tuple[str, torch.nn.Module]]:
+    """scope_modules, each with the name the function reads it under (a partial's argument:
+    ``args[0]``, or its keyword; a bound method's module: ``self``)."""
     owner = getattr(fn, "__self__", None)
-    plain = hasattr(owner, "__dict__") and not isinstance(owner, (types.ModuleType, type))
-    found = ([owner] if isinstance(owner, torch.nn.Module) else
-             list(vars(owner).values()) if plain else [])
+    found = [("self", owner)] if isinstance(owner, torch.nn.Module) else []
+    found += [(key, _now(table, key)) for _, table, key in _attribute_modules(fn)]
     if isinstance(fn, functools.partial):
-        found += [*fn.args, *fn.keywords.values()]
-    found += [_now(table, name) for _, table, name in _scope_of(fn, _in_scope)]
-    modules = {id(m): m for m in found if isinstance(m, torch.nn.Module)}
+        found += [(f"args[{i}]", value) for i, value in enumerate(fn.args)]
+        found += list(fn.keywords.items())
+    found += [(key, _now(table, key)) for _, table, key in _scope_of(fn, _in_scope)]
+    modules = {}
+    for name, module in found:
+        if isinstance(module, torch.nn.Module) and id(module) not in modules:
+            modules[id(module)] = (name, module)
     return list(modules.values())
+
+
+def scope_module_names(fn: object) -> list[tuple[str, object, str]]:
+    """("closure", cell, name), ("global", globals, name) and ("attribute", the object's
+    dict, name) for each name a function reads a module under: from its scope (helpers
+    followed), or as an attribute of the plain object it is a method of."""
+    return _attribute_modules(fn) + _scope_of(fn, _modules_in_scope)
+
+
+def _attribute_modules(fn: object) -> list[tuple[str, object, str]]:
+    """("attribute", the object's dict, name) per module held by the plain object (not a
+    module, class or Python module) a bound method belongs to."""
+    owner = getattr(fn, "__self__", None)
+    if (not hasattr(owner, "__dict__") or isinstance(owner, (types.ModuleType, type))
+            or isinstance(owner, torch.nn.Module)):
+        return []
+    return [("attribute", vars(owner), key) for key, value in vars(owner).items()
+            if isinstance(value, torch.nn.Module)]
+
+
+def _modules_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
+    """Those of _in_scope that hold a module."""
+    return [(kind, table, name) for kind, table, name in _in_scope(fn)
+            if isinstance(_now(table, name), torch.nn.Module)]
 
 
 def scope_entry(kind: str, table: object, key: str) -> tuple:
@@ -886,7 +933,8 @@ def scope_entry(kind: str, table: object, key: str) -> tuple:
 
 def scope_name(owner: str, kind: str, key: str) -> str:
     return (f"{owner}'s closure variable {key!r}" if kind == "closure" else
-            f"the global {key!r} that {owner} reads")
+            f"the attribute {key!r} of the object {owner} is a method of"
+            if kind == "attribute" else f"the global {key!r} that {owner} reads")
 
 
 def warn_replays_keep(changed: list[tuple[str, object, object]], warned: set[str],
@@ -907,6 +955,30 @@ def warn_replays_keep(changed: list[tuple[str, object, object]], warned: set[str
         "change it outside the model, after each call.")
 
 
+def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: object,
+                        rebuild: str) -> None:
+    """Raises the error for a name `owner` reads a tensor or a module under (kind: one of
+    _SCOPE_TENSORS or _SCOPE_MODULES) that holds another object after capture."""
+    where = scope_name(owner, kind.split()[0], key)
+    if kind in _SCOPE_TENSORS:
+        seen = ("was deleted" if now is _MISSING else
+                "was given another tensor" if isinstance(now, torch.Tensor) else
+                f"was given a {type(now).__name__}")
+        held, fix = (f"a tensor ({_description(old)}); the graphs read the tensor they were "
+                     "captured with", f"Change its values in place (with torch.no_grad(): "
+                     f"{key}.copy_(new))")
+    else:
+        seen = ("was deleted" if now is _MISSING else
+                f"was given another {type(now).__name__}" if type(now) is type(old) else
+                f"was given a {type(now).__name__}")
+        held, fix = (f"a {type(old).__name__}; the graphs run the module they were captured "
+                     f"with", f"Load new weights into that module in place "
+                     f"({key}.load_state_dict(state))")
+    raise NimbleError(
+        f"nimble_train.Step: {where} {seen} after capture, where it held {held}, whatever the "
+        f"name holds now. {fix}, or {rebuild}. Nothing was run for this call.")
+
+
 def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: object,
                         rebuild: str) -> None:
     """Raises the error for a number `owner` reads from its scope that changed after capture."""
@@ -922,12 +994,18 @@ def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: objec
 class ScopeWatch:
     """The numbers a function reads from its scope (scope_numbers), as when its graphs were
     captured: another value is refused, an equal one taken, one the function changes itself
-    taken after each call (after_call)."""
+    taken after each call (after_call). And the tensors and modules it reads there by name
+    (scope_tensors, scope_module_names), by identity: another object under the name is
+    refused, one the function assigns itself taken."""
 
     def __init__(self, fn: object, owner: str, rebuild: str):
         self._owner, self._rebuild = owner, rebuild
-        self._what = scope_numbers(fn)
-        self._entries = [scope_entry(*w) for w in self._what]
+        self._what = [*scope_numbers(fn),
+                      *[(kind + " tensor", table, key) for kind, table, key in scope_tensors(fn)],
+                      *[(kind + " module", table, key)
+                        for kind, table, key in scope_module_names(fn)]]
+        self._entries = [scope_entry(kind.split()[0], table, key)
+                         for kind, table, key in self._what]
         self._watch = _C.EntryWatch(self._entries)
 
     def check(self) -> None:
@@ -937,6 +1015,8 @@ class ScopeWatch:
         for e in self._watch.changed():
             kind, table, key = self._what[e]
             old, now = self._entries[e][2], _now(table, key)
+            if kind in _SCOPE_TENSORS + _SCOPE_MODULES:
+                refuse_scope_object(self._owner, kind, key, old, now, self._rebuild)
             if not _same_value(now, old):
                 refuse_scope_change(self._owner, kind, key, old, now, self._rebuild)
         self.after_call()  # equal values in new objects: the fast path again
@@ -956,10 +1036,10 @@ class ScopeWatch:
             now = _now(table, key)
             if now is not _MISSING:
                 was = self._entries[e][2]
-                if not _same_value(now, was):
+                if kind not in _SCOPE_TENSORS + _SCOPE_MODULES and not _same_value(now, was):
                     changed.append((scope_name(self._owner, kind, key), was, now))
                 self._watch.update(e)
-                self._entries[e] = scope_entry(kind, table, key)
+                self._entries[e] = scope_entry(kind.split()[0], table, key)
         return changed
 
 

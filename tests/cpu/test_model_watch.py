@@ -575,6 +575,114 @@ def test_a_scope_watch_refuses_another_number_and_takes_an_equal_one():
     watch.check()
 
 
+def test_a_scope_watch_refuses_another_tensor_or_module_under_a_name_fn_reads():
+    """An evaluator's fn reading a mask and an averaged copy of the model by name: its graphs
+    read those objects, so another one under the name is refused; one fn assigns itself is
+    taken."""
+    from nimble_train._model_watch import ScopeWatch
+    mask, averaged = torch.ones(4), nn.Linear(4, 2)
+
+    def fn(model, batch):
+        return averaged(batch[0] * mask)
+
+    watch = ScopeWatch(fn, "the evaluator's fn", "make a new evaluator")
+    mask.mul_(2)  # in place: what the graphs read
+    watch.check()
+    mask = torch.ones(1)  # a one-element tensor: compared by identity, not by value
+    with pytest.raises(NimbleError, match=r"the evaluator's fn's closure variable 'mask' was "
+                                          r"given another tensor after capture, where it held a "
+                                          r"tensor \(torch.float32 \[4\] on cpu\).*or make a new "
+                                          r"evaluator. Nothing was run"):
+        watch.check()
+    watch.put_back()  # as after a failed capture: the tensor the graphs read
+    assert mask.shape == (4,)
+    kept = averaged
+    averaged = nn.Linear(4, 2)
+    with pytest.raises(NimbleError, match=r"closure variable 'averaged' was given another Linear "
+                                          r"after capture, where it held a Linear; the graphs run "
+                                          r"the module they were captured with.*averaged."
+                                          r"load_state_dict\(state\)"):
+        watch.check()
+    assert watch.after_call() == []  # as fn would assign it itself: taken, no number said
+    watch.check()
+    averaged = kept
+    with pytest.raises(NimbleError, match=r"'averaged' was given another Linear"):
+        watch.check()
+
+
+class _Stub:
+    """What ScopeModules reads of a Step: its model and the tensors its graphs read."""
+
+    def __init__(self, model, watched=()):
+        self.model, self._watched = model, list(watched)
+
+
+def _averaging_evaluator():
+    torch.manual_seed(0)
+    model = _model()
+    averaged = _model()
+
+    def fn(m, batch):
+        return averaged(batch[0])
+    return model, averaged, fn
+
+
+def test_the_modules_an_evaluators_fn_reads_are_run_as_captured():
+    """An evaluator reading an averaged copy of the model: a mode changed, a module, parameter
+    or buffer replaced is refused, naming it; a parameter's replaced data goes back where the
+    graphs read it, its values copied there; the Step's model and tensors are not its."""
+    from nimble_train._evaluator import ScopeModules
+    model, averaged, fn = _averaging_evaluator()
+    reads = ScopeModules(fn, _Stub(model, [averaged[0].weight]))
+    assert "averaged.0.weight" not in reads._names  # the Step's graphs read it: the Step's
+    assert reads._names[:3] == ["averaged.1.weight", "averaged.1.bias", "averaged.1.running_mean"]
+    assert not reads.settle()
+    read = averaged[4].weight.data
+    new = torch.randn(5, 144)
+    averaged[4].weight.data = new
+    assert not reads.settle()
+    assert averaged[4].weight.data_ptr() == read.data_ptr()
+    assert torch.equal(averaged[4].weight, new)
+    averaged[4].weight.data = torch.randn(5, 7)
+    with pytest.raises(NimbleError, match=r"the data of 'averaged.4.weight', in a module fn reads "
+                                          r"from its scope, was replaced.*its data is now Float "
+                                          r"\[5, 7\].*make a new evaluator"):
+        reads.settle()
+    averaged[4].weight.data = new
+    reads.settle()
+    averaged[1].eval()
+    with pytest.raises(NimbleError, match=r"module 'averaged.1', which fn reads from its scope, is "
+                                          r"in eval mode, and the evaluator's graphs were captured "
+                                          r"with it in training mode"):
+        reads.settle()
+    averaged[1].training = 1  # the same mode: taken
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    averaged[4] = nn.Linear(144, 5)
+    with pytest.raises(NimbleError, match=r"module 'averaged.4', in a module fn reads from its "
+                                          r"scope, was replaced by another Linear after the "
+                                          r"evaluator's capture"):
+        reads.settle()
+    averaged[4] = reads._entries[reads._what.index(("module", "averaged.4"))][2]
+    averaged[1].running_mean = torch.zeros(4)
+    with pytest.raises(NimbleError, match=r"buffer 'averaged.1.running_mean', in a module fn "
+                                          r"reads from its scope, was replaced by another tensor"):
+        reads.settle()
+    model.eval()  # the Step's model: the evaluator puts it in eval mode itself
+    assert ScopeModules(lambda m, b: m(b[0]), _Stub(model))._names == []
+
+
+def test_data_another_steps_update_moved_has_the_evaluators_graphs_captured_again():
+    from nimble_train._evaluator import ScopeModules
+    model, averaged, fn = _averaging_evaluator()
+    reads = ScopeModules(fn, _Stub(model))
+    fused = FusedOptimizer(torch.optim.SGD(averaged[4].parameters(), lr=0.1))
+    assert reads.settle()  # read where the update writes them, by graphs captured again
+    assert in_flat_buffers(averaged[4].weight)
+    assert not reads.settle()
+    del fused
+
+
 def test_entry_watch_reads_a_closure_cell():
     def make():
         x = 1.5
@@ -1169,6 +1277,112 @@ def test_scope_modules_finds_the_modules_a_loss_function_reads():
     assert scope_modules(late) == []
     net = nn.Linear(2, 2)
     assert scope_modules(late) == [net]
+
+
+def _gan_parts():
+    torch.manual_seed(0)
+    critic = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.1), nn.BatchNorm1d(8), nn.Linear(8, 1))
+    generator = nn.Sequential(nn.Linear(3, 5))
+
+    def loss_fn(out, y):
+        return F.binary_cross_entropy_with_logits(critic(out), y)
+
+    def set_critic(module):
+        nonlocal critic
+        critic = module
+    return generator, critic, loss_fn, set_critic
+
+
+def test_the_modules_a_loss_function_reads_are_watched_as_the_models_are():
+    """A GAN generator's loss runs the critic: the graphs run it in the mode, with the
+    constants, children and parameters it had at capture, so a change of those is refused,
+    naming it as the loss function names it; the name itself is watched by identity."""
+    generator, critic, loss_fn, set_critic = _gan_parts()
+    watch = captured_watch(generator, loss_fn)
+    assert watch.names[len(list(generator.modules())):] == ["critic", "critic.0", "critic.1",
+                                                              "critic.2", "critic.3"]
+    with torch.no_grad():
+        critic[0].weight.mul_(2)  # in place: what the graphs read
+    critic.train()
+    assert watch.first_changed() == -1
+    critic[2].eval()
+    with pytest.raises(NimbleError, match=r"module 'critic.2' \(BatchNorm1d\) is in eval mode"):
+        watch.check_modes()
+    critic.train()
+    critic[1].p = 0.5
+    with pytest.raises(NimbleError, match=r"'critic.1.p' \(Dropout\) changed from 0.1 to 0.5"):
+        watch.refuse_replaced_objects()
+    critic[1].p = 0.1
+    old = critic[3]
+    critic[3] = nn.Linear(8, 1)
+    with pytest.raises(NimbleError, match=r"module 'critic.3' \(Linear\) was replaced by another "
+                                          r"Linear after capture"):
+        watch.refuse_replaced_objects()
+    critic[3] = old
+    weight = critic[0].weight
+    critic[0].weight = nn.Parameter(weight.detach().clone())
+    with pytest.raises(NimbleError, match=r"parameter 'critic.0.weight' was replaced"):
+        watch.refuse_replaced_objects()
+    critic[0].weight = weight
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    set_critic(nn.Sequential(nn.Linear(5, 1)))
+    with pytest.raises(NimbleError, match=r"loss_fn's closure variable 'critic' was given another "
+                                          r"Sequential after capture, where it held a Sequential; "
+                                          r"the graphs run the module they were captured with.*"
+                                          r"critic.load_state_dict\(state\).*Nothing was run"):
+        watch.refuse_replaced_objects()
+    set_critic(critic)
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    fresh = ModelWatch(generator, loss_fn)  # before the first capture: taken
+    set_critic(nn.Sequential(nn.Linear(5, 1)))
+    fresh.refuse_replaced_objects()
+    assert fresh.first_changed() == -1
+
+
+def test_a_hook_another_step_puts_on_the_loss_functions_modules_parameters_is_left_alone():
+    """The step that trains a GAN's critic may hook its parameters' gradients (its buckets);
+    the generator's graphs do not run those hooks, so its step does not refuse them. A hook on
+    one of the critic's modules runs in its forward, which the generator's graphs do run."""
+    generator, critic, loss_fn, _ = _gan_parts()
+    watch = captured_watch(generator, loss_fn)
+    handle = critic[0].weight.register_post_accumulate_grad_hook(lambda p: None)
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    handle.remove()
+    critic[0].register_forward_hook(_record)
+    with pytest.raises(NimbleError, match=r"forward hook.*'critic.0' \(Linear\)"):
+        watch.refuse_replaced_objects()
+
+
+def test_modules_a_loss_function_reads_as_globals_or_a_plain_objects_attributes_are_watched():
+    global CRITIC
+    watch = captured_watch(nn.Linear(3, 4), lambda out, y: _critic_score(out))
+    assert ("global module", -1, "CRITIC") in watch._what and "CRITIC" in watch.names
+    critic = CRITIC
+    try:
+        CRITIC = nn.Linear(4, 1)
+        with pytest.raises(NimbleError, match=r"the global 'CRITIC' that loss_fn reads was given "
+                                              r"another Linear after capture"):
+            watch.refuse_replaced_objects()
+        CRITIC = None
+        with pytest.raises(NimbleError, match=r"'CRITIC' that loss_fn reads was given a NoneType"):
+            watch.refuse_replaced_objects()
+    finally:
+        CRITIC = critic
+    watch.refuse_replaced_objects()
+    perceptual = _Perceptual()
+    watch = captured_watch(nn.Conv2d(3, 3, 1), perceptual.loss)
+    assert "features" in watch.names
+    perceptual.features = nn.Conv2d(3, 4, 3)
+    with pytest.raises(NimbleError, match=r"the attribute 'features' of the object loss_fn is a "
+                                          r"method of was given another Conv2d"):
+        watch.refuse_replaced_objects()
+    del perceptual.features
+    with pytest.raises(NimbleError, match=r"'features' of the object loss_fn is a method of was "
+                                          r"deleted"):
+        watch.refuse_replaced_objects()
 
 
 def test_in_flat_buffers_tells_parameters_a_fused_optimizer_moved():

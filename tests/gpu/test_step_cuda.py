@@ -2040,6 +2040,101 @@ def test_a_number_an_evaluators_fn_reads_changed_after_capture_is_refused():
         torch.testing.assert_close(out, logits, **TOL)
 
 
+def test_an_evaluator_reading_an_averaged_copy_the_user_keeps_evaluates_it_as_it_is_now():
+    """An evaluator's fn runs an averaged copy of the model the user keeps and updates in place
+    (lerp_ after each step): its graph reads that copy's weights, so each evaluation equals the
+    eager one on the copy as it is; data replaced (p.data = t) is read with its new values; a
+    mode changed, or another module under the name fn reads, is refused before anything runs
+    (the graph runs the copy it was captured with, in its mode)."""
+    torch.manual_seed(25)
+    model = SmallCNN().cuda()
+    step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                   per_sample, warmup=2)
+    averaged = copy.deepcopy(model).eval()
+    batches = classification_batches(8, 16, image=True, device="cuda", seed=25)
+
+    def train(b):
+        step(b)
+        with torch.no_grad():
+            for a, p in zip(averaged.state_dict().values(), model.state_dict().values()):
+                if a.is_floating_point():
+                    a.lerp_(p, 0.25)
+
+    def expected(b):
+        with torch.no_grad():
+            return averaged(b[0])
+
+    ev = step.evaluator(lambda m, b: averaged(b[0]))
+    for b in batches[:4]:
+        train(b)
+    for b in batches[4:6]:
+        torch.testing.assert_close(ev(b), expected(b), **TOL)
+    train(batches[6])
+    torch.testing.assert_close(ev(batches[4]), expected(batches[4]), **TOL)
+    old = averaged.head.weight.data  # alive: the graph's reads
+    averaged.head.weight.data = torch.randn_like(old)
+    torch.testing.assert_close(ev(batches[5]), expected(batches[5]), **TOL)
+    counts = dict(ev.counts)
+    averaged.train()
+    with pytest.raises(nt.NimbleError, match=r"step.evaluator: module 'averaged', which fn reads "
+                                             r"from its scope, is in training mode.*Nothing was "
+                                             r"run"):
+        ev(batches[4])
+    averaged.eval()
+    kept = averaged
+    averaged = copy.deepcopy(kept)
+    with pytest.raises(nt.NimbleError, match=r"the evaluator's fn's closure variable 'averaged' "
+                                             r"was given another SmallCNN after capture.*"
+                                             r"averaged.load_state_dict\(state\).*Nothing was "
+                                             r"run"):
+        ev(batches[4])
+    assert ev.counts == counts
+    averaged = kept
+    torch.testing.assert_close(ev(batches[7]), expected(batches[7]), **TOL)
+    assert ev.stats()["captures"] == 1 and ev.counts["replays"] == counts["replays"] + 1
+    del old
+
+
+def test_a_network_the_loss_function_reads_is_run_as_captured_and_a_change_is_refused():
+    """A loss function runs a frozen network in eval mode (a perceptual loss): the graphs run it
+    as captured, so putting it in training mode (its BatchNorm's batch statistics) or giving
+    its name another network is refused before anything runs; put back, training goes on as
+    the eager loop's."""
+    torch.manual_seed(26)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    critic = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.BatchNorm1d(16),
+                                 torch.nn.ReLU(), torch.nn.Linear(16, 5)).cuda()
+    critic.requires_grad_(False).eval()
+
+    def loss_fn(out, target):
+        return F.cross_entropy(critic(out), target)
+
+    batches = classification_batches(8, 16, device="cuda", seed=26)
+    step = nt.Step(m1, o1, loss_fn, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    before = copy.deepcopy(m1.state_dict())
+    critic.train()
+    with pytest.raises(nt.NimbleError, match=r"module 'critic' \(Sequential\) is in training "
+                                             r"mode.*captured with it in eval mode.*Nothing was "
+                                             r"run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    critic.eval()
+    kept = critic
+    critic = copy.deepcopy(kept)
+    with pytest.raises(nt.NimbleError, match=r"loss_fn's closure variable 'critic' was given "
+                                             r"another Sequential after capture.*Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    critic = kept
+    for b in batches[4:]:
+        step(b)
+    eager_loop(m2, o2, loss_fn, batches)
+    assert step.stats()["replays"] == 6
+    assert_same_training(m1, o1, m2, o2, **TOL)
+
+
 class ScaledInput(torch.nn.Module):
     """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
     its forward changes itself (a call counter)."""
