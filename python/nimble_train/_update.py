@@ -36,6 +36,7 @@ class Update:
         self.grad_scaler = None   # fp16 in eager steps: torch's GradScaler
         self.staged_lr: list[bool] = []
         self._baked: list[dict] | None = None
+        self._read_on_device: list[torch.Tensor] | None = None  # fused: bake()
         # Captured as it is: the state tensors the graphs read, as (group, index, key, tensor),
         # and whether optimizer.load_state_dict replaced them since (settle_state).
         self._state_read: list[tuple[int, int, str, torch.Tensor]] = []
@@ -134,6 +135,9 @@ class Update:
         """After capturing an optimizer as it is: what the graph baked in, and the state
         tensors it reads (a load_state_dict since replaces them: settle_state)."""
         if self.fused is not None:
+            # the tensors on the device its graphs copy hyper-parameters from (kept alive:
+            # the graphs read them)
+            self._read_on_device = [t for _, t in self.fused.device_values()]
             return
         self._baked = _capturable.hyperparameters(self.optimizer, self.staged_lr)
         self._hooks = self._hook_keys()
@@ -240,15 +244,28 @@ class Update:
         settle_state (the slow path sees to each)."""
         if self.loaded or not self._same_groups():
             return True
-        if self.fused is not None or self._baked is None:
-            return False  # the fused update reads every hyper-parameter on the device
+        if self.fused is not None:
+            # It reads every hyper-parameter on the device: staged, or copied from a tensor
+            # there (a CUDA lr), which must be the one its graphs were captured with.
+            read = self._read_on_device
+            return read is not None and not _same_objects(
+                [t for _, t in self.fused.device_values()], read)
+        if self._baked is None:
+            return False
         if self._hook_keys() != self._hooks:
             return True  # a step hook registered or removed: the graphs ran the old ones
         now = _capturable.hyperparameters(self.optimizer, self.staged_lr)
         return not _capturable.same_hyperparameters(now, self._baked)
 
     def warn_if_recapturing_often(self, recaptures: int, steps: int, warmup: int) -> None:
-        if recaptures == 3 and steps < 4 * (warmup + 20):
+        if recaptures == 3 and steps < 4 * (warmup + 20) and self._read_on_device:
+            warn_at_user(
+                f"Step has captured its graph {recaptures + 1} times in {steps} steps: a param "
+                "group was given another device tensor as a hyper-parameter (group['lr'] = "
+                "torch.tensor(..., device='cuda')), and the graph reads the tensor it was "
+                "captured with. Change the tensor in place (group['lr'].fill_(v), as torch's "
+                "schedulers do); each new tensor costs a capture.")
+        elif recaptures == 3 and steps < 4 * (warmup + 20):
             warn_at_user(
                 f"Step has captured its graph {recaptures + 1} times in {steps} steps: optimizer "
                 "hyper-parameters other than lr (momentum, betas, weight decay, ...) changed "
@@ -262,3 +279,7 @@ class Update:
         if self._load_hook is not None:
             self._load_hook.remove()
             self._load_hook = None
+
+
+def _same_objects(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -225,6 +225,74 @@ def test_graph_replays_follow_a_new_lr_every_step(name, ring_slots):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov"])
+def test_a_cuda_tensor_lr_is_read_on_the_device_with_no_host_sync(name):
+    """Learning rates held as CUDA tensors (as a compiled optimizer's recipe keeps them, filled
+    by a schedule): each step copies them over their staged values on the device, so neither
+    staging nor the replays wait for the device (sync debug mode "error" around them), each
+    replay reads the values filled before it, and every step equals torch's."""
+    make = OPTIMIZERS[name]
+    ref_params, params = make_params(), make_params()
+    ref, opt = make(ref_params), make(params)
+    for o in (ref, opt):
+        for group in o.param_groups:
+            group["lr"] = torch.tensor(group["lr"], device="cuda")
+            if "capturable" in group:
+                group["capturable"] = True  # torch's Adam takes a CUDA lr only so
+    base = [group["lr"].item() for group in opt.param_groups]
+    fused = FusedOptimizer(opt)
+    sources = random_grads(params, 0)
+    counter = torch.zeros(1, device="cuda")
+
+    def fill_grads(ps, k):
+        for p, s in zip(ps, sources):
+            p.grad.copy_(torch.sin(s * k))
+
+    def schedule(o, s):  # in place, as torch's schedulers fill a tensor lr
+        for group, lr in zip(o.param_groups, base):
+            group["lr"].fill_(lr / (1 + 0.3 * s))
+
+    def body():
+        fused.zero_grad()
+        counter.add_(1)
+        fill_grads(params, counter)
+        fused.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # an eager step, at the initial lr
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for s in range(1, 21):
+            schedule(opt, s)
+            fused.stage_host_values()
+            graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert fused.staging_errors() == 0
+
+    ref_counter = torch.zeros(1, device="cuda")
+    for s in range(21):
+        if s > 0:
+            schedule(ref, s)
+        ref_counter.add_(1)
+        for p in ref_params:
+            p.grad = torch.zeros_like(p)
+        fill_grads(ref_params, ref_counter)
+        ref.step()
+    for a, b in zip(params, ref_params):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    read = [t for _, t in fused.device_values()]
+    assert len(read) == 2 and all(t is g["lr"] for t, g in zip(read, opt.param_groups))
+
+
 def test_device_loss_scaler_is_capturable_and_follows_grad_scaler_semantics():
     params = make_params()
     fused = FusedOptimizer(torch.optim.SGD(params, lr=0.01, momentum=0.9))

@@ -685,6 +685,32 @@ def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_th
     del old
 
 
+def test_a_fused_updates_cuda_learning_rate_tensor_filled_or_replaced_is_what_it_reads():
+    """AdamW with a CUDA tensor learning rate, fused: the graph copies the lr from the tensor
+    (no host read, which would wait for the device at every step), so a schedule's fill_
+    reaches it, and another tensor put in the group has the update captured again, reading
+    that one."""
+    torch.manual_seed(27)
+    make = lambda p: torch.optim.AdamW(  # noqa: E731
+        p, lr=torch.tensor(2e-3, device="cuda"), weight_decay=0.01, capturable=True)
+    run = SideBySide(cuda_twin(MLP(), make))
+    batches = classification_batches(10, 16, device="cuda", seed=27)
+    run.train(batches[:4])
+    assert run.step._update.fused is not None
+    for o in (run.o1, run.o2):
+        o.param_groups[0]["lr"].fill_(1e-3)
+    run.train(batches[4:6])
+    run.assert_same()
+    captures = run.step.stats()["captures"]
+    old = [o.param_groups[0]["lr"] for o in (run.o1, run.o2)]
+    for o in (run.o1, run.o2):
+        o.param_groups[0]["lr"] = torch.tensor(4e-3, device="cuda")
+    del old  # the graph keeps what it reads alive
+    run.train(batches[6:])
+    run.assert_same()
+    assert run.step.stats()["replays"] == 8 and run.step.stats()["captures"] == captures + 1
+
+
 @pytest.mark.parametrize("streams", [1, "auto"])
 @pytest.mark.parametrize("make_opt", AS_IS_AND_FUSED, ids=AS_IS_AND_FUSED_IDS)
 def test_a_checkpoint_loaded_into_a_running_step_is_what_it_trains_on_from(make_opt, streams):

@@ -19,28 +19,46 @@ CONTROL = LAYOUT["control"]
 
 
 def staged_row(algorithm: str, group: dict) -> list[float]:
-    """The staged columns of one param group, as float32-bound Python floats."""
+    """The staged columns of one param group, as float32-bound Python floats. A value held as
+    a tensor on the device (a CUDA tensor lr) is not read here, which would wait for the
+    device: its column holds 0 and the update copies the tensor over it (device_values)."""
     row = [0.0] * STAGED
-    row[HYPER["lr"]] = float(group["lr"])
-    row[HYPER["weight_decay"]] = float(group["weight_decay"])
+    for name, value in _columns(algorithm, group):
+        if not _on_device(value):
+            row[HYPER[name]] = float(value)
+    return row
+
+
+def device_values(algorithm: str, groups: list[dict]) -> list[tuple[int, torch.Tensor]]:
+    """(index in the staged values, tensor) per hyper-parameter a param group holds as a tensor
+    on the device: the update reads it there, by a copy into the staged values, in order on
+    the stream after their fetch (no host sync; in a graph, from the tensor it was captured
+    with)."""
+    return [(g * STAGED + HYPER[name], value) for g, group in enumerate(groups)
+            for name, value in _columns(algorithm, group) if _on_device(value)]
+
+
+def _columns(algorithm: str, group: dict) -> list[tuple[str, object]]:
+    """(column, value) per staged hyper-parameter of a param group; flags as bools."""
+    out = [("lr", group["lr"]), ("weight_decay", group["weight_decay"])]
     if algorithm == "sgd":
-        row[HYPER["momentum"]] = float(group["momentum"])
-        row[HYPER["dampening"]] = float(group["dampening"])
-        row[HYPER["nesterov"]] = float(bool(group["nesterov"]))
+        out += [("momentum", group["momentum"]), ("dampening", group["dampening"]),
+                ("nesterov", bool(group["nesterov"]))]
     else:
         beta1, beta2 = group["betas"]
-        row[HYPER["beta1"]] = float(beta1)
-        row[HYPER["beta2"]] = float(beta2)
-        row[HYPER["eps"]] = float(group["eps"])
+        out += [("beta1", beta1), ("beta2", beta2), ("eps", group["eps"])]
     if algorithm in ("sgd", "adam"):
-        row[HYPER["maximize"]] = float(bool(group.get("maximize", False)))
+        out.append(("maximize", bool(group.get("maximize", False))))
     if algorithm == "adam":
-        row[HYPER["decoupled_weight_decay"]] = float(
-            bool(group.get("decoupled_weight_decay", False)))
+        out.append(("decoupled_weight_decay", bool(group.get("decoupled_weight_decay", False))))
     if algorithm == "lamb":
-        row[HYPER["bias_correction"]] = float(bool(group["bias_correction"]))
-        row[HYPER["always_adapt"]] = float(bool(group["always_adapt"]))
-    return row
+        out += [("bias_correction", bool(group["bias_correction"])),
+                ("always_adapt", bool(group["always_adapt"]))]
+    return out
+
+
+def _on_device(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.device.type != "cpu"
 
 
 class Structure:

@@ -11,7 +11,7 @@ import torch
 from .. import _torch_private
 from .._extension import _C
 from ._flat import build_flat_buffers, cut_pieces, own_storage, update_targets
-from ._hyper import LAYOUT, STAGED, Structure, make_tables
+from ._hyper import LAYOUT, STAGED, Structure, device_values, make_tables
 from ._state import FlatState
 from ._support import algorithm, trainable, why_unsupported
 
@@ -56,8 +56,13 @@ class FusedOptimizer:
     Hyper-parameters are read from ``optimizer.param_groups`` at each staging and reach the
     device through a staging ring (src/capture/slot_ring.h) whose fetch is the step's first
     kernel, so schedulers (and any edit of lr, betas, eps, weight_decay, momentum, dampening,
-    nesterov, maximize) take effect without recapture. Changing ``amsgrad``, a momentum between
-    zero and non-zero, or the set of parameters needs a new FusedOptimizer.
+    nesterov, maximize) take effect without recapture. One held as a one-element tensor on the
+    device (``lr=torch.tensor(1e-3, device="cuda")``) is not read on the host, which would
+    wait for the device at every step: the step copies it over its staged value on the device
+    (:meth:`device_values`), so a schedule fills it in place (``fill_``, as torch's schedulers
+    do), and a graph reads the tensor it was captured with (another one in its place needs a
+    new capture). Changing ``amsgrad``, a momentum between zero and non-zero, or the set of
+    parameters needs a new FusedOptimizer.
 
     ``staged``: inside nt.Step, the step's one staging ring stages these values with the rest
     of the launch's (:meth:`host_values` gives them) and fetches them at the top of the graph;
@@ -102,8 +107,9 @@ class FusedOptimizer:
         self._ring = None if staged is not None else _C.StagingRing(
             self.num_staged_values(optimizer), self.device, ring_slots)
         self._captured = False
-        self._tables = make_tables(staged if staged is not None else self._ring.current,
-                                   self._flats, len(groups), len(params), self.device)
+        self._staged = staged if staged is not None else self._ring.current
+        self._tables = make_tables(self._staged, self._flats, len(groups), len(params),
+                                   self.device)
         self._state = FlatState(optimizer, self._flats, self._algorithm, keys,
                                 self._structure.momentum_on, self._tables)
         self._state.refresh()
@@ -240,6 +246,14 @@ class FusedOptimizer:
         else:
             self._ring.stage(values)
 
+    def device_values(self) -> list[tuple[int, torch.Tensor]]:
+        """(index in the staged values, tensor) per hyper-parameter a param group holds as a
+        tensor on the device (a CUDA tensor lr a scheduler fills): each step copies it over its
+        staged value on the device, where the host stages 0 (reading it would wait for the
+        device). A captured step copies from the tensor it was captured with: another one put
+        in the group needs the step captured again (nt.Step sees to it)."""
+        return device_values(self._algorithm, self.optimizer.param_groups)
+
     def staging_errors(self) -> int:
         """Launches that read a staging slot not staged for them (a replay without
         stage_host_values()). Read from host memory the device publishes to: no sync."""
@@ -355,9 +369,19 @@ class FusedOptimizer:
         views put back (eagerly), this step's staged values fetched (standalone)."""
         self._state.before_update()
         capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        on_device = self.device_values()
+        for index, value in on_device:
+            if value.numel() != 1 or value.device != self.device:
+                raise ValueError(
+                    f"FusedOptimizer: param group {index // STAGED} holds a hyper-parameter as "
+                    f"a tensor of {value.numel()} elements on {value.device}; a hyper-parameter "
+                    f"held as a tensor must be one value on the CPU or on {self.device}, the "
+                    "parameters' device. Nothing was updated.")
         if not capturing:
             self._reattach()
         self._fetch(capturing)
+        for index, value in on_device:  # over the host's 0, in order after the fetch
+            self._staged[index:index + 1].copy_(value.reshape(1))
 
     def begin_update(self, *, grad_scale: torch.Tensor | None = None,
                      inv_scale: torch.Tensor | None = None,
