@@ -662,41 +662,27 @@ def test_a_tensor_the_loss_function_reads_as_a_global_is_read_in_place_and_not_r
     assert_same_training(m1, o1, m2, o2, **TOL)
 
 
-def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_the_update_reads():
-    """An optimizer captured as it is with a CUDA tensor learning rate: the graph reads the
-    tensor where it is, so a scheduler's fill_ reaches it as it is, and another tensor put in
-    the group (group["lr"] = t) has the update graph captured again, reading that one."""
+CUDA_LR = {  # an optimizer with a CUDA tensor learning rate, per kind of update
+    "captured as-is": lambda p: torch.optim.RMSprop(
+        p, lr=torch.tensor(2e-3, device="cuda"), momentum=0.9, capturable=True),
+    "fused": lambda p: torch.optim.AdamW(
+        p, lr=torch.tensor(2e-3, device="cuda"), weight_decay=0.01, capturable=True),
+}
+
+
+@pytest.mark.parametrize("kind", CUDA_LR, ids=["as-is", "fused"])
+def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_the_update_reads(
+        kind):
+    """A CUDA tensor learning rate, in an optimizer captured as it is or fused: the graph reads
+    the tensor where it is (the fused update copies it over its staged value: no host read,
+    which would wait for the device at every call), so a scheduler's fill_ reaches it as it
+    is, and another tensor put in the group (group["lr"] = t) has the update graph captured
+    again, reading that one."""
     torch.manual_seed(21)
-    make = lambda p: torch.optim.RMSprop(  # noqa: E731
-        p, lr=torch.tensor(2e-3, device="cuda"), momentum=0.9, capturable=True)
-    run = SideBySide(cuda_twin(MLP(), make))
+    run = SideBySide(cuda_twin(MLP(), CUDA_LR[kind]))
     batches = classification_batches(10, 16, device="cuda", seed=22)
     run.train(batches[:4])
-    for o in (run.o1, run.o2):
-        o.param_groups[0]["lr"].fill_(1e-3)
-    run.train(batches[4:6])
-    captures = run.step.stats()["captures"]
-    old = [o.param_groups[0]["lr"] for o in (run.o1, run.o2)]  # alive: the old graph's reads
-    for o in (run.o1, run.o2):
-        o.param_groups[0]["lr"] = torch.tensor(4e-3, device="cuda")
-    run.train(batches[6:])
-    run.assert_same()
-    assert run.step.stats()["replays"] == 8 and run.step.stats()["captures"] == captures + 1
-    del old
-
-
-def test_a_fused_updates_cuda_learning_rate_tensor_filled_or_replaced_is_what_it_reads():
-    """AdamW with a CUDA tensor learning rate, fused: the graph copies the lr from the tensor
-    (no host read, which would wait for the device at every step), so a schedule's fill_
-    reaches it, and another tensor put in the group has the update captured again, reading
-    that one."""
-    torch.manual_seed(27)
-    make = lambda p: torch.optim.AdamW(  # noqa: E731
-        p, lr=torch.tensor(2e-3, device="cuda"), weight_decay=0.01, capturable=True)
-    run = SideBySide(cuda_twin(MLP(), make))
-    batches = classification_batches(10, 16, device="cuda", seed=27)
-    run.train(batches[:4])
-    assert run.step._update.fused is not None
+    assert run.step._update.kind == kind
     for o in (run.o1, run.o2):
         o.param_groups[0]["lr"].fill_(1e-3)
     run.train(batches[4:6])
@@ -705,7 +691,7 @@ def test_a_fused_updates_cuda_learning_rate_tensor_filled_or_replaced_is_what_it
     old = [o.param_groups[0]["lr"] for o in (run.o1, run.o2)]
     for o in (run.o1, run.o2):
         o.param_groups[0]["lr"] = torch.tensor(4e-3, device="cuda")
-    del old  # the graph keeps what it reads alive
+    del old  # the step keeps what its graphs read alive
     run.train(batches[6:])
     run.assert_same()
     assert run.step.stats()["replays"] == 8 and run.step.stats()["captures"] == captures + 1
