@@ -910,13 +910,18 @@ def scope_module_names(fn: object) -> list[tuple[str, object, str]]:
 
 def _attribute_modules(fn: object) -> list[tuple[str, object, str]]:
     """("attribute", the object's dict, name) per module held by the plain object (not a
-    module, class or Python module) a bound method belongs to."""
+    module, class or Python module) a bound method belongs to: those the method's code names
+    (and the methods of its class it calls, _own_code: ``self.features``, not a metric the
+    object also holds); every one when that code is a library's, which is not looked into."""
     owner = getattr(fn, "__self__", None)
     if (not hasattr(owner, "__dict__") or isinstance(owner, (types.ModuleType, type))
             or isinstance(owner, torch.nn.Module)):
         return []
+    method = getattr(fn, "__func__", None)
+    names, followed = (_own_code(type(owner), (method.__name__,))
+                       if isinstance(method, types.FunctionType) else (frozenset(), ()))
     return [("attribute", vars(owner), key) for key, value in vars(owner).items()
-            if isinstance(value, torch.nn.Module)]
+            if isinstance(value, torch.nn.Module) and (not followed or key in names)]
 
 
 def _modules_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:

@@ -1252,6 +1252,7 @@ def _critic_score(x):  # a helper of the user's, called as a global
 class _Perceptual:
     def __init__(self):
         self.features = nn.Conv2d(3, 4, 3)
+        self.meter = nn.Identity()  # held, not read by loss()
 
     def loss(self, out, target):
         return F.mse_loss(self.features(out), self.features(target))
@@ -1374,7 +1375,10 @@ def test_modules_a_loss_function_reads_as_globals_or_a_plain_objects_attributes_
     watch.refuse_replaced_objects()
     perceptual = _Perceptual()
     watch = captured_watch(nn.Conv2d(3, 3, 1), perceptual.loss)
-    assert "features" in watch.names
+    assert "features" in watch.names and "meter" not in watch.names
+    perceptual.meter = nn.Identity()  # what loss() does not read: left alone
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
     perceptual.features = nn.Conv2d(3, 4, 3)
     with pytest.raises(NimbleError, match=r"the attribute 'features' of the object loss_fn is a "
                                           r"method of was given another Conv2d"):
