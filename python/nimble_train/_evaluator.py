@@ -182,6 +182,8 @@ class Evaluator:
             changed += self._step._model.after_forward()
         if self._scope is not None:
             changed += self._scope.after_call()
+        if self._reads is not None:
+            self._reads.take()
         return changed
 
     def _captured_entry(self, graph, bucket: int) -> int | None:
@@ -326,6 +328,18 @@ class ScopeModules:
             storage.adopt(taken)
         storage.restore()
         return bool(taken)
+
+    def take(self) -> None:
+        """After a call that ran fn (eagerly, or its capture): what its forwards assigned
+        themselves (a buffer a forward sets anew) is what the graphs read, not a change of
+        the user's."""
+        if self._watch.first_changed() < 0:
+            return
+        for e in self._watch.changed():
+            table, key, _ = self._entries[e]
+            if key in table:
+                self._watch.update(e)
+                self._entries[e] = (table, key, table[key])
 
     def _refuse_changed(self) -> None:
         for e in self._watch.changed():

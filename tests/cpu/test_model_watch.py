@@ -672,6 +672,19 @@ def test_the_modules_an_evaluators_fn_reads_are_run_as_captured():
     assert ScopeModules(lambda m, b: m(b[0]), _Stub(model))._names == []
 
 
+def test_what_an_evaluators_own_forwards_assign_in_its_scope_modules_is_taken():
+    from nimble_train._evaluator import ScopeModules
+    model, averaged, fn = _averaging_evaluator()
+    reads = ScopeModules(fn, _Stub(model))
+    averaged[1].running_mean = torch.zeros(4)  # as a forward of fn's would assign it
+    reads.take()
+    assert reads._watch.first_changed() == -1
+    reads.settle()
+    averaged[1].running_mean = torch.ones(4)  # the user's, between calls: refused
+    with pytest.raises(NimbleError, match=r"buffer 'averaged.1.running_mean'"):
+        reads.settle()
+
+
 def test_data_another_steps_update_moved_has_the_evaluators_graphs_captured_again():
     from nimble_train._evaluator import ScopeModules
     model, averaged, fn = _averaging_evaluator()
