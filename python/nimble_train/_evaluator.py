@@ -21,8 +21,8 @@ from its closure or its module's globals (a threshold) are baked into its graphs
 first capture on, another value is refused (_model_watch.ScopeWatch), and so is another tensor
 or module under a name it reads one by. The modules it reads there besides the model (an
 averaged copy the user keeps, ``lambda m, b: ema(b[0])``; a teacher) are run by its graphs as
-they were at capture (ScopeModules): a mode changed or a child module, parameter or buffer
-replaced is refused; a parameter's or buffer's data replaced (``p.data = t``) goes back where
+they were at capture (ScopeModules): a mode or a number changed, or a child module,
+parameter or buffer replaced, is refused; a parameter's or buffer's data replaced (``p.data = t``) goes back where
 the graphs read it, its values copied there.
 """
 
@@ -38,7 +38,8 @@ from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
-from ._model_watch import ScopeWatch, named_scope_modules, warn_replays_keep
+from ._model_watch import (_MISSING, _NUMBERS, ScopeWatch, _same_value, named_scope_modules,
+                           names_read, warn_replays_keep)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -263,8 +264,8 @@ class Evaluator:
 
 class ScopeModules:
     """The modules an evaluator's fn reads from its scope besides the Step's model (an averaged
-    copy of the model the user keeps, a teacher), as its graphs run them: their modes, child
-    modules, parameters and buffers by identity (another one is refused: the graphs run the
+    copy of the model the user keeps, a teacher), as its graphs run them: their modes and
+    numbers by value, child modules, parameters and buffers by identity (another one is refused: the graphs run the
     old), and the data of their parameters and buffers where it was at capture (ParamWatch:
     replaced data goes back there, its values copied; data another step's fused update moved
     into its flat buffers is read there, the graphs captured again). The model's own modules
@@ -285,6 +286,16 @@ class ScopeModules:
             if "training" in attributes:
                 entries.append((attributes, "training", attributes["training"]))
                 self._what.append(("mode", name))
+            # its numbers, as the Step's ModelWatch picks them: constants, a leaf's public
+            # numbers, a parent's that its own code names
+            constants = getattr(type(module), "__constants__", ())
+            read = None if not module._modules else names_read(type(module))
+            for key, value in attributes.items():
+                if type(value) in _NUMBERS and key != "training" and (
+                        key in constants or (not key.startswith("_")
+                                             and (read is None or key in read))):
+                    entries.append((attributes, key, value))
+                    self._what.append(("number", f"{name}.{key}"))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key, value in table.items():
@@ -346,6 +357,19 @@ class ScopeModules:
             kind, name = self._what[e]
             table, key, old = self._entries[e]
             now = table.get(key, None)
+            if kind == "number":
+                now = table.get(key, _MISSING)
+                if _same_value(now, old):
+                    self._watch.update(e)  # an equal value in another object
+                    self._entries[e] = (table, key, now)
+                    continue
+                seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+                raise NimbleError(
+                    f"step.evaluator: {name!r}, a number of a module fn reads from its scope, "
+                    f"{seen} after the evaluator's capture; its graphs run the value they were "
+                    "captured with (the Python numbers a forward reads are baked into a CUDA "
+                    "graph). Set it back, or make a new evaluator for the new value "
+                    "(step.evaluator(fn)). Nothing was run for this call.")
             if kind == "mode":
                 if key in table and bool(now) == bool(old):
                     self._watch.update(e)  # the same mode again (training = 1)

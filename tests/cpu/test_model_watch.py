@@ -672,6 +672,29 @@ def test_the_modules_an_evaluators_fn_reads_are_run_as_captured():
     assert ScopeModules(lambda m, b: m(b[0]), _Stub(model))._names == []
 
 
+def test_a_number_of_a_module_an_evaluators_fn_reads_is_watched_by_value():
+    """A dropout's p, a leaf's public number: baked into the evaluator's graphs, so another
+    value is refused, an equal one taken; one fn's forwards change themselves is taken."""
+    from nimble_train._evaluator import ScopeModules
+    torch.manual_seed(0)
+    averaged = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), Counting())
+    reads = ScopeModules(lambda m, b: averaged(b[0]), _Stub(nn.Linear(2, 2)))
+    averaged[1].p = 0.3
+    with pytest.raises(NimbleError, match=r"'averaged.1.p', a number of a module fn reads from "
+                                          r"its scope, changed from 0.1 to 0.3 after the "
+                                          r"evaluator's capture.*Nothing was run"):
+        reads.settle()
+    averaged[1].p = float("0.1")  # equal, another object: taken
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    averaged(torch.randn(2, 4))  # Counting counts its calls: fn's own change
+    reads.take()
+    reads.settle()
+    averaged[2].calls = 7
+    with pytest.raises(NimbleError, match=r"'averaged.2.calls'.*changed from 1 to 7"):
+        reads.settle()
+
+
 def test_what_an_evaluators_own_forwards_assign_in_its_scope_modules_is_taken():
     from nimble_train._evaluator import ScopeModules
     model, averaged, fn = _averaging_evaluator()
