@@ -248,8 +248,9 @@ class Update:
             # It reads every hyper-parameter on the device: staged, or copied from a tensor
             # there (a CUDA lr), which must be the one its graphs were captured with.
             read = self._read_on_device
-            return read is not None and not _same_objects(
-                [t for _, t in self.fused.device_values()], read)
+            if read is None or not (read or self.fused.any_on_device()):
+                return False  # none read there, none now (floats: the fast path's check)
+            return not _same_objects([t for _, t in self.fused.device_values()], read)
         if self._baked is None:
             return False
         if self._hook_keys() != self._hooks:

@@ -292,10 +292,15 @@ def test_a_fused_update_stages_no_host_value_for_a_device_tensor_hyper_parameter
     """The fused update's staged row never reads a hyper-parameter held on the device (a CUDA
     lr; a meta one here), which would wait for the device at every step: its column holds 0
     and device_values names the tensor to copy over it; a CPU tensor is read as a float."""
-    from nimble_train.optim._hyper import HYPER, STAGED, device_values, staged_row
+    from nimble_train.optim._hyper import HYPER, STAGED, any_on_device, device_values, staged_row
     params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(2))]
     opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=0.1,
                             betas=(0.8, 0.99), weight_decay=0.05)
+    assert not any_on_device("adam", opt.param_groups)
+    opt.param_groups[0]["betas"] = (torch.tensor(0.8, device="meta"), 0.99)
+    assert any_on_device("adam", opt.param_groups)
+    assert [i for i, _ in device_values("adam", opt.param_groups)] == [HYPER["beta1"]]
+    opt.param_groups[0]["betas"] = (0.8, 0.99)
     lr = torch.tensor(1e-3, device="meta")
     opt.param_groups[1]["lr"] = lr
     opt.param_groups[0]["weight_decay"] = torch.tensor(0.02, dtype=torch.float64)
@@ -305,3 +310,4 @@ def test_a_fused_update_stages_no_host_value_for_a_device_tensor_hyper_parameter
     assert rows[1][HYPER["lr"]] == 0.0 and rows[1][HYPER["beta1"]] == pytest.approx(0.8)
     found = device_values("adam", opt.param_groups)
     assert len(found) == 1 and found[0][0] == STAGED + HYPER["lr"] and found[0][1] is lr
+    assert any_on_device("adam", opt.param_groups)

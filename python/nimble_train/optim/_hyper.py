@@ -38,6 +38,29 @@ def device_values(algorithm: str, groups: list[dict]) -> list[tuple[int, torch.T
             for name, value in _columns(algorithm, group) if _on_device(value)]
 
 
+# The keys of a param group that may hold a number as a tensor, per algorithm (betas: a pair).
+_TENSOR_KEYS = {"sgd": ("lr", "weight_decay", "momentum", "dampening"),
+                "adam": ("lr", "weight_decay", "eps", "betas"),
+                "lamb": ("lr", "weight_decay", "eps", "betas")}
+
+
+def any_on_device(algorithm: str, groups: list[dict]) -> bool:
+    """Whether device_values would find any: its check on a step's fast path, where floats
+    are the rule (a few hundred ns a group)."""
+    keys = _TENSOR_KEYS[algorithm]
+    for group in groups:
+        for key in keys:
+            value = group[key]
+            if type(value) is float:
+                continue
+            if key == "betas":
+                if any(_on_device(beta) for beta in value):
+                    return True
+            elif _on_device(value):
+                return True
+    return False
+
+
 def _columns(algorithm: str, group: dict) -> list[tuple[str, object]]:
     """(column, value) per staged hyper-parameter of a param group; flags as bools."""
     out = [("lr", group["lr"]), ("weight_decay", group["weight_decay"])]

@@ -11,7 +11,7 @@ import torch
 from .. import _torch_private
 from .._extension import _C
 from ._flat import build_flat_buffers, cut_pieces, own_storage, update_targets
-from ._hyper import LAYOUT, STAGED, Structure, device_values, make_tables
+from ._hyper import LAYOUT, STAGED, Structure, any_on_device, device_values, make_tables
 from ._state import FlatState
 from ._support import algorithm, trainable, why_unsupported
 
@@ -253,6 +253,10 @@ class FusedOptimizer:
         device). A captured step copies from the tensor it was captured with: another one put
         in the group needs the step captured again (nt.Step sees to it)."""
         return device_values(self._algorithm, self.optimizer.param_groups)
+
+    def any_on_device(self) -> bool:
+        """Whether any hyper-parameter is held as a tensor on the device (device_values)."""
+        return any_on_device(self._algorithm, self.optimizer.param_groups)
 
     def staging_errors(self) -> int:
         """Launches that read a staging slot not staged for them (a replay without
