@@ -38,8 +38,8 @@ from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
-from ._model_watch import (_MISSING, _NUMBERS, ScopeWatch, _same_value, named_scope_modules,
-                           names_read, warn_replays_keep)
+from ._model_watch import (_MISSING, ScopeWatch, _same_value, named_scope_modules,
+                           warn_replays_keep, watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -286,16 +286,10 @@ class ScopeModules:
             if "training" in attributes:
                 entries.append((attributes, "training", attributes["training"]))
                 self._what.append(("mode", name))
-            # its numbers, as the Step's ModelWatch picks them: constants, a leaf's public
-            # numbers, a parent's that its own code names
-            constants = getattr(type(module), "__constants__", ())
-            read = None if not module._modules else names_read(type(module))
-            for key, value in attributes.items():
-                if type(value) in _NUMBERS and key != "training" and (
-                        key in constants or (not key.startswith("_")
-                                             and (read is None or key in read))):
-                    entries.append((attributes, key, value))
-                    self._what.append(("number", f"{name}.{key}"))
+            constants, numbers = watched_numbers(module)  # as the Step's ModelWatch picks them
+            for key in constants + numbers:
+                entries.append((attributes, key, attributes[key]))
+                self._what.append(("number", f"{name}.{key}"))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
                 for key, value in table.items():
@@ -356,13 +350,12 @@ class ScopeModules:
         for e in self._watch.changed():
             kind, name = self._what[e]
             table, key, old = self._entries[e]
-            now = table.get(key, None)
+            now = table.get(key, _MISSING)
+            if kind in ("number", "mode") and _same_value(now, old, same_type=kind == "number"):
+                self._watch.update(e)  # an equal value in another object (training = 1)
+                self._entries[e] = (table, key, now)
+                continue
             if kind == "number":
-                now = table.get(key, _MISSING)
-                if _same_value(now, old):
-                    self._watch.update(e)  # an equal value in another object
-                    self._entries[e] = (table, key, now)
-                    continue
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
                 raise NimbleError(
                     f"step.evaluator: {name!r}, a number of a module fn reads from its scope, "
@@ -371,10 +364,6 @@ class ScopeModules:
                     "graph). Set it back, or make a new evaluator for the new value "
                     "(step.evaluator(fn)). Nothing was run for this call.")
             if kind == "mode":
-                if key in table and bool(now) == bool(old):
-                    self._watch.update(e)  # the same mode again (training = 1)
-                    self._entries[e] = (table, key, now)
-                    continue
                 mode = lambda training: "training" if training else "eval"  # noqa: E731
                 raise NimbleError(
                     f"step.evaluator: module {name!r}, which fn reads from its scope, is in "
@@ -382,7 +371,7 @@ class ScopeModules:
                     f"{mode(old)} mode; a replay runs the modes it was captured with. Put the "
                     "mode back, or make a new evaluator for the new one (step.evaluator(fn)). "
                     "Nothing was run for this call.")
-            seen = ("removed" if key not in table or now is None else
+            seen = ("removed" if now is _MISSING or now is None else
                     "set where the graphs read none" if old is None else
                     f"replaced by another {type(now).__name__}" if kind == "module" else
                     "replaced by another tensor")

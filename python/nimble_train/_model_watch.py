@@ -191,18 +191,14 @@ class ModelWatch:
         self._modes_end = len(entries)
         for i, module in enumerate(self.modules):
             attributes = vars(module)
-            constants = getattr(type(module), "__constants__", ())
+            constants, numbers = watched_numbers(module)
             for key in constants:
-                if key in attributes:
-                    watch("constant", i, attributes, key)
-            # A leaf's public numbers are what its forward reads; a parent's, those its own
-            # code names (a counter user code keeps on the model is not).
-            named = None if not module._modules else names_read(type(module))
+                watch("constant", i, attributes, key)
+            numbers = set(numbers)
             for key, value in attributes.items():
                 if isinstance(value, torch.Tensor):
                     watch("tensor", i, attributes, key)
-                elif (type(value) in _NUMBERS and not key.startswith("_") and key != "training"
-                        and key not in constants and (named is None or key in named)):
+                elif key in numbers:
                     watch("number", i, attributes, key)
             holders += [(i, key, numbers) for key, value in attributes.items()
                         if (numbers := _held_numbers(module, key, value))]
@@ -772,6 +768,20 @@ def _own_code(cls: type, roots: tuple[str, ...] = _ROOTS
         todo += [getattr(cls, name, None) for name in found - names] + _helpers(fn)
         names |= found
     return frozenset(names), tuple(seen)
+
+
+def watched_numbers(module: torch.nn.Module) -> tuple[list[str], list[str]]:
+    """The keys of a module's attributes a graph bakes in as they are: its constants (those of
+    its class's ``__constants__`` it holds), then its numbers -- a leaf's public numbers, which
+    are what its forward reads, or a parent's that its own code names (names_read; a counter
+    user code keeps on the model is not)."""
+    attributes = vars(module)
+    constants = [key for key in getattr(type(module), "__constants__", ()) if key in attributes]
+    named = None if not module._modules else names_read(type(module))
+    numbers = [key for key, value in attributes.items()
+               if type(value) in _NUMBERS and not key.startswith("_") and key != "training"
+               and key not in constants and (named is None or key in named)]
+    return constants, numbers
 
 
 def names_read(cls: type) -> frozenset[str]:
