@@ -21,9 +21,10 @@ from its closure or its module's globals (a threshold) are baked into its graphs
 first capture on, another value is refused (_model_watch.ScopeWatch), and so is another tensor
 or module under a name it reads one by. The modules it reads there besides the model (an
 averaged copy the user keeps, ``lambda m, b: ema(b[0])``; a teacher) are run by its graphs as
-they were at capture (ScopeModules): a mode or a number changed, or a child module,
-parameter or buffer replaced, is refused; a parameter's or buffer's data replaced (``p.data = t``) goes back where
-the graphs read it, its values copied there.
+they were at capture (ScopeModules): a mode or a number changed (one its code reads from a
+config it holds too), a child module, parameter or buffer replaced, a module added to a
+container, or a forward hook registered or removed, is refused; a parameter's or buffer's
+data replaced (``p.data = t``) goes back where the graphs read it, its values copied there.
 """
 
 from __future__ import annotations
@@ -32,13 +33,15 @@ import contextlib
 from typing import Any, Callable
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import _options
 from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
-from ._model_watch import (_MISSING, ScopeWatch, _same_value, named_scope_modules,
+from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers,
+                           _holds_numbers, _now, _same_value, describe, named_scope_modules,
                            warn_replays_keep, watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
@@ -265,12 +268,15 @@ class Evaluator:
 class ScopeModules:
     """The modules an evaluator's fn reads from its scope besides the Step's model (an averaged
     copy of the model the user keeps, a teacher), as its graphs run them: their modes and
-    numbers by value, child modules, parameters and buffers by identity (another one is refused: the graphs run the
-    old), and the data of their parameters and buffers where it was at capture (ParamWatch:
-    replaced data goes back there, its values copied; data another step's fused update moved
-    into its flat buffers is read there, the graphs captured again). The model's own modules
-    are the Step's to watch (and the evaluator puts them in eval mode itself), and so are the
-    tensors the Step's graphs read."""
+    numbers (those of the configs their code reads too: ``self.cfg.scale``) by value; child
+    modules, parameters and buffers by identity (another one is refused: the graphs run the
+    old); the keys of their containers (a module appended to a Sequential) and of their forward
+    hooks (a hook registered or removed: the graphs run those of the capture); and the data of
+    their parameters and buffers where it was at capture (ParamWatch: replaced data goes back
+    there, its values copied; data another step's fused update moved into its flat buffers is
+    read there, the graphs captured again). The model's own modules are the Step's to watch
+    (and the evaluator puts them in eval mode itself), and so are the tensors the Step's graphs
+    read. Backward hooks do not run under no_grad, and are not watched."""
 
     def __init__(self, fn: Callable, step) -> None:
         seen = {id(m) for m in step.model.modules()}
@@ -281,22 +287,47 @@ class ScopeModules:
                     seen.add(id(module))
                     named.append((name, module))
         self._what, entries = [], []  # per entry (kind, name)
+        # per dict whose keys must stay: (kind, module's name, the dict, its keys at capture)
+        self._tables: list[tuple[str, str, dict, frozenset]] = []
+        holders = []  # (module's name, its attributes, the holder's key, the numbers read)
+
+        def watch(kind: str, name: str, table: dict, key: str) -> None:
+            entries.append((table, key, _now(table, key)))
+            self._what.append((kind, name))
+
         for name, module in named:
             attributes = vars(module)
             if "training" in attributes:
-                entries.append((attributes, "training", attributes["training"]))
-                self._what.append(("mode", name))
+                watch("mode", name, attributes, "training")
             constants, numbers = watched_numbers(module)  # as the Step's ModelWatch picks them
             for key in constants + numbers:
-                entries.append((attributes, key, attributes[key]))
-                self._what.append(("number", f"{name}.{key}"))
+                watch("number", f"{name}.{key}", attributes, key)
+            holders += [(name, attributes, key, held) for key, value in attributes.items()
+                        if (held := _held_numbers(module, key, value))]
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
                                 ("buffer", module._buffers)):
-                for key, value in table.items():
-                    entries.append((table, key, value))
-                    self._what.append((kind, f"{name}.{key}"))
+                for key in table:
+                    watch(kind, f"{name}.{key}", table, key)
+                if isinstance(module, _CONTAINERS[kind]):
+                    self._tables.append((kind, name, table, frozenset(table)))
+            for key, label in _HOOKS[:2]:  # forward pre-hooks and forward hooks
+                if isinstance(table := attributes.get(key), dict):
+                    self._tables.append((label, name, table, frozenset(table)))
+        # An object holding numbers the module's code reads (self.cfg): by identity, then its
+        # numbers by value (per holder's entry, its numbers' entries).
+        self._held: dict[int, list[int]] = {}
+        for name, attributes, key, numbers in holders:
+            holder = len(entries)
+            watch("holder", f"{name}.{key}", attributes, key)
+            for number in numbers:
+                watch("number", f"{name}.{key}.{number}", vars(attributes[key]), number)
+            self._held[holder] = list(range(holder + 1, len(entries)))
+        # Torch's count of the hooks ever registered: a hook removed and another registered
+        # in its place leave a dict's number of keys as it was, not the count.
+        self._hook_count = len(entries)
+        watch("hook count", "", RemovableHandle, "next_id")
         self._entries = entries
-        self._watch = _C.EntryWatch(entries)
+        self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
         known = {id(t) for t in step._watched}
         self._names, self._tensors = [], []
         for name, module in named:
@@ -335,25 +366,55 @@ class ScopeModules:
         return bool(taken)
 
     def take(self) -> None:
-        """After a call that ran fn (eagerly, or its capture): what its forwards assigned
-        themselves (a buffer a forward sets anew) is what the graphs read, not a change of
-        the user's."""
+        """After a call that ran fn (eagerly, or its capture): what its forwards assigned or
+        registered themselves (a buffer a forward sets anew) is what the graphs read, not a
+        change of the user's."""
         if self._watch.first_changed() < 0:
             return
         for e in self._watch.changed():
             table, key, _ = self._entries[e]
-            if key in table:
-                self._watch.update(e)
-                self._entries[e] = (table, key, table[key])
+            now = _now(table, key)
+            if now is not _MISSING:
+                self._take(e)
+                if e in self._held:
+                    self._retarget_held(e, now)
+        self._take_tables()
+
+    def _take(self, e: int) -> None:
+        """Entry e's value becomes what its dict holds now."""
+        table, key, _ = self._entries[e]
+        self._watch.update(e)
+        self._entries[e] = (table, key, _now(table, key))
+
+    def _retarget_held(self, holder: int, now: object) -> None:
+        """The numbers of the holder entry's object are watched in `now` from now on (one it
+        lacks, in a dict of its own that never changes)."""
+        held = vars(now) if _holds_numbers(now) else {}
+        for n in self._held[holder]:
+            key = self._entries[n][1]
+            table = held if key in held else {key: _MISSING}
+            self._watch.retarget(n, table)
+            self._entries[n] = (table, key, table[key])
+
+    def _take_tables(self) -> None:
+        """The containers' keys and the hooks in place now become the watched ones."""
+        self._tables = [(kind, name, table, frozenset(table))
+                        for kind, name, table, _ in self._tables]
+        self._watch.take_sizes()
+        self._take(self._hook_count)
 
     def _refuse_changed(self) -> None:
         for e in self._watch.changed():
             kind, name = self._what[e]
             table, key, old = self._entries[e]
-            now = table.get(key, _MISSING)
+            now = _now(table, key)
+            if kind == "hook count":
+                continue  # a hook registered anywhere: the dicts of hooks say whether on these
+            if kind == "holder":
+                self._settle_holder(e, name, now)
+                continue
             if kind in ("number", "mode") and _same_value(now, old, same_type=kind == "number"):
-                self._watch.update(e)  # an equal value in another object (training = 1)
-                self._entries[e] = (table, key, now)
+                self._take(e)  # an equal value in another object (training = 1)
                 continue
             if kind == "number":
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -382,6 +443,64 @@ class ScopeModules:
                 "with. Load new values in place (load_state_dict without assign=True, or with "
                 "torch.no_grad(): p.copy_(t)), or make a new evaluator for the new module "
                 "(step.evaluator(fn)). Nothing was run for this call.")
+        self._refuse_tables()
+        self._take_tables()
+
+    def _settle_holder(self, e: int, name: str, now: object) -> None:
+        """An object holding numbers a module's code reads (self.cfg) replaced: its numbers are
+        watched in the new one, when each equals the captured one (a config loaded again);
+        else refused."""
+        held = vars(now) if _holds_numbers(now) else {}
+        for n in self._held[e]:
+            _, number, was = self._entries[n]
+            value = held.get(number, _MISSING)
+            if not _same_value(value, was):
+                seen = ("removed" if now is _MISSING or now is None else
+                        f"replaced by a {type(now).__name__} " + (
+                            f"whose {number!r} is {value!r}" if value is not _MISSING else
+                            f"that holds no number {number!r}"))
+                raise NimbleError(
+                    f"step.evaluator: {name!r}, in a module fn reads from its scope, was {seen} "
+                    f"after the evaluator's capture, where its graphs were captured with "
+                    f"{number!r} {was!r} (the Python numbers a forward reads are baked into a "
+                    "CUDA graph). Set it back, or make a new evaluator for the new values "
+                    "(step.evaluator(fn)). Nothing was run for this call.")
+        self._take(e)
+        self._retarget_held(e, now)
+
+    def _refuse_tables(self) -> None:
+        """A module or parameter added to a container, or a forward hook registered or
+        removed, since capture (keys replaced or removed from a container are the entries'
+        to name)."""
+        for kind, name, table, keys in self._tables:
+            if keys == table.keys():
+                continue
+            added = [key for key in table if key not in keys]
+            owner = f"{name!r}, a module fn reads from its scope,"
+            if kind in _CONTAINERS:
+                if not added:
+                    continue
+                value = table[added[0]]
+                what = (f"a {type(value).__name__}" if kind == "module" else
+                        "none" if value is None else describe(value))
+                raise NimbleError(
+                    f"step.evaluator: {kind} {name}.{added[0]} ({what}) was added to {owner} "
+                    "after the evaluator's capture; a forward that runs the container's "
+                    "contents would run it, and the evaluator's graphs run the container as "
+                    "it was captured. Add to containers before the evaluator's first call, or "
+                    "make a new evaluator (step.evaluator(fn)). Nothing was run for this call.")
+            if added:
+                hook = table[added[0]]
+                hook = getattr(hook, "__qualname__", type(hook).__name__)
+                seen, effect = f"a {kind} ({hook}) was registered on", "run without it"
+            else:
+                seen = f"a {kind} was removed from"
+                effect = "run it as they captured it (what it did to tensors, in every replay)"
+            raise NimbleError(
+                f"step.evaluator: {seen} {owner} after the evaluator's capture; a replay runs "
+                f"no Python, so its graphs {effect}. Register and remove hooks before the "
+                "evaluator's first call, or make a new evaluator (step.evaluator(fn)). Nothing "
+                "was run for this call.")
 
 
 @contextlib.contextmanager

@@ -695,6 +695,106 @@ def test_a_number_of_a_module_an_evaluators_fn_reads_is_watched_by_value():
         reads.settle()
 
 
+def test_a_hook_on_a_module_an_evaluators_fn_reads_changed_after_capture_is_refused():
+    """A replay runs no Python: a forward hook registered on (or removed from) a module fn
+    reads from its scope after capture would silently not run (or still run), so it is
+    refused, naming the module; one in place at capture is the graphs' own; a backward hook
+    runs nothing under no_grad and is let be; a hook registered elsewhere is not these."""
+    from nimble_train._evaluator import ScopeModules
+    model, averaged, fn = _averaging_evaluator()
+    kept = averaged[1].register_forward_hook(lambda m, i, o: o * 2)  # at capture: the graphs'
+    reads = ScopeModules(fn, _Stub(model))
+    handle = averaged[2].register_forward_hook(lambda m, i, o: o.clamp(max=0.5))
+    with pytest.raises(NimbleError, match=r"step.evaluator: a forward hook \(.*<lambda>\) was "
+                                          r"registered on 'averaged.2', a module fn reads from "
+                                          r"its scope, after the evaluator's capture; a replay "
+                                          r"runs no Python, so its graphs run without it.*make a "
+                                          r"new evaluator.*Nothing was run"):
+        reads.settle()
+    handle.remove()
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    kept.remove()
+    kept = averaged[1].register_forward_hook(lambda m, i, o: o * 3)  # another in its place
+    with pytest.raises(NimbleError, match=r"a forward hook \(.*<lambda>\) was registered on "
+                                          r"'averaged.1'"):
+        reads.settle()
+    kept.remove()
+    with pytest.raises(NimbleError, match=r"a forward hook was removed from 'averaged.1'.*run it "
+                                          r"as they captured it"):
+        reads.settle()
+    kept = averaged[1].register_forward_pre_hook(lambda m, i: None)  # in its place: one key
+    with pytest.raises(NimbleError, match=r"a forward pre-hook \(.*<lambda>\) was registered on "
+                                          r"'averaged.1'"):
+        reads.settle()
+    kept.remove()
+    reads = ScopeModules(fn, _Stub(model))
+    averaged[4].register_full_backward_hook(lambda m, gi, go: None)
+    model.register_forward_hook(lambda m, i, o: o)  # the Step's model: the Step's to refuse
+    nn.Linear(2, 2).register_forward_hook(lambda m, i, o: o)
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    averaged[3].register_forward_pre_hook(lambda m, i: None)
+    with pytest.raises(NimbleError, match=r"a forward pre-hook \(.*\) was registered on "
+                                          r"'averaged.3'"):
+        reads.settle()
+
+
+def test_a_module_added_to_a_container_an_evaluators_fn_reads_is_refused():
+    from nimble_train._evaluator import ScopeModules
+    model, averaged, fn = _averaging_evaluator()
+    reads = ScopeModules(fn, _Stub(model))
+    averaged.append(nn.Identity())
+    with pytest.raises(NimbleError, match=r"step.evaluator: module averaged.5 \(a Identity\) was "
+                                          r"added to 'averaged', a module fn reads from its "
+                                          r"scope, after the evaluator's capture.*Nothing was run"):
+        reads.settle()
+    del averaged[5]
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    averaged(torch.randn(2, 3, 8, 8))
+    averaged.append(nn.ReLU())  # as fn's own forward would: taken after its call
+    reads.take()
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+
+
+def test_numbers_a_config_of_a_module_an_evaluators_fn_reads_holds_are_watched():
+    """self.cfg.scale of a module fn reads from its scope is baked into the evaluator's graphs:
+    changed after capture it is refused; the config replaced by an equal one is watched from
+    then on; by one with another number, refused."""
+    from nimble_train._evaluator import ScopeModules
+    teacher = Configured(config(scale=2.0))
+    reads = ScopeModules(lambda m, b: teacher(b[0]), _Stub(nn.Linear(2, 2)))
+    assert ("number", "teacher.cfg.scale") in reads._what
+    assert ("number", "teacher.cfg.width") not in reads._what  # no code reads it
+    assert ("number", "teacher._cache_cfg.scale") not in reads._what  # private
+    teacher.cfg.scale = 3.0
+    with pytest.raises(NimbleError, match=r"'teacher.cfg.scale', a number of a module fn reads "
+                                          r"from its scope, changed from 2.0 to 3.0"):
+        reads.settle()
+    teacher.cfg.scale = 2.0
+    reads.settle()
+    teacher.cfg = config(scale=2.0)  # loaded again: equal numbers, watched in the new one
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    teacher.cfg.drop = 0.5
+    with pytest.raises(NimbleError, match=r"'teacher.cfg.drop'.*changed from 0.0 to 0.5"):
+        reads.settle()
+    teacher.cfg = config(scale=5.0)
+    with pytest.raises(NimbleError, match=r"'teacher.cfg', in a module fn reads from its scope, "
+                                          r"was replaced by a SimpleNamespace whose 'scale' is "
+                                          r"5.0 after the evaluator's capture, where its graphs "
+                                          r"were captured with 'scale' 2.0"):
+        reads.settle()
+    teacher.cfg = config(scale=2.0)
+    reads.settle()
+    teacher(torch.randn(2, 4))  # its state counts its calls: fn's own change, taken
+    reads.take()
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+
+
 def test_what_an_evaluators_own_forwards_assign_in_its_scope_modules_is_taken():
     from nimble_train._evaluator import ScopeModules
     model, averaged, fn = _averaging_evaluator()

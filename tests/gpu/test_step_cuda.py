@@ -2056,8 +2056,9 @@ def test_an_evaluator_reading_an_averaged_copy_the_user_keeps_evaluates_it_as_it
     """An evaluator's fn runs an averaged copy of the model the user keeps and updates in place
     (lerp_ after each step): its graph reads that copy's weights, so each evaluation equals the
     eager one on the copy as it is; data replaced (p.data = t) is read with its new values; a
-    mode changed, or another module under the name fn reads, is refused before anything runs
-    (the graph runs the copy it was captured with, in its mode)."""
+    mode changed, another module under the name fn reads, or a forward hook registered on the
+    copy, is refused before anything runs (the graph runs the copy it was captured with, in its
+    mode, with its hooks)."""
     torch.manual_seed(25)
     model = SmallCNN().cuda()
     step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
@@ -2100,8 +2101,14 @@ def test_an_evaluator_reading_an_averaged_copy_the_user_keeps_evaluates_it_as_it
                                              r"averaged.load_state_dict\(state\).*Nothing was "
                                              r"run"):
         ev(batches[4])
-    assert ev.counts == counts
     averaged = kept
+    handle = averaged.head.register_forward_hook(lambda m, i, o: o * 0)  # a replay runs none
+    with pytest.raises(nt.NimbleError, match=r"step.evaluator: a forward hook \(.*\) was "
+                                             r"registered on 'averaged.head', a module fn reads "
+                                             r"from its scope.*Nothing was run"):
+        ev(batches[4])
+    handle.remove()
+    assert ev.counts == counts
     torch.testing.assert_close(ev(batches[7]), expected(batches[7]), **TOL)
     assert ev.stats()["captures"] == 1 and ev.counts["replays"] == counts["replays"] + 1
     del old
