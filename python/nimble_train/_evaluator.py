@@ -41,8 +41,9 @@ from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers,
-                           _holds_numbers, _now, _same_value, describe, named_scope_modules,
-                           warn_replays_keep, watched_numbers)
+                           _holds_numbers, _now, _same_value, describe, hook_change,
+                           named_scope_modules, replaced_holder, warn_replays_keep,
+                           watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -450,21 +451,15 @@ class ScopeModules:
         """An object holding numbers a module's code reads (self.cfg) replaced: its numbers are
         watched in the new one, when each equals the captured one (a config loaded again);
         else refused."""
-        held = vars(now) if _holds_numbers(now) else {}
-        for n in self._held[e]:
-            _, number, was = self._entries[n]
-            value = held.get(number, _MISSING)
-            if not _same_value(value, was):
-                seen = ("removed" if now is _MISSING or now is None else
-                        f"replaced by a {type(now).__name__} " + (
-                            f"whose {number!r} is {value!r}" if value is not _MISSING else
-                            f"that holds no number {number!r}"))
-                raise NimbleError(
-                    f"step.evaluator: {name!r}, in a module fn reads from its scope, was {seen} "
-                    f"after the evaluator's capture, where its graphs were captured with "
-                    f"{number!r} {was!r} (the Python numbers a forward reads are baked into a "
-                    "CUDA graph). Set it back, or make a new evaluator for the new values "
-                    "(step.evaluator(fn)). Nothing was run for this call.")
+        unequal = replaced_holder(now, [self._entries[n][1:] for n in self._held[e]])
+        if unequal:
+            seen, number, was = unequal
+            raise NimbleError(
+                f"step.evaluator: {name!r}, in a module fn reads from its scope, was {seen} "
+                f"after the evaluator's capture, where its graphs were captured with "
+                f"{number!r} {was!r} (the Python numbers a forward reads are baked into a "
+                "CUDA graph). Set it back, or make a new evaluator for the new values "
+                "(step.evaluator(fn)). Nothing was run for this call.")
         self._take(e)
         self._retarget_held(e, now)
 
@@ -489,13 +484,7 @@ class ScopeModules:
                     "contents would run it, and the evaluator's graphs run the container as "
                     "it was captured. Add to containers before the evaluator's first call, or "
                     "make a new evaluator (step.evaluator(fn)). Nothing was run for this call.")
-            if added:
-                hook = table[added[0]]
-                hook = getattr(hook, "__qualname__", type(hook).__name__)
-                seen, effect = f"a {kind} ({hook}) was registered on", "run without it"
-            else:
-                seen = f"a {kind} was removed from"
-                effect = "run it as they captured it (what it did to tensors, in every replay)"
+            seen, effect = hook_change(kind, table, keys)
             raise NimbleError(
                 f"step.evaluator: {seen} {owner} after the evaluator's capture; a replay runs "
                 f"no Python, so its graphs {effect}. Register and remove hooks before the "

@@ -436,23 +436,18 @@ class ModelWatch:
             if what != "holder":
                 continue
             now = _now(self._entries[e][0], key)
+            unequal = replaced_holder(now, [self._entries[n][1:] for n in self._held[e]])
+            if self.captured and unequal:
+                seen, name, was = unequal
+                raise NimbleError(
+                    f"nimble_train.Step: {self._name(i, key)} "
+                    f"({type(self.modules[i]).__name__}) was {seen} after capture, where "
+                    f"the step's graphs were captured with {name!r} {was!r} "
+                    "(the Python numbers a forward reads are baked into a CUDA graph). Set "
+                    "it before the Step's first call, or build a new Step to train with the "
+                    "new values: step.close(), then nt.Step(model, optimizer, ...) again "
+                    "(the optimizer's state carries over). Nothing was run for this call.")
             held = vars(now) if _holds_numbers(now) else {}
-            for n in self._held[e]:
-                _, name, was = self._entries[n]
-                value = held.get(name, _MISSING)
-                if self.captured and not _same_value(value, was):
-                    seen = ("removed" if now is _MISSING or now is None else
-                            f"replaced by a {type(now).__name__} " + (
-                                f"whose {name!r} is {value!r}" if value is not _MISSING else
-                                f"that holds no number {name!r}"))
-                    raise NimbleError(
-                        f"nimble_train.Step: {self._name(i, key)} "
-                        f"({type(self.modules[i]).__name__}) was {seen} after capture, where "
-                        f"the step's graphs were captured with {name!r} {was!r} "
-                        "(the Python numbers a forward reads are baked into a CUDA graph). Set "
-                        "it before the Step's first call, or build a new Step to train with the "
-                        "new values: step.close(), then nt.Step(model, optimizer, ...) again "
-                        "(the optimizer's state carries over). Nothing was run for this call.")
             for n in self._held[e]:
                 # one the new object lacks (before capture: the capture reads none) is left
                 self._retarget(n, held)
@@ -630,19 +625,25 @@ class ModelWatch:
                 table[key] = read
 
 
-def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) -> None:
-    """Raises the refusal of a hook registered on (or removed from) `where` since capture:
-    `table` the dict of its hooks now, `keys` its keys then."""
+def hook_change(label: str, table: dict, keys: frozenset) -> tuple[str, str]:
+    """What changed in a dict of hooks since capture (`table` now, `keys` its keys then), as
+    a refusal says it: what was seen ("a forward hook (f) was registered on"; or removed
+    from), and what the graphs do instead."""
     added = [key for key in table if key not in keys]
     if added:
         hook = table[added[0]]
         name = getattr(hook, "__qualname__", type(hook).__name__)
-        seen, effect = f"a {label} ({name}) was registered on {where}", "run without it"
-    else:
-        seen = f"a {label} was removed from {where}"
-        effect = "run it as they captured it (what it did to tensors, in every replay)"
+        return f"a {label} ({name}) was registered on", "run without it"
+    return (f"a {label} was removed from",
+            "run it as they captured it (what it did to tensors, in every replay)")
+
+
+def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) -> None:
+    """Raises the refusal of a hook registered on (or removed from) `where` since capture:
+    `table` the dict of its hooks now, `keys` its keys then."""
+    seen, effect = hook_change(label, table, keys)
     raise NimbleError(
-        f"nimble_train.Step: {seen} after capture; a replay runs no Python, so the step's "
+        f"nimble_train.Step: {seen} {where} after capture; a replay runs no Python, so the step's "
         f"graphs {effect}. Register and remove hooks before the Step's first call (a hook in "
         "place then runs in the capture, and the graphs replay what it does to tensors), or "
         "build a new Step: step.close(), then nt.Step(model, optimizer, ...) again. Nothing "
@@ -667,6 +668,22 @@ def _holds_numbers(value: object) -> bool:
     return (isinstance(getattr(value, "__dict__", None), dict)
             and not isinstance(value, (torch.Tensor, torch.nn.Module, types.ModuleType))
             and (not callable(value) or not _installed(type(value).__module__)))
+
+
+def replaced_holder(now: object, held: list[tuple[str, object]]
+                    ) -> tuple[str, str, object] | None:
+    """An object holding numbers a module's code reads replaced by `now`: (what was seen, the
+    number's name, its captured value) for the first of `held` ((name, captured value) each)
+    that `now` does not hold equal; None when it holds them all."""
+    numbers = vars(now) if _holds_numbers(now) else {}
+    for name, was in held:
+        value = numbers.get(name, _MISSING)
+        if not _same_value(value, was):
+            return ("removed" if now is _MISSING or now is None else
+                    f"replaced by a {type(now).__name__} " + (
+                        f"whose {name!r} is {value!r}" if value is not _MISSING else
+                        f"that holds no number {name!r}"), name, was)
+    return None
 
 
 def _held_numbers(module: torch.nn.Module, key: str, value: object) -> list[str]:

@@ -677,7 +677,8 @@ def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_th
     the tensor where it is (the fused update copies it over its staged value: no host read,
     which would wait for the device at every call), so a scheduler's fill_ reaches it as it
     is, and another tensor put in the group (group["lr"] = t) has the update graph captured
-    again, reading that one."""
+    again, reading that one. A launch that fails after the copy leaves the model and optimizer
+    as after the last completed step."""
     torch.manual_seed(21)
     run = SideBySide(cuda_twin(MLP(), CUDA_LR[kind]))
     batches = classification_batches(10, 16, device="cuda", seed=22)
@@ -687,6 +688,12 @@ def test_a_cuda_learning_rate_tensor_filled_or_replaced_after_capture_is_what_th
         o.param_groups[0]["lr"].fill_(1e-3)
     run.train(batches[4:6])
     run.assert_same()
+    graph = run.step._graph.graph
+    for point in ("after_staging", "after_copy_in"):  # the device lr copied, then a failure
+        graph.fail_next_launch(point)
+        with pytest.raises(RuntimeError, match="injected failure"):
+            run.step(batches[6])
+        run.assert_same()  # as after the last completed step
     captures = run.step.stats()["captures"]
     old = [o.param_groups[0]["lr"] for o in (run.o1, run.o2)]
     for o in (run.o1, run.o2):
