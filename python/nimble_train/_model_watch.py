@@ -68,7 +68,9 @@ too: they are watched as the model's modules are, named as the loss function nam
 (``'critic.1'``), their parameters and buffers as the model's frozen ones (ParamWatch), and the
 names it reads them by by identity (scope_module_names); but not the hooks on their
 parameters' gradients, which the step that trains them may register (its buckets) and these
-graphs do not run.
+graphs do not run. So are the modules it reads through a dict, list or tuple it names (one
+level: ``losses[1]``, ``nets["vgg"]``; scope_items), each item of a dict or list by identity
+and the number of them it holds (EntryWatch reads a list by index, its length closed).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -127,7 +129,7 @@ _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
 # tensors and modules read by name from a function's scope: by identity
 _SCOPE_TENSORS = ("closure tensor", "global tensor")
-_SCOPE_MODULES = ("closure module", "global module", "attribute module")
+_SCOPE_MODULES = ("closure module", "global module", "attribute module", "item module")
 # A module's dicts of the hooks that run around its forward and backward, and their kinds.
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
@@ -258,6 +260,17 @@ class ModelWatch:
                 watched.add((id(table), key))
                 entries.append(scope_entry(kind.split()[0], table, key))
                 self._what.append((kind, i, key))
+        # And the modules it reads through a dict or list (losses[1]), by identity, and the
+        # number of them each holds (after the hooks' dicts: kind "scope container").
+        items = scope_items(loss_fn)
+        for container, key, name in items:
+            entries.append((container, key, container[key]))
+            self._what.append(("item module", -1, name))
+        self._containers_start = len(self._tables)
+        self._containers = scope_containers(items)  # (the dict or list, its name) each
+        self._tables += [("scope container", -1, container, frozenset())
+                         for container, _ in self._containers]
+        self._sizes = [len(container) for container, _ in self._containers]
         self._entries = entries
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
         # per parameter, the keys of each kind of hook on its gradient (_GRAD_HOOKS); the
@@ -299,8 +312,9 @@ class ModelWatch:
 
     def _take_tables(self) -> None:
         """The containers' keys and the hooks in place now become the watched ones."""
-        for k, (kind, i, table, _) in enumerate(self._tables):
+        for k, (kind, i, table, _) in enumerate(self._tables[:self._containers_start]):
             self._tables[k] = (kind, i, table, frozenset(table))
+        self._sizes = [len(container) for container, _ in self._containers]
         self._watch.take_sizes()
         self._take_grad_hooks()
         self._take(self._hook_count)
@@ -406,12 +420,16 @@ class ModelWatch:
                                     "build a new Step for each new value: step.close(), then "
                                     "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
                                     "state carries over)")
+        rebuild = ("build a new Step: step.close(), then nt.Step(model, optimizer, loss_fn) "
+                   "again (the optimizer's state carries over)")
         for kind in _SCOPE_TENSORS + _SCOPE_MODULES:
             for i, key, old, now in self._unequal(kind):
-                refuse_scope_object(self._reader(i), kind, key, old, now,
-                                    "build a new Step: step.close(), then nt.Step(model, "
-                                    "optimizer, loss_fn) again (the optimizer's state carries "
-                                    "over)")
+                refuse_scope_object(self._reader(i), kind, key, old, now, rebuild)
+        for k in self._watch.resized():
+            if k >= self._containers_start and self.captured:
+                container, name = self._containers[k - self._containers_start]
+                refuse_resized_container("loss_fn", container, name,
+                                         self._sizes[k - self._containers_start], rebuild)
         for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -539,7 +557,7 @@ class ModelWatch:
         if not self._tables_changed():
             return
         if self.captured:
-            for label, i, table, keys in self._tables[self._hooks_start:]:
+            for label, i, table, keys in self._tables[self._hooks_start:self._containers_start]:
                 if keys != table.keys():
                     where = (f"{self._name(i)} ({type(self.modules[i]).__name__})" if i >= 0
                              else "every module (torch.nn.modules.module.register_module_*)")
@@ -718,8 +736,8 @@ def _description(value: object) -> str:
 
 
 def _now(table, key):
-    """What a dict (a class's own) holds under key, or a closure cell holds; _MISSING when
-    none."""
+    """What a dict (a class's own) holds under key, a list at index key, or a closure cell
+    holds; _MISSING when none."""
     if isinstance(table, type):
         return vars(table).get(key, _MISSING)
     if isinstance(table, types.CellType):
@@ -727,6 +745,8 @@ def _now(table, key):
             return table.cell_contents
         except ValueError:  # an empty cell: the variable was deleted
             return _MISSING
+    if isinstance(table, list):
+        return table[key] if key < len(table) else _MISSING
     return table.get(key, _MISSING)
 
 
@@ -922,16 +942,56 @@ def named_scope_modules(fn: object) -> list[tuple[str, torch.nn.Module]]:
         found += list(fn.keywords.items())
     found += [(key, _now(table, key)) for _, table, key in _scope_of(fn, _in_scope)]
     modules = {}
-    for name, module in found:
-        if isinstance(module, torch.nn.Module) and id(module) not in modules:
-            modules[id(module)] = (name, module)
+    for name, value in found:
+        held = ([(name, value)] if isinstance(value, torch.nn.Module) else
+                [(item_name(name, key), module) for key, module in _module_items(value)])
+        for label, module in held:
+            if id(module) not in modules:
+                modules[id(module)] = (label, module)
     return list(modules.values())
+
+
+def _module_items(value: object) -> list[tuple[object, torch.nn.Module]]:
+    """(key or index, module) per module a dict, list or tuple holds (one level: the modules
+    a function reads through ``losses[i]`` or ``nets["vgg"]``); none for anything else."""
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    return [(key, item) for key, item in items if isinstance(item, torch.nn.Module)]
+
+
+def item_name(name: str, key: object) -> str:
+    return f"{name}[{key!r}]"
+
+
+def scope_items(fn: object) -> list[tuple[object, object, str]]:
+    """(the dict or list, key or index, its name: ``losses[1]``) per module held in a dict or
+    list under a name a function reads (scope_module_names); a tuple's cannot be replaced."""
+    out = []
+    for _, table, name in scope_module_names(fn):
+        value = _now(table, name)
+        if isinstance(value, (dict, list)):
+            out += [(value, key, item_name(name, key)) for key, _ in _module_items(value)]
+    return out
+
+
+def scope_containers(items: list[tuple[object, object, str]]) -> list[tuple[object, str]]:
+    """(the dict or list, its name) per container of scope_items' `items`, once each: the
+    number of modules it holds is watched."""
+    out = {}
+    for container, _, name in items:
+        out.setdefault(id(container), (container, name[:name.rindex("[")]))
+    return list(out.values())
 
 
 def scope_module_names(fn: object) -> list[tuple[str, object, str]]:
     """("closure", cell, name), ("global", globals, name) and ("attribute", the object's
-    dict, name) for each name a function reads a module under: from its scope (helpers
-    followed), or as an attribute of the plain object it is a method of."""
+    dict, name) for each name a function reads a module (or a dict, list or tuple holding
+    modules) under: from its scope (helpers followed), or as an attribute of the plain object
+    it is a method of."""
     return _attribute_modules(fn) + _scope_of(fn, _modules_in_scope)
 
 
@@ -948,25 +1008,30 @@ def _attribute_modules(fn: object) -> list[tuple[str, object, str]]:
     names, followed = (_own_code(type(owner), (method.__name__,))
                        if isinstance(method, types.FunctionType) else (frozenset(), ()))
     return [("attribute", vars(owner), key) for key, value in vars(owner).items()
-            if isinstance(value, torch.nn.Module) and (not followed or key in names)]
+            if _holds_modules(value) and (not followed or key in names)]
 
 
 def _modules_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
-    """Those of _in_scope that hold a module."""
+    """Those of _in_scope that hold a module, or a dict, list or tuple of modules."""
     return [(kind, table, name) for kind, table, name in _in_scope(fn)
-            if isinstance(_now(table, name), torch.nn.Module)]
+            if _holds_modules(_now(table, name))]
+
+
+def _holds_modules(value: object) -> bool:
+    return isinstance(value, torch.nn.Module) or bool(_module_items(value))
 
 
 def scope_entry(kind: str, table: object, key: str) -> tuple:
     """The EntryWatch entry of one of scope_numbers: (cell, None, value) or (globals, name,
-    value)."""
+    value); or of scope_items: (the dict or list, key or index, value)."""
     return (table, None if kind == "closure" else key, _now(table, key))
 
 
 def scope_name(owner: str, kind: str, key: str) -> str:
     return (f"{owner}'s closure variable {key!r}" if kind == "closure" else
             f"the attribute {key!r} of the object {owner} is a method of"
-            if kind == "attribute" else f"the global {key!r} that {owner} reads")
+            if kind == "attribute" else f"the module at {key} that {owner} reads"
+            if kind == "item" else f"the global {key!r} that {owner} reads")
 
 
 def warn_replays_keep(changed: list[tuple[str, object, object]], warned: set[str],
@@ -990,7 +1055,8 @@ def warn_replays_keep(changed: list[tuple[str, object, object]], warned: set[str
 def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: object,
                         rebuild: str) -> None:
     """Raises the error for a name `owner` reads a tensor or a module under (kind: one of
-    _SCOPE_TENSORS or _SCOPE_MODULES) that holds another object after capture."""
+    _SCOPE_TENSORS or _SCOPE_MODULES; a dict, list or tuple of modules too, or an item of
+    one) that holds another object after capture."""
     where = scope_name(owner, kind.split()[0], key)
     if kind in _SCOPE_TENSORS:
         seen = ("was deleted" if now is _MISSING else
@@ -1003,12 +1069,29 @@ def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: objec
         seen = ("was deleted" if now is _MISSING else
                 f"was given another {type(now).__name__}" if type(now) is type(old) else
                 f"was given a {type(now).__name__}")
-        held, fix = (f"a {type(old).__name__}; the graphs run the module they were captured "
-                     f"with", f"Load new weights into that module in place "
-                     f"({key}.load_state_dict(state))")
+        if isinstance(old, torch.nn.Module):
+            held, fix = (f"a {type(old).__name__}; the graphs run the module they were "
+                         f"captured with", f"Load new weights into that module in place "
+                         f"({key}.load_state_dict(state))")
+        else:  # a dict, list or tuple of modules
+            held, fix = (f"a {type(old).__name__} of modules; the graphs run the modules it "
+                         f"held then", f"Load new weights into its modules in place "
+                         f"({item_name(key, _module_items(old)[0][0])}.load_state_dict(state))")
     raise NimbleError(
         f"nimble_train.Step: {where} {seen} after capture, where it held {held}, whatever the "
         f"name holds now. {fix}, or {rebuild}. Nothing was run for this call.")
+
+
+def refuse_resized_container(owner: str, container: object, name: str, size: int,
+                             rebuild: str) -> None:
+    """Raises the error for a dict or list of modules `owner` reads (scope_containers) that
+    holds another number of them than at capture (`size`)."""
+    now = len(container)
+    raise NimbleError(
+        f"nimble_train.Step: the {type(container).__name__} {name!r} that {owner} reads holds "
+        f"{now} item(s) after capture, where it held {size}; the graphs run the modules it held "
+        f"then, whatever it holds now. Fill such a {type(container).__name__} before the first "
+        f"capture, or {rebuild}. Nothing was run for this call.")
 
 
 def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: object,
@@ -1028,17 +1111,25 @@ class ScopeWatch:
     captured: another value is refused, an equal one taken, one the function changes itself
     taken after each call (after_call). And the tensors and modules it reads there by name
     (scope_tensors, scope_module_names), by identity: another object under the name is
-    refused, one the function assigns itself taken."""
+    refused, one the function assigns itself taken; so is another module in a dict or list
+    it reads modules through (scope_items), or another number of them."""
 
     def __init__(self, fn: object, owner: str, rebuild: str):
         self._owner, self._rebuild = owner, rebuild
+        items = scope_items(fn)
         self._what = [*scope_numbers(fn),
                       *[(kind + " tensor", table, key) for kind, table, key in scope_tensors(fn)],
                       *[(kind + " module", table, key)
-                        for kind, table, key in scope_module_names(fn)]]
+                        for kind, table, key in scope_module_names(fn)],
+                      *[("item module", container, key) for container, key, _ in items]]
+        # per entry, the name it is said by: an item's, losses[1]
+        self._labels = [key for _, _, key in self._what[:len(self._what) - len(items)]]
+        self._labels += [name for _, _, name in items]
         self._entries = [scope_entry(kind.split()[0], table, key)
                          for kind, table, key in self._what]
-        self._watch = _C.EntryWatch(self._entries)
+        self._containers = scope_containers(items)
+        self._sizes = [len(container) for container, _ in self._containers]
+        self._watch = _C.EntryWatch(self._entries, [c for c, _ in self._containers])
 
     def check(self) -> None:
         """Raised before anything runs."""
@@ -1048,9 +1139,12 @@ class ScopeWatch:
             kind, table, key = self._what[e]
             old, now = self._entries[e][2], _now(table, key)
             if kind in _SCOPE_TENSORS + _SCOPE_MODULES:
-                refuse_scope_object(self._owner, kind, key, old, now, self._rebuild)
+                refuse_scope_object(self._owner, kind, self._labels[e], old, now, self._rebuild)
             if not _same_value(now, old):
                 refuse_scope_change(self._owner, kind, key, old, now, self._rebuild)
+        for k in self._watch.resized():
+            container, name = self._containers[k]
+            refuse_resized_container(self._owner, container, name, self._sizes[k], self._rebuild)
         self.after_call()  # equal values in new objects: the fast path again
 
     def put_back(self) -> None:
@@ -1072,6 +1166,8 @@ class ScopeWatch:
                     changed.append((scope_name(self._owner, kind, key), was, now))
                 self._watch.update(e)
                 self._entries[e] = scope_entry(kind.split()[0], table, key)
+        self._watch.take_sizes()  # modules the function put in its dicts or lists itself
+        self._sizes = [len(container) for container, _ in self._containers]
         return changed
 
 

@@ -15,7 +15,8 @@
 // hooks ever registered, RemovableHandle.next_id, which a hook registered on a parameter's
 // gradient moves). The dicts of hooks a parameter holds appear with its first hook, so the
 // dicts whose numbers of keys must stay are set anew (set_sized) besides those closed at
-// construction.
+// construction. A list stands in for a dict too, its index for a key: the modules a loss
+// function reads through a list it names (each item by identity, the list's length closed).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -33,8 +34,10 @@ class EntryWatch {
  public:
   // entries: (dict, key, value) triples; value is what dict[key] must be, by identity; or
   // (cell, None, value): what the closure cell must hold; or (class, key, value): what the
-  // class's own dict must hold (a class of Python code's; a builtin's dict is not kept there).
-  // closed: dicts that must keep as many keys as they hold now (those not in entries, too).
+  // class's own dict must hold (a class of Python code's; a builtin's dict is not kept there);
+  // or (list, index, value): what the list must hold at index (a non-negative int).
+  // closed: dicts (or lists) that must keep as many keys (items) as they hold now (those not in
+  // entries, too).
   EntryWatch(const py::list& entries, const py::list& closed) {
     entries_.reserve(entries.size());
     for (size_t i = 0; i < entries.size(); ++i) {
@@ -51,12 +54,23 @@ class EntryWatch {
         table = py::reinterpret_borrow<py::object>(
             reinterpret_cast<PyTypeObject*>(table.ptr())->tp_dict);
       }
-      if (!PyDict_Check(table.ptr()) && !PyCell_Check(table.ptr())) {
+      if (!PyDict_Check(table.ptr()) && !PyCell_Check(table.ptr()) && !PyList_Check(table.ptr())) {
         throw py::type_error("EntryWatch: entry " + std::to_string(i) +
-                             " must hold a dict, a cell or a class of Python code's first; got " +
+                             " must hold a dict, a cell, a list or a class of Python code's "
+                             "first; got " +
                              std::string(py::str(py::type::of(t[0]).attr("__name__"))));
       }
-      entries_.push_back({table, t[1], t[2]});
+      Py_ssize_t index = -1;
+      if (PyList_Check(table.ptr())) {
+        index = PyLong_Check(t[1].ptr()) ? PyLong_AsSsize_t(t[1].ptr()) : -1;
+        if (index < 0) {
+          PyErr_Clear();
+          throw py::type_error("EntryWatch: entry " + std::to_string(i) +
+                               " holds a list, so its key must be an index (an int >= 0); got " +
+                               std::string(py::repr(t[1])));
+        }
+      }
+      entries_.push_back({table, t[1], t[2], index});
     }
     closed_ = sizes_of(closed, "closed");
   }
@@ -70,12 +84,12 @@ class EntryWatch {
       if (value_now(entries_[i]) != entries_[i].value.ptr()) return int64_t(i);
     }
     for (size_t k = 0; k < closed_.size(); ++k) {
-      if (PyDict_Size(closed_[k].dict.ptr()) != closed_[k].size) {
+      if (size_of(closed_[k].dict) != closed_[k].size) {
         return int64_t(entries_.size() + k);
       }
     }
     for (size_t k = 0; k < sized_.size(); ++k) {
-      if (PyDict_Size(sized_[k].dict.ptr()) != sized_[k].size) {
+      if (size_of(sized_[k].dict) != sized_[k].size) {
         return int64_t(entries_.size() + closed_.size() + k);
       }
     }
@@ -89,14 +103,14 @@ class EntryWatch {
   std::vector<int64_t> resized() const {
     std::vector<int64_t> out;
     for (size_t k = 0; k < closed_.size(); ++k) {
-      if (PyDict_Size(closed_[k].dict.ptr()) != closed_[k].size) out.push_back(int64_t(k));
+      if (size_of(closed_[k].dict) != closed_[k].size) out.push_back(int64_t(k));
     }
     return out;
   }
 
   // Each closed dict's number of keys becomes what it holds now.
   void take_sizes() {
-    for (Closed& c : closed_) c.size = PyDict_Size(c.dict.ptr());
+    for (Closed& c : closed_) c.size = size_of(c.dict);
   }
 
   // Every entry from `start` on that changed, in order.
@@ -114,9 +128,9 @@ class EntryWatch {
     PyObject* now = value_now(e);
     if (now == nullptr) {
       throw py::key_error("EntryWatch: entry " + std::to_string(i) + "'s " +
-                          (PyCell_Check(e.dict.ptr()) ? "cell is empty"
-                                                      : "dict holds no " +
-                                                            std::string(py::repr(e.key))) +
+                          (PyCell_Check(e.dict.ptr()) ? std::string("cell is empty")
+                           : e.index >= 0 ? "list holds no item " + std::to_string(e.index)
+                                          : "dict holds no " + std::string(py::repr(e.key))) +
                           " to update it to");
     }
     e.value = py::reinterpret_borrow<py::object>(now);
@@ -126,11 +140,11 @@ class EntryWatch {
   // whose attributes it watched was replaced by another).
   void retarget(int64_t i, const py::dict& dict) {
     Entry& e = at(i);
-    if (PyCell_Check(e.dict.ptr())) {
-      throw py::type_error("EntryWatch: entry " + std::to_string(i) +
-                           " watches a closure cell, not a dict");
+    if (PyCell_Check(e.dict.ptr()) || e.index >= 0) {
+      throw py::type_error("EntryWatch: entry " + std::to_string(i) + " watches a " +
+                           (e.index >= 0 ? "list" : "closure cell") + ", not a dict");
     }
-    Entry moved{dict, e.key, py::none()};
+    Entry moved{dict, e.key, py::none(), -1};
     PyObject* now = value_now(moved);
     if (now == nullptr) {
       throw py::key_error("EntryWatch: the dict entry " + std::to_string(i) +
@@ -155,6 +169,7 @@ class EntryWatch {
     py::object dict;
     py::object key;
     py::object value;  // kept alive: identity is what is compared
+    Py_ssize_t index;  // a list's: the index the key names; else -1
   };
 
   Entry& at(int64_t i) {
@@ -165,9 +180,14 @@ class EntryWatch {
     return entries_[size_t(i)];
   }
 
-  // What the entry's dict holds under its key, or its cell holds (borrowed; nullptr: none).
+  // What the entry's dict holds under its key, its cell holds, or its list at its index
+  // (borrowed; nullptr: none).
   static PyObject* value_now(const Entry& e) {
     if (PyCell_Check(e.dict.ptr())) return PyCell_GET(e.dict.ptr());
+    if (e.index >= 0) {
+      return e.index < PyList_GET_SIZE(e.dict.ptr()) ? PyList_GET_ITEM(e.dict.ptr(), e.index)
+                                                     : nullptr;
+    }
     PyObject* now = PyDict_GetItemWithError(e.dict.ptr(), e.key.ptr());
     if (now == nullptr && PyErr_Occurred()) throw py::error_already_set();
     return now;
@@ -178,17 +198,23 @@ class EntryWatch {
     Py_ssize_t size;
   };
 
+  // A closed dict's number of keys, or a list's of items.
+  static Py_ssize_t size_of(const py::object& table) {
+    return PyList_Check(table.ptr()) ? PyList_GET_SIZE(table.ptr()) : PyDict_Size(table.ptr());
+  }
+
   static std::vector<Closed> sizes_of(const py::list& dicts, const char* what) {
     std::vector<Closed> out;
     out.reserve(dicts.size());
     for (size_t i = 0; i < dicts.size(); ++i) {
       const py::handle d = dicts[i];
-      if (!PyDict_Check(d.ptr())) {
+      if (!PyDict_Check(d.ptr()) && !PyList_Check(d.ptr())) {
         throw py::type_error("EntryWatch: " + std::string(what) + " dict " + std::to_string(i) +
-                             " must be a dict; got " +
+                             " must be a dict or a list; got " +
                              std::string(py::str(py::type::of(d).attr("__name__"))));
       }
-      out.push_back({py::reinterpret_borrow<py::object>(d), PyDict_Size(d.ptr())});
+      const auto table = py::reinterpret_borrow<py::object>(d);
+      out.push_back({table, size_of(table)});
     }
     return out;
   }
@@ -204,8 +230,9 @@ void bind_watch(py::module_& m) {
   py::class_<EntryWatch>(m, "EntryWatch",
                          "Entries of Python dicts as they were: (dict, key, value) triples, "
                          "each compared by identity ((cell, None, value): a closure cell's "
-                         "contents; (class, key, value): the class's own dict's), and the numbers "
-                         "of keys of closed dicts and of set_sized's.")
+                         "contents; (class, key, value): the class's own dict's; (list, index, "
+                         "value): a list's item), and the numbers of keys of closed dicts (or "
+                         "items of closed lists) and of set_sized's.")
       .def(py::init<const py::list&, const py::list&>(), py::arg("entries"),
            py::arg("closed") = py::list())
       .def("first_changed", &EntryWatch::first_changed, py::arg("start") = 0,

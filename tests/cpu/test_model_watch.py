@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
-from nimble_train._model_watch import ModelWatch, scope_modules, warn_replays_keep
+from nimble_train._model_watch import (ModelWatch, ScopeWatch, named_scope_modules, scope_modules,
+                                      warn_replays_keep)
 from nimble_train.optim import FusedOptimizer
 from nimble_train.optim.fused import in_flat_buffers
 from step_reference import Tempered
@@ -373,8 +374,32 @@ def test_entry_watch_counts_the_keys_of_closed_dicts():
     assert watch.changed() == []  # the entries themselves are intact
     watch.take_sizes()
     assert watch.first_changed() == -1
-    with pytest.raises(TypeError, match=r"closed dict 0 must be a dict; got list"):
-        _C.EntryWatch([], [[]])
+    with pytest.raises(TypeError, match=r"closed dict 0 must be a dict or a list; got tuple"):
+        _C.EntryWatch([], [()])
+
+
+def test_entry_watch_reads_a_lists_items_by_index_and_counts_a_closed_lists():
+    """The modules a function reads through a list: each item by identity, the length closed."""
+    first, second = object(), object()
+    items = [first, second]
+    watch = _C.EntryWatch([(items, 0, first), (items, 1, second)], [items])
+    assert watch.first_changed() == -1
+    items[1] = object()
+    assert watch.first_changed() == 1 and watch.changed() == [1]
+    watch.update(1)
+    assert watch.first_changed() == -1
+    items.append(object())  # a third: the length says it
+    assert watch.first_changed() == 2 and watch.resized() == [0] and watch.changed() == []
+    watch.take_sizes()
+    items[:] = [first]  # the second gone: its entry says it, and the length
+    assert watch.changed() == [1] and watch.resized() == [0]
+    with pytest.raises(KeyError, match=r"entry 1's list holds no item 1 to update it to"):
+        watch.update(1)
+    with pytest.raises(TypeError, match=r"entry 0 watches a list, not a dict"):
+        watch.retarget(0, {0: first})
+    with pytest.raises(TypeError, match=r"entry 0 holds a list, so its key must be an index "
+                                        r"\(an int >= 0\); got -1"):
+        _C.EntryWatch([(items, -1, first)])
 
 
 def test_buffers_a_forward_assigned_in_a_capture_go_where_the_graphs_read_them():
@@ -849,8 +874,10 @@ def test_entry_watch_compares_by_identity_from_a_start():
     assert watch.first_changed() == 0
     with pytest.raises(IndexError, match=r"start must be in \[0, 2\]; got 3"):
         watch.first_changed(3)
-    with pytest.raises(TypeError, match=r"entry 0 must hold a dict, a cell or a class of "
-                                        r"Python code's first; got list"):
+    with pytest.raises(TypeError, match=r"entry 0 must hold a dict, a cell, a list or a class "
+                                        r"of Python code's first; got tuple"):
+        _C.EntryWatch([((), "x", 1)])
+    with pytest.raises(TypeError, match=r"entry 0 holds a list, so its key must be an index"):
         _C.EntryWatch([([], "x", 1)])
     with pytest.raises(TypeError, match=r"entry 0 must hold .*; got type"):
         _C.EntryWatch([(int, "real", 1)])  # a builtin class: its dict is not kept there
@@ -877,7 +904,7 @@ def test_entry_watch_reads_a_class_attribute_and_sizes_dicts_set_anew():
     assert watch.first_changed() == -1
     later.clear()
     assert watch.first_changed() == 2
-    with pytest.raises(TypeError, match=r"sized dict 0 must be a dict; got tuple"):
+    with pytest.raises(TypeError, match=r"sized dict 0 must be a dict or a list; got tuple"):
         watch.set_sized([()])
 
 
@@ -1394,6 +1421,17 @@ class _Perceptual:
         return F.mse_loss(self.features(out), self.features(target))
 
 
+class _Terms:
+    """A loss object summing the terms it holds in a list; its meters are not read."""
+
+    def __init__(self):
+        self.terms = [nn.L1Loss(), nn.SmoothL1Loss(beta=0.5)]
+        self.meters = [nn.Identity()]
+
+    def loss(self, out, target):
+        return sum(term(out, target) for term in self.terms)
+
+
 def test_scope_modules_finds_the_modules_a_loss_function_reads():
     """A GAN generator's loss reads the discriminator, a perceptual loss its network: from a
     closure, a global (through a helper too), a partial's argument, a bound method's object
@@ -1407,6 +1445,11 @@ def test_scope_modules_finds_the_modules_a_loss_function_reads():
     assert scope_modules(nn.MSELoss().forward)[0].__class__ is nn.MSELoss
     perceptual = _Perceptual()
     assert scope_modules(perceptual.loss) == [perceptual.features]
+    terms = _Terms()
+    assert named_scope_modules(terms.loss) == [("terms[0]", terms.terms[0]),
+                                              ("terms[1]", terms.terms[1])]
+    assert scope_modules(functools.partial(lambda nets, out, y: nets[0](out), [features])) == [
+        features]
     assert scope_modules(F.cross_entropy) == []
 
     def late(out, y):
@@ -1476,6 +1519,118 @@ def test_the_modules_a_loss_function_reads_are_watched_as_the_models_are():
     set_critic(nn.Sequential(nn.Linear(5, 1)))
     fresh.refuse_replaced_objects()
     assert fresh.first_changed() == -1
+
+
+def _losses_in_a_list():
+    torch.manual_seed(0)
+    losses = [nn.CrossEntropyLoss(label_smoothing=0.1), nn.Sequential(nn.Linear(5, 5),
+                                                                    nn.Dropout(0.2))]
+    nets = {"critic": nn.Linear(5, 1)}
+
+    def loss_fn(out, y):
+        return (losses[0](out, y) + losses[1](out).square().mean()
+                + nets["critic"](out).mean())
+
+    def set_losses(new):
+        nonlocal losses
+        losses = new
+    return nn.Linear(3, 5), losses, nets, loss_fn, set_losses
+
+
+def test_modules_a_loss_function_reads_through_a_list_or_dict_are_watched_as_the_models_are():
+    """A loss function summing the losses of a list (a perceptual term among them) or running
+    a dict's networks: each module there is watched as the model's (its mode, its constants,
+    its children), named as the function reaches it (losses[1]); another module in the list
+    or dict, another number of them, or another list under the name, is refused after
+    capture, taken before."""
+    model, losses, nets, loss_fn, set_losses = _losses_in_a_list()
+    assert [name for name, _ in named_scope_modules(loss_fn)] == [
+        "losses[0]", "losses[1]", "nets['critic']"]
+    watch = captured_watch(model, loss_fn)
+    assert "losses[1].1" in watch.names and "nets['critic']" in watch.names
+    losses[0].label_smoothing = 0.2
+    with pytest.raises(NimbleError, match=r"'losses\[0\].label_smoothing' \(CrossEntropyLoss\) "
+                                          r"changed from 0.1 to 0.2"):
+        watch.refuse_replaced_objects()
+    losses[0].label_smoothing = 0.1
+    losses[1][1].eval()
+    with pytest.raises(NimbleError, match=r"module 'losses\[1\].1' \(Dropout\) is in eval mode"):
+        watch.check_modes()
+    losses[1][1].train()
+    kept = losses[1]
+    losses[1] = nn.Sequential(nn.Linear(5, 5))
+    with pytest.raises(NimbleError, match=r"the module at losses\[1\] that loss_fn reads was "
+                                          r"given another Sequential after capture.*"
+                                          r"losses\[1\].load_state_dict\(state\).*Nothing was "
+                                          r"run"):
+        watch.refuse_replaced_objects()
+    losses[1] = kept
+    critic = nets["critic"]
+    nets["critic"] = nn.Linear(5, 1)
+    with pytest.raises(NimbleError, match=r"the module at nets\['critic'\] that loss_fn reads"):
+        watch.refuse_replaced_objects()
+    nets["critic"] = critic
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    losses.append(nn.L1Loss())
+    with pytest.raises(NimbleError, match=r"the list 'losses' that loss_fn reads holds 3 item\(s\) "
+                                          r"after capture, where it held 2; the graphs run the "
+                                          r"modules it held then.*Nothing was run"):
+        watch.refuse_replaced_objects()
+    losses.pop()
+    nets["extra"] = nn.Linear(5, 1)
+    with pytest.raises(NimbleError, match=r"the dict 'nets' that loss_fn reads holds 2 item"):
+        watch.refuse_replaced_objects()
+    del nets["extra"]
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    set_losses(list(losses))
+    with pytest.raises(NimbleError, match=r"loss_fn's closure variable 'losses' was given another "
+                                          r"list after capture, where it held a list of modules; "
+                                          r"the graphs run the modules it held then.*"
+                                          r"losses\[0\].load_state_dict\(state\)"):
+        watch.refuse_replaced_objects()
+    set_losses(losses)
+    fresh = ModelWatch(model, loss_fn)  # before the first capture: taken
+    losses.append(nn.L1Loss())
+    losses[1] = nn.Sequential(nn.Linear(5, 5))
+    fresh.refuse_replaced_objects()
+    assert fresh.first_changed() == -1
+
+
+def test_an_evaluators_fn_reading_modules_through_a_list_or_dict_is_run_as_captured():
+    """ScopeWatch: another module in the list or dict fn reads, another number of them, or
+    another dict under the name, is refused; fn's own additions are taken. ScopeModules:
+    their modes and numbers are the graphs'."""
+    from nimble_train._evaluator import ScopeModules
+    torch.manual_seed(0)
+    averages = {"ema": _model(), "swa": _model()}
+    heads = [nn.Linear(5, 2)]
+
+    def fn(m, batch):
+        return heads[0](averages["ema"](batch[0]) + averages["swa"](batch[0]))
+    watch = ScopeWatch(fn, "the evaluator's fn", "make a new evaluator")
+    reads = ScopeModules(fn, _Stub(nn.Linear(2, 2)))
+    assert ("mode", "heads[0]") in reads._what and ("mode", "averages['swa'].1") in reads._what
+    averages["swa"][1].eval()
+    with pytest.raises(NimbleError, match=r"module \"averages\['swa'\].1\", which fn reads from "
+                                          r"its scope, is in eval mode"):
+        reads.settle()
+    averages["swa"][1].train()
+    reads.settle()
+    swa = averages["swa"]
+    averages["swa"] = _model()
+    with pytest.raises(NimbleError, match=r"the module at averages\['swa'\] that the evaluator's "
+                                          r"fn reads was given another Sequential"):
+        watch.check()
+    averages["swa"] = swa
+    heads.append(nn.Linear(5, 2))
+    with pytest.raises(NimbleError, match=r"the list 'heads' that the evaluator's fn reads holds "
+                                          r"2 item\(s\) after capture, where it held 1"):
+        watch.check()
+    watch.after_call()  # as fn would have appended it itself: taken
+    watch.check()
+    assert watch._watch.first_changed() == -1
 
 
 def test_a_hook_another_step_puts_on_the_loss_functions_modules_parameters_is_left_alone():

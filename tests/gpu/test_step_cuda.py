@@ -542,6 +542,16 @@ class SideBySide:
         assert_same_training(self.m1, self.o1, self.m2, self.o2, **TOL)
 
 
+def train_on_as_the_eager_loop(step, ours, theirs, loss_fn, batches):
+    """After refusals at the fifth batch, put right: the step trains on from it, and the model
+    and optimizer end as the eager loop's over all the batches (six replays, warm-up 2)."""
+    for b in batches[4:]:
+        step(b)
+    eager_loop(*theirs, loss_fn, batches)
+    assert step.stats()["replays"] == 6
+    assert_same_training(*ours, *theirs, **TOL)
+
+
 def evaluate_side_by_side(run, batches):
     """A captured evaluator of the Step's model gives the eager model's logits in eval mode,
     replaying its graph."""
@@ -1627,11 +1637,7 @@ def test_a_number_a_loss_function_reads_from_its_scope_changed_after_capture_is_
     finally:
         LOSS_SCALE = 1.0
     assert_nothing_ran(m1, before)
-    for b in batches[4:]:
-        step(b)
-    eager_loop(m2, o2, loss_fn, batches)
-    assert step.stats()["replays"] == 6
-    assert_same_training(m1, o1, m2, o2, **TOL)
+    train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
 
 
 INPUT_SCALE = 1.0  # a global the modules below read
@@ -2154,11 +2160,49 @@ def test_a_network_the_loss_function_reads_is_run_as_captured_and_a_change_is_re
         step(batches[4])
     assert_nothing_ran(m1, before)
     critic = kept
-    for b in batches[4:]:
+    train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
+
+
+def test_the_terms_a_loss_function_sums_from_a_list_are_run_as_captured_and_a_change_refused():
+    """A loss function summing the terms of a list (label-smoothed cross-entropy, a frozen
+    network's): the graphs bake the smoothing and run the network in its mode, so changing
+    either, or putting another term in the list, is refused before anything runs (where the
+    replays went on with the old); put back, training goes on as the eager loop's."""
+    torch.manual_seed(27)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    frozen = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Dropout(0.3),
+                                 torch.nn.Linear(16, 5)).cuda()
+    frozen.requires_grad_(False).eval()
+    terms = [torch.nn.CrossEntropyLoss(label_smoothing=0.1), torch.nn.Sequential(frozen).eval()]
+
+    def loss_fn(out, target):
+        return terms[0](out, target) + terms[1](out).logsumexp(1).mean()
+
+    batches = classification_batches(8, 16, device="cuda", seed=27)
+    step = nt.Step(m1, o1, loss_fn, warmup=2)
+    for b in batches[:4]:
         step(b)
-    eager_loop(m2, o2, loss_fn, batches)
-    assert step.stats()["replays"] == 6
-    assert_same_training(m1, o1, m2, o2, **TOL)
+    before = copy.deepcopy(m1.state_dict())
+    terms[0].label_smoothing = 0.3
+    with pytest.raises(nt.NimbleError, match=r"'terms\[0\].label_smoothing' \(CrossEntropyLoss\) "
+                                             r"changed from 0.1 to 0.3 after capture.*Nothing was "
+                                             r"run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    terms[0].label_smoothing = 0.1
+    frozen.train()
+    with pytest.raises(nt.NimbleError, match=r"module 'terms\[1\].0' \(Sequential\) is in "
+                                             r"training mode.*Nothing was run"):
+        step(batches[4])
+    frozen.eval()
+    kept = terms[0]
+    terms[0] = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    with pytest.raises(nt.NimbleError, match=r"the module at terms\[0\] that loss_fn reads was "
+                                             r"given another CrossEntropyLoss.*Nothing was run"):
+        step(batches[4])
+    terms[0] = kept
+    assert_nothing_ran(m1, before)
+    train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
 
 
 class ScaledInput(torch.nn.Module):
