@@ -69,8 +69,9 @@ too: they are watched as the model's modules are, named as the loss function nam
 names it reads them by by identity (scope_module_names); but not the hooks on their
 parameters' gradients, which the step that trains them may register (its buckets) and these
 graphs do not run. So are the modules it reads through a dict, list or tuple it names (one
-level: ``losses[1]``, ``nets["vgg"]``; scope_items), each item of a dict or list by identity
-and the number of them it holds (EntryWatch reads a list by index, its length closed).
+level: ``losses[1]``, ``nets["vgg"]``), each item of a dict or list by identity and the
+number of items it holds (scope_containers, scope_items; EntryWatch reads a list by index,
+its length closed).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -262,12 +263,11 @@ class ModelWatch:
                 self._what.append((kind, i, key))
         # And the modules it reads through a dict or list (losses[1]), by identity, and the
         # number of them each holds (after the hooks' dicts: kind "scope container").
-        items = scope_items(loss_fn)
-        for container, key, name in items:
+        self._containers = scope_containers(loss_fn)  # (the dict or list, its name) each
+        for container, key, name in scope_items(self._containers):
             entries.append((container, key, container[key]))
             self._what.append(("item module", -1, name))
         self._containers_start = len(self._tables)
-        self._containers = scope_containers(items)  # (the dict or list, its name) each
         self._tables += [("scope container", -1, container, frozenset())
                          for container, _ in self._containers]
         self._sizes = [len(container) for container, _ in self._containers]
@@ -967,24 +967,23 @@ def item_name(name: str, key: object) -> str:
     return f"{name}[{key!r}]"
 
 
-def scope_items(fn: object) -> list[tuple[object, object, str]]:
-    """(the dict or list, key or index, its name: ``losses[1]``) per module held in a dict or
-    list under a name a function reads (scope_module_names); a tuple's cannot be replaced."""
-    out = []
+def scope_containers(fn: object) -> list[tuple[object, str]]:
+    """(the dict or list, its name) per dict or list of modules under a name a function reads
+    (scope_module_names), once each: the number of items it holds is watched, and each module
+    item (scope_items). A tuple's items cannot be replaced: the name's identity is enough."""
+    out = {}
     for _, table, name in scope_module_names(fn):
         value = _now(table, name)
-        if isinstance(value, (dict, list)):
-            out += [(value, key, item_name(name, key)) for key, _ in _module_items(value)]
-    return out
-
-
-def scope_containers(items: list[tuple[object, object, str]]) -> list[tuple[object, str]]:
-    """(the dict or list, its name) per container of scope_items' `items`, once each: the
-    number of modules it holds is watched."""
-    out = {}
-    for container, _, name in items:
-        out.setdefault(id(container), (container, name[:name.rindex("[")]))
+        if isinstance(value, (dict, list)) and _module_items(value):
+            out.setdefault(id(value), (value, name))
     return list(out.values())
+
+
+def scope_items(containers: list[tuple[object, str]]) -> list[tuple[object, object, str]]:
+    """(the dict or list, key or index, its name: ``losses[1]``) per module item of each of
+    scope_containers' `containers`."""
+    return [(container, key, item_name(name, key)) for container, name in containers
+            for key, _ in _module_items(container)]
 
 
 def scope_module_names(fn: object) -> list[tuple[str, object, str]]:
@@ -1116,7 +1115,8 @@ class ScopeWatch:
 
     def __init__(self, fn: object, owner: str, rebuild: str):
         self._owner, self._rebuild = owner, rebuild
-        items = scope_items(fn)
+        self._containers = scope_containers(fn)
+        items = scope_items(self._containers)
         self._what = [*scope_numbers(fn),
                       *[(kind + " tensor", table, key) for kind, table, key in scope_tensors(fn)],
                       *[(kind + " module", table, key)
@@ -1127,7 +1127,6 @@ class ScopeWatch:
         self._labels += [name for _, _, name in items]
         self._entries = [scope_entry(kind.split()[0], table, key)
                          for kind, table, key in self._what]
-        self._containers = scope_containers(items)
         self._sizes = [len(container) for container, _ in self._containers]
         self._watch = _C.EntryWatch(self._entries, [c for c, _ in self._containers])
 

@@ -1631,6 +1631,11 @@ def test_an_evaluators_fn_reading_modules_through_a_list_or_dict_is_run_as_captu
     watch.after_call()  # as fn would have appended it itself: taken
     watch.check()
     assert watch._watch.first_changed() == -1
+    odd = {"a[0]": nn.Linear(2, 2)}  # a key that reads like an index: the dict named as read
+    watch = ScopeWatch(lambda m, b: odd["a[0]"](b[0]), "the evaluator's fn", "make a new one")
+    odd["b"] = nn.Linear(2, 2)
+    with pytest.raises(NimbleError, match=r"the dict 'odd' that the evaluator's fn reads holds 2 "):
+        watch.check()
 
 
 def test_a_hook_another_step_puts_on_the_loss_functions_modules_parameters_is_left_alone():
