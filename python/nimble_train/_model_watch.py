@@ -1007,7 +1007,7 @@ def _attribute_modules(fn: object) -> list[tuple[str, object, str]]:
     names, followed = (_own_code(type(owner), (method.__name__,))
                        if isinstance(method, types.FunctionType) else (frozenset(), ()))
     return [("attribute", vars(owner), key) for key, value in vars(owner).items()
-            if _holds_modules(value) and (not followed or key in names)]
+            if (not followed or key in names) and _holds_modules(value)]
 
 
 def _modules_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
