@@ -40,10 +40,9 @@ from ._batch import BatchTemplate
 from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
-from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers,
-                           _holds_numbers, _now, _same_value, describe, hook_change,
-                           named_scope_modules, replaced_holder, warn_replays_keep,
-                           watched_numbers)
+from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
+                           _same_value, describe, hook_change, named_scope_modules,
+                           number_table, replaced_holder, warn_replays_keep, watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -390,7 +389,7 @@ class ScopeModules:
     def _retarget_held(self, holder: int, now: object) -> None:
         """The numbers of the holder entry's object are watched in `now` from now on (one it
         lacks, in a dict of its own that never changes)."""
-        held = vars(now) if _holds_numbers(now) else {}
+        held = number_table(now)
         for n in self._held[holder]:
             key = self._entries[n][1]
             table = held if key in held else {key: _MISSING}

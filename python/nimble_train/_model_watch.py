@@ -59,7 +59,10 @@ forward; a closure variable of a class made in a function, ``def make_block(p): 
 Block(nn.Module): ...``), and those of the plain functions either calls by a global name (a
 helper of the user's, ``return _jitter(x)``, or one a factory made, closure and all; not an
 installed package's) are watched as numbers are: the graphs run the value captured, so
-another value is refused (check_constants). A tensor either reads there by name (class
+another value is refused (check_constants); so are those the loss function's own code reads
+through a config it names (scope_holders: ``args.smoothing``, ``weights["aux"]``), the
+config under its name by identity (another with equal numbers is taken, as a module's
+``self.cfg``). A tensor either reads there by name (class
 weights a loss function reads as a global) is watched by identity: another tensor under the
 name after capture is refused, an in-place change is what the graphs read; one the step's own
 forwards assign is taken. The modules it reads there (scope_modules: a GAN's
@@ -127,7 +130,9 @@ def refuse_replaced(what: str, why: str) -> None:
 _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
 # entries compared by value, not identity
-_BY_VALUE = ("mode", "constant", "number", "held", "closure", "global")
+_BY_VALUE = ("mode", "constant", "number", "held", "closure", "global", "scope held")
+# A config a function reads numbers through, by the name it reads it under (scope_holders)
+_SCOPE_HOLDERS = ("closure holder", "global holder")
 # tensors and modules read by name from a function's scope: by identity
 _SCOPE_TENSORS = ("closure tensor", "global tensor")
 _SCOPE_MODULES = ("closure module", "global module", "attribute module", "item module")
@@ -263,6 +268,17 @@ class ModelWatch:
                 self._what.append((kind, i, key))
         # And the modules it reads through a dict or list (losses[1]), by identity, and the
         # number of them each holds (after the hooks' dicts: kind "scope container").
+        # And the configs it reads numbers through (args.smoothing, cfg["alpha"]): each by
+        # identity under its name, then its numbers by value (kind "scope held"), as a
+        # module's held config's.
+        for kind, table, name, numbers in scope_holders(loss_fn):
+            holder = len(entries)
+            entries.append(scope_entry(kind, table, name))
+            self._what.append((kind + " holder", -1, name))
+            for held, key, label in numbers:
+                entries.append((held, key, held[key]))
+                self._what.append(("scope held", -1, label))
+            self._held[holder] = list(range(holder + 1, len(entries)))
         self._containers = scope_containers(loss_fn)  # (the dict or list, its name) each
         for container, key, name in scope_items(self._containers):
             entries.append((container, key, container[key]))
@@ -355,8 +371,8 @@ class ModelWatch:
         return f"'{name}'" if name else "the model"
 
     def _entry_name(self, what: str, i: int, key: str) -> str:
-        if what in ("closure", "global"):  # a number read from a function's scope
-            return scope_name(self._reader(i), what, key)
+        if what in ("closure", "global", "scope held"):  # a number read from a function's scope
+            return scope_name(self._reader(i), what.split()[-1], key)
         return f"{self._name(i, key)} ({type(self.modules[i]).__name__})"
 
     def _reader(self, i: int) -> str:
@@ -414,9 +430,9 @@ class ModelWatch:
         self._settle_holders()
         if not self.captured:
             self._take_numbers()
-        for kind in ("closure", "global"):
+        for kind in ("closure", "global", "scope held"):
             for i, key, old, now in self._unequal(kind):
-                refuse_scope_change(self._reader(i), kind, key, old, now,
+                refuse_scope_change(self._reader(i), kind.split()[-1], key, old, now,
                                     "build a new Step for each new value: step.close(), then "
                                     "nt.Step(model, optimizer, loss_fn) again (the optimizer's "
                                     "state carries over)")
@@ -445,16 +461,23 @@ class ModelWatch:
                     "optimizer's state carries over). Nothing was run for this call." + unread)
 
     def _settle_holders(self) -> None:
-        """An object holding numbers the module's code reads (self.cfg) replaced by another:
-        its numbers are watched in the new one from now on, after capture only when each is
-        equal to the captured one (a config loaded again), else refused. Raised before
-        anything runs."""
+        """An object holding numbers the module's code reads (self.cfg) replaced by another, or
+        a config the loss function reads numbers through (args, a dict) under its name: its
+        numbers are watched in the new one from now on, after capture only when each is equal
+        to the captured one (a config loaded again), else refused. Raised before anything
+        runs."""
         for e in self._watch.changed(self._modes_end):
             what, i, key = self._what[e]
-            if what != "holder":
+            if what != "holder" and what not in _SCOPE_HOLDERS:
                 continue
-            now = _now(self._entries[e][0], key)
+            table = self._entries[e][0]
+            now = _now(table, key)
             unequal = replaced_holder(now, [self._entries[n][1:] for n in self._held[e]])
+            if self.captured and unequal and i < 0:
+                refuse_replaced_config(self._reader(i), what.split()[0], key, *unequal,
+                                       "build a new Step to train with the new values: "
+                                       "step.close(), then nt.Step(model, optimizer, loss_fn) "
+                                       "again (the optimizer's state carries over)")
             if self.captured and unequal:
                 seen, name, was = unequal
                 raise NimbleError(
@@ -465,14 +488,14 @@ class ModelWatch:
                     "it before the Step's first call, or build a new Step to train with the "
                     "new values: step.close(), then nt.Step(model, optimizer, ...) again "
                     "(the optimizer's state carries over). Nothing was run for this call.")
-            held = vars(now) if _holds_numbers(now) else {}
+            held = number_table(now)
             for n in self._held[e]:
                 # one the new object lacks (before capture: the capture reads none) is left
                 self._retarget(n, held)
-            if now is _MISSING:  # deleted before capture: none to watch
-                self._retarget(e, {})
-            else:
+            if now is not _MISSING:
                 self._take(e)
+            elif not isinstance(table, types.CellType):  # deleted before capture: none to watch
+                self._retarget(e, {})
 
     def _retarget(self, e: int, table: dict) -> None:
         """Entry e watches `table` under its key from now on; one it lacks, a table of its own
@@ -693,7 +716,7 @@ def replaced_holder(now: object, held: list[tuple[str, object]]
     """An object holding numbers a module's code reads replaced by `now`: (what was seen, the
     number's name, its captured value) for the first of `held` ((name, captured value) each)
     that `now` does not hold equal; None when it holds them all."""
-    numbers = vars(now) if _holds_numbers(now) else {}
+    numbers = number_table(now)
     for name, was in held:
         value = numbers.get(name, _MISSING)
         if not _same_value(value, was):
@@ -904,22 +927,65 @@ def scope_tensors(fn: object) -> list[tuple[str, object, str]]:
 
 
 def _scope_of(fn: object, found: Callable) -> list[tuple[str, object, str]]:
-    fn = fn.func if isinstance(fn, functools.partial) else fn
-    fn = getattr(fn, "__func__", fn)  # a bound method: its function
-    if not isinstance(fn, types.FunctionType):
-        return []
-    out, todo, seen, watched = [], [fn], set(), set()
-    while todo:
-        fn = todo.pop(0)
-        if fn in seen:
-            continue
-        seen.add(fn)
+    out, watched = [], set()
+    for fn in _scope_functions(fn):
         for kind, table, name in found(fn):
             if (id(table), name) not in watched:
                 watched.add((id(table), name))
                 out.append((kind, table, name))
-        todo += _helpers(fn)
     return out
+
+
+def _scope_functions(fn: object) -> list[types.FunctionType]:
+    """A function (a partial's, a bound method's) and the helpers it calls (_helpers),
+    followed through: the code whose scope the graphs read."""
+    fn = fn.func if isinstance(fn, functools.partial) else fn
+    fn = getattr(fn, "__func__", fn)  # a bound method: its function
+    if not isinstance(fn, types.FunctionType):
+        return []
+    todo, seen = [fn], {}
+    while todo:
+        fn = todo.pop(0)
+        if fn not in seen:
+            seen[fn] = None
+            todo += _helpers(fn)
+    return list(seen)
+
+
+def scope_holders(fn: object) -> list[tuple[str, object, str, list[tuple[dict, str, str]]]]:
+    """The configs a function of the user's reads numbers through, by name from its scope (as
+    scope_numbers, helpers followed): a dict (``cfg["alpha"]``: the string keys its code holds
+    as constants) or a plain object (_holds_numbers: ``args.smoothing``, the attributes its
+    code names). Per config: ("closure" or "global", the cell or globals, its name, and per
+    number read (the dict holding it, its key, its name: ``cfg['alpha']``, ``args.smoothing``))."""
+    # the user's code: an installed package's function's globals are its own business
+    functions = [f for f in _scope_functions(fn) if not _installed(f.__module__)]
+    codes = [code for f in functions for code in _codes(f.__code__)]
+    attributes = {name for code in codes for name in code.co_names}
+    keys = {c for code in codes for c in code.co_consts if isinstance(c, str)}
+    scope = {(id(table), name): (kind, table, name) for f in functions
+             for kind, table, name in _in_scope(f)}
+    out = []
+    for kind, table, name in scope.values():
+        holder = _now(table, name)
+        if isinstance(holder, dict):
+            numbers = [(holder, key, item_name(name, key)) for key, value in holder.items()
+                       if isinstance(key, str) and key in keys and type(value) in _NUMBERS]
+        elif _holds_numbers(holder):
+            numbers = [(vars(holder), key, f"{name}.{key}") for key, value in vars(holder).items()
+                       if key in attributes and not key.startswith("_")
+                       and type(value) in _NUMBERS]
+        else:
+            continue
+        if numbers:
+            out.append((kind, table, name, numbers))
+    return out
+
+
+def number_table(holder: object) -> dict:
+    """Where a config holds its numbers: a dict itself, a plain object's attributes; none for
+    anything else."""
+    return holder if isinstance(holder, dict) else vars(holder) if _holds_numbers(holder) else {}
 
 
 def scope_modules(fn: object) -> list[torch.nn.Module]:
@@ -1030,7 +1096,8 @@ def scope_name(owner: str, kind: str, key: str) -> str:
     return (f"{owner}'s closure variable {key!r}" if kind == "closure" else
             f"the attribute {key!r} of the object {owner} is a method of"
             if kind == "attribute" else f"the module at {key} that {owner} reads"
-            if kind == "item" else f"the global {key!r} that {owner} reads")
+            if kind == "item" else f"the number {key} that {owner} reads"
+            if kind == "held" else f"the global {key!r} that {owner} reads")
 
 
 def warn_replays_keep(changed: list[tuple[str, object, object]], warned: set[str],
@@ -1093,6 +1160,17 @@ def refuse_resized_container(owner: str, container: object, name: str, size: int
         f"capture, or {rebuild}. Nothing was run for this call.")
 
 
+def refuse_replaced_config(owner: str, kind: str, key: str, seen: str, name: str, was: object,
+                           rebuild: str) -> None:
+    """Raises the error for a config `owner` reads numbers through (scope_holders) that its
+    name holds anew after capture, with another value of a number read (replaced_holder's
+    `seen`, `name`, `was`)."""
+    raise NimbleError(
+        f"nimble_train.Step: {scope_name(owner, kind, key)} was {seen} after capture, where the "
+        f"graphs were captured with {name!r} {was!r} (the Python numbers a function reads are "
+        f"baked into a CUDA graph). Set it back, or {rebuild}. Nothing was run for this call.")
+
+
 def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: object,
                         rebuild: str) -> None:
     """Raises the error for a number `owner` reads from its scope that changed after capture."""
@@ -1111,7 +1189,9 @@ class ScopeWatch:
     taken after each call (after_call). And the tensors and modules it reads there by name
     (scope_tensors, scope_module_names), by identity: another object under the name is
     refused, one the function assigns itself taken; so is another module in a dict or list
-    it reads modules through (scope_items), or another number of them."""
+    it reads modules through (scope_items), or another number of them; and the numbers it
+    reads through a config (scope_holders: ``args.smoothing``, ``cfg["alpha"]``) by value,
+    the config under its name by identity (another one with equal numbers is taken)."""
 
     def __init__(self, fn: object, owner: str, rebuild: str):
         self._owner, self._rebuild = owner, rebuild
@@ -1120,11 +1200,20 @@ class ScopeWatch:
         self._what = [*scope_numbers(fn),
                       *[(kind + " tensor", table, key) for kind, table, key in scope_tensors(fn)],
                       *[(kind + " module", table, key)
-                        for kind, table, key in scope_module_names(fn)],
-                      *[("item module", container, key) for container, key, _ in items]]
-        # per entry, the name it is said by: an item's, losses[1]
-        self._labels = [key for _, _, key in self._what[:len(self._what) - len(items)]]
+                        for kind, table, key in scope_module_names(fn)]]
+        # per entry, the name it is said by: an item's losses[1], a config's number's
+        # args.smoothing
+        self._labels = [key for _, _, key in self._what]
+        self._what += [("item module", container, key) for container, key, _ in items]
         self._labels += [name for _, _, name in items]
+        self._held: dict[int, list[int]] = {}  # per config's entry, its numbers' entries
+        for kind, table, name, numbers in scope_holders(fn):
+            holder = len(self._what)
+            self._what.append((kind + " holder", table, name))
+            self._labels.append(name)
+            self._what += [("held", held, key) for held, key, _ in numbers]
+            self._labels += [label for _, _, label in numbers]
+            self._held[holder] = list(range(holder + 1, len(self._what)))
         self._entries = [scope_entry(kind.split()[0], table, key)
                          for kind, table, key in self._what]
         self._sizes = [len(container) for container, _ in self._containers]
@@ -1137,14 +1226,31 @@ class ScopeWatch:
         for e in self._watch.changed():
             kind, table, key = self._what[e]
             old, now = self._entries[e][2], _now(table, key)
+            if kind in _SCOPE_HOLDERS:
+                unequal = replaced_holder(now, [self._entries[n][1:] for n in self._held[e]])
+                if unequal:
+                    refuse_replaced_config(self._owner, kind.split()[0], key, *unequal,
+                                           self._rebuild)
+                continue  # an equal config: taken below
             if kind in _SCOPE_TENSORS + _SCOPE_MODULES:
                 refuse_scope_object(self._owner, kind, self._labels[e], old, now, self._rebuild)
             if not _same_value(now, old):
-                refuse_scope_change(self._owner, kind, key, old, now, self._rebuild)
+                refuse_scope_change(self._owner, kind.split()[0], self._labels[e], old, now,
+                                    self._rebuild)
         for k in self._watch.resized():
             container, name = self._containers[k]
             refuse_resized_container(self._owner, container, name, self._sizes[k], self._rebuild)
         self.after_call()  # equal values in new objects: the fast path again
+
+    def _retarget(self, holder: int, numbers: dict) -> None:
+        """The numbers of config entry `holder` are watched in `numbers` from now on (one it
+        lacks, in a dict of its own that never changes)."""
+        for n in self._held[holder]:
+            key = self._what[n][2]
+            table = numbers if key in numbers else {key: _MISSING}
+            self._watch.retarget(n, table)
+            self._what[n] = ("held", table, key)
+            self._entries[n] = (table, key, table[key])
 
     def put_back(self) -> None:
         """After a failed capture: the numbers the function changed itself, as after the last
@@ -1161,10 +1267,14 @@ class ScopeWatch:
             now = _now(table, key)
             if now is not _MISSING:
                 was = self._entries[e][2]
-                if kind not in _SCOPE_TENSORS + _SCOPE_MODULES and not _same_value(now, was):
-                    changed.append((scope_name(self._owner, kind, key), was, now))
+                if (kind not in _SCOPE_TENSORS + _SCOPE_MODULES + _SCOPE_HOLDERS
+                        and not _same_value(now, was)):
+                    changed.append((scope_name(self._owner, kind.split()[0], self._labels[e]),
+                                    was, now))
                 self._watch.update(e)
                 self._entries[e] = scope_entry(kind.split()[0], table, key)
+                if e in self._held:  # its numbers, in the config it holds now
+                    self._retarget(e, number_table(now))
         self._watch.take_sizes()  # modules the function put in its dicts or lists itself
         self._sizes = [len(container) for container, _ in self._containers]
         return changed

@@ -1405,6 +1405,105 @@ def test_what_the_steps_own_forwards_change_is_taken_and_a_change_of_the_users_i
         watch.refuse_replaced_objects()
 
 
+ARGS = types.SimpleNamespace(smoothing=0.1, lr=0.5, _seen=0)  # a script's parsed arguments
+
+
+def _smoothed(out, y):  # a helper reading the arguments
+    return F.cross_entropy(out, y, label_smoothing=ARGS.smoothing)
+
+
+def _config_reading_loss():
+    weights = {"aux": 0.5, "unused": 1.0, 3: 2.0}
+
+    def loss_fn(out, y):
+        return _smoothed(out, y) + weights["aux"] * out.square().mean()
+
+    def set_weights(new):
+        nonlocal weights
+        weights = new
+    return loss_fn, weights, set_weights
+
+
+def test_numbers_a_loss_function_reads_through_a_config_are_watched_by_value():
+    """A loss function reading its numbers through a config (a script's arguments read by a
+    helper, args.smoothing; a dict of loss weights, weights["aux"]): the graphs bake them, so
+    another value is refused after capture, naming it; the config replaced by one with equal
+    numbers is watched from then on, by one with another number refused; numbers its code
+    does not read (args.lr, weights["unused"]) are not watched; before capture all is taken."""
+    global ARGS
+    loss_fn, weights, set_weights = _config_reading_loss()
+    watch = captured_watch(nn.Linear(3, 5), loss_fn)
+    held = [key for what, _, key in watch._what if what == "scope held"]
+    assert sorted(held) == ["ARGS.smoothing", "weights['aux']"], held
+    ARGS.lr = 0.1  # not read by loss_fn's code
+    weights["unused"] = 3.0
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    kept = ARGS
+    try:
+        ARGS.smoothing = 0.2
+        with pytest.raises(NimbleError, match=r"the number ARGS.smoothing that loss_fn reads "
+                                              r"changed from 0.1 to 0.2 after capture.*keep it in "
+                                              r"a tensor.*Nothing was run"):
+            watch.refuse_replaced_objects()
+        ARGS.smoothing = 0.1
+        weights["aux"] = 0.7
+        with pytest.raises(NimbleError, match=r"the number weights\['aux'\] that loss_fn reads "
+                                              r"changed from 0.5 to 0.7"):
+            watch.refuse_replaced_objects()
+        weights["aux"] = 0.5
+        ARGS = types.SimpleNamespace(smoothing=0.1, lr=0.3)  # parsed again: equal, taken
+        watch.refuse_replaced_objects()
+        assert watch.first_changed() == -1
+        ARGS.smoothing = 0.3  # the new one is watched
+        with pytest.raises(NimbleError, match=r"ARGS.smoothing that loss_fn reads changed"):
+            watch.refuse_replaced_objects()
+        ARGS.smoothing = 0.1
+        set_weights({"aux": 0.9})
+        with pytest.raises(NimbleError, match=r"loss_fn's closure variable 'weights' was replaced "
+                                              r"by a dict whose 'aux' is 0.9 after capture, where "
+                                              r"the graphs were captured with 'aux' 0.5.*Nothing "
+                                              r"was run"):
+            watch.refuse_replaced_objects()
+        set_weights(weights)
+        watch.refuse_replaced_objects()
+        assert watch.first_changed() == -1
+        fresh = ModelWatch(nn.Linear(3, 5), loss_fn)  # before the first capture: taken
+        ARGS.smoothing = 0.25
+        set_weights({"aux": 0.9})
+        fresh.refuse_replaced_objects()
+        assert fresh.first_changed() == -1
+    finally:
+        ARGS = kept
+        ARGS.smoothing = 0.1
+
+
+def test_numbers_an_evaluators_fn_reads_through_a_config_are_watched_by_value():
+    loss_fn, weights, set_weights = _config_reading_loss()
+    watch = ScopeWatch(loss_fn, "the evaluator's fn", "make a new evaluator")
+    weights["aux"] = 0.6
+    with pytest.raises(NimbleError, match=r"the number weights\['aux'\] that the evaluator's fn "
+                                          r"reads changed from 0.5 to 0.6"):
+        watch.check()
+    weights["aux"] = 0.5
+    set_weights(dict(weights))  # equal: taken, the new one watched
+    watch.check()
+    assert watch._watch.first_changed() == -1
+    set_weights({"aux": 0.5, "unused": 1.0})
+    watch.check()
+    set_weights({})
+    with pytest.raises(NimbleError, match=r"'weights' was replaced by a dict that holds no "
+                                          r"number 'aux'"):
+        watch.check()
+    current = {"aux": 0.5}
+    set_weights(current)
+    watch.check()
+    assert watch.after_call() == []
+    current["aux"] = 0.8  # as fn would change it itself: taken, named
+    assert watch.after_call() == [("the number weights['aux'] that the evaluator's fn reads",
+                                   0.5, 0.8)]
+
+
 CRITIC = nn.Linear(4, 1)  # a global a loss function reads
 
 
