@@ -59,10 +59,10 @@ forward; a closure variable of a class made in a function, ``def make_block(p): 
 Block(nn.Module): ...``), and those of the plain functions either calls by a global name (a
 helper of the user's, ``return _jitter(x)``, or one a factory made, closure and all; not an
 installed package's) are watched as numbers are: the graphs run the value captured, so
-another value is refused (check_constants); so are those the loss function's own code reads
-through a config it names (scope_holders: ``args.smoothing``, ``weights["aux"]``), the
-config under its name by identity (another with equal numbers is taken, as a module's
-``self.cfg``). A tensor either reads there by name (class
+another value is refused (check_constants); so are those the user's own code (a module
+class's, the loss function's) reads through a config it names (code_holders, scope_holders:
+``args.smoothing``, ``weights["aux"]``), the config under its name by identity (another with
+equal numbers is taken, as a module's ``self.cfg``). A tensor either reads there by name (class
 weights a loss function reads as a global) is watched by identity: another tensor under the
 name after capture is refused, an in-place change is what the graphs read; one the step's own
 forwards assign is taken. The modules it reads there (scope_modules: a GAN's
@@ -96,6 +96,8 @@ A parameter's, buffer's or tensor attribute's data replaced in place of its obje
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import dis
 import functools
 import inspect
@@ -268,16 +270,25 @@ class ModelWatch:
                 self._what.append((kind, i, key))
         # And the modules it reads through a dict or list (losses[1]), by identity, and the
         # number of them each holds (after the hooks' dicts: kind "scope container").
-        # And the configs it reads numbers through (args.smoothing, cfg["alpha"]): each by
-        # identity under its name, then its numbers by value (kind "scope held"), as a
-        # module's held config's.
-        for kind, table, name, numbers in scope_holders(loss_fn):
+        # And the configs the modules' code and the loss function read numbers through
+        # (args.smoothing, cfg["alpha"]), from their scope: each by identity under its name,
+        # then its numbers by value (kind "scope held"), as a module's held config's.
+        configs, seen_configs, classes = [], set(), set()
+        for i, module in enumerate(self.modules):
+            if type(module) not in classes:  # named as the first of its class that reads it
+                classes.add(type(module))
+                configs += [(i, *config) for config in code_holders(type(module))]
+        configs += [(-1, *config) for config in scope_holders(loss_fn)]
+        for i, kind, table, name, numbers in configs:
+            if (id(table), name) in seen_configs:
+                continue
+            seen_configs.add((id(table), name))
             holder = len(entries)
             entries.append(scope_entry(kind, table, name))
-            self._what.append((kind + " holder", -1, name))
+            self._what.append((kind + " holder", i, name))
             for held, key, label in numbers:
                 entries.append((held, key, held[key]))
-                self._what.append(("scope held", -1, label))
+                self._what.append(("scope held", i, label))
             self._held[holder] = list(range(holder + 1, len(entries)))
         self._containers = scope_containers(loss_fn)  # (the dict or list, its name) each
         for container, key, name in scope_items(self._containers):
@@ -473,7 +484,7 @@ class ModelWatch:
             table = self._entries[e][0]
             now = _now(table, key)
             unequal = replaced_holder(now, [self._entries[n][1:] for n in self._held[e]])
-            if self.captured and unequal and i < 0:
+            if self.captured and unequal and what in _SCOPE_HOLDERS:
                 refuse_replaced_config(self._reader(i), what.split()[0], key, *unequal,
                                        "build a new Step to train with the new values: "
                                        "step.close(), then nt.Step(model, optimizer, loss_fn) "
@@ -959,7 +970,19 @@ def scope_holders(fn: object) -> list[tuple[str, object, str, list[tuple[dict, s
     code names). Per config: ("closure" or "global", the cell or globals, its name, and per
     number read (the dict holding it, its key, its name: ``cfg['alpha']``, ``args.smoothing``))."""
     # the user's code: an installed package's function's globals are its own business
-    functions = [f for f in _scope_functions(fn) if not _installed(f.__module__)]
+    return _holders([f for f in _scope_functions(fn) if not _installed(f.__module__)])
+
+
+def code_holders(cls: type) -> list[tuple[str, object, str, list[tuple[dict, str, str]]]]:
+    """The same for a module class's own code (_own_code), when the class is the user's:
+    ``F.dropout(x, CFG["p"])`` in its forward, ``CFG`` a global of its module."""
+    if _installed(cls.__module__):
+        return []
+    return _holders([f for f in _own_code(cls)[1] if not _installed(f.__module__)])
+
+
+def _holders(functions: list[types.FunctionType]
+             ) -> list[tuple[str, object, str, list[tuple[dict, str, str]]]]:
     codes = [code for f in functions for code in _codes(f.__code__)]
     attributes = {name for code in codes for name in code.co_names}
     keys = {c for code in codes for c in code.co_consts if isinstance(c, str)}
@@ -971,7 +994,7 @@ def scope_holders(fn: object) -> list[tuple[str, object, str, list[tuple[dict, s
         if isinstance(holder, dict):
             numbers = [(holder, key, item_name(name, key)) for key, value in holder.items()
                        if isinstance(key, str) and key in keys and type(value) in _NUMBERS]
-        elif _holds_numbers(holder):
+        elif _holds_numbers(holder) and _config_like(holder):
             numbers = [(vars(holder), key, f"{name}.{key}") for key, value in vars(holder).items()
                        if key in attributes and not key.startswith("_")
                        and type(value) in _NUMBERS]
@@ -980,6 +1003,14 @@ def scope_holders(fn: object) -> list[tuple[str, object, str, list[tuple[dict, s
         if numbers:
             out.append((kind, table, name, numbers))
     return out
+
+
+def _config_like(holder: object) -> bool:
+    """An object read by name whose attributes may be a config's: a namespace (argparse's,
+    SimpleNamespace), a dataclass, or an object of a class of the user's -- not another
+    installed package's object (a logger), whose attributes are its own business."""
+    return (isinstance(holder, (argparse.Namespace, types.SimpleNamespace))
+            or dataclasses.is_dataclass(holder) or not _installed(type(holder).__module__))
 
 
 def number_table(holder: object) -> dict:

@@ -4,8 +4,10 @@ calls changes a module's dicts, not what the graphs read: a mode, a module or a 
 refused, naming it; a buffer's new values go where the graphs read them. The GPU tests train
 through these against the eager loop; these check the mechanics."""
 
+import dataclasses
 import functools
 import gc
+import logging
 import types
 import warnings
 
@@ -1412,6 +1414,23 @@ def _smoothed(out, y):  # a helper reading the arguments
     return F.cross_entropy(out, y, label_smoothing=ARGS.smoothing)
 
 
+LOGGER = logging.getLogger("nimble_train.tests")  # an installed package's object: not a config
+STEPS = dataclasses.make_dataclass("Steps", [("warmup", int)])(warmup=10)
+
+
+def _logging_loss(out, y):
+    if LOGGER.level > STEPS.warmup:  # a logger's number and a dataclass's
+        return F.cross_entropy(out, y)
+    return F.mse_loss(out, torch.zeros_like(out))
+
+
+def test_a_logger_a_loss_function_reads_is_no_config_and_a_dataclass_is():
+    from nimble_train._model_watch import scope_holders
+    assert [(name, [label for *_, label in numbers])
+            for _, _, name, numbers in scope_holders(_logging_loss)] == [
+        ("STEPS", ["STEPS.warmup"])]
+
+
 def _config_reading_loss():
     weights = {"aux": 0.5, "unused": 1.0, 3: 2.0}
 
@@ -1476,6 +1495,42 @@ def test_numbers_a_loss_function_reads_through_a_config_are_watched_by_value():
     finally:
         ARGS = kept
         ARGS.smoothing = 0.1
+
+
+BLOCK_CFG = {"p": 0.1, "name": "block", "unread": 3}  # a global config a forward reads
+
+
+class ConfigDropout(nn.Module):
+    def forward(self, x):
+        return F.dropout(x, BLOCK_CFG["p"], self.training) * ARGS.smoothing
+
+
+def test_numbers_a_modules_forward_reads_through_a_global_config_are_watched_by_value():
+    """``F.dropout(x, BLOCK_CFG["p"])`` in a user's forward: baked into the graphs as a global
+    number is, so another value is refused, naming the first module of the class that reads
+    it; a config of an installed package's class is not looked into."""
+    global BLOCK_CFG
+    model = nn.Sequential(ConfigDropout(), nn.Linear(4, 4), ConfigDropout())
+    watch = captured_watch(model)
+    held = [(i, key) for what, i, key in watch._what if what == "scope held"]
+    assert held == [(1, "BLOCK_CFG['p']"), (1, "ARGS.smoothing")], held
+    kept = BLOCK_CFG
+    try:
+        BLOCK_CFG["p"] = 0.5
+        with pytest.raises(NimbleError, match=r"the number BLOCK_CFG\['p'\] that '0' "
+                                              r"\(ConfigDropout\) reads changed from 0.1 to 0.5 "
+                                              r"after capture"):
+            watch.refuse_replaced_objects()
+        BLOCK_CFG["p"] = 0.1
+        BLOCK_CFG = {"p": 0.2}
+        with pytest.raises(NimbleError, match=r"the global 'BLOCK_CFG' that '0' \(ConfigDropout\) "
+                                              r"reads was replaced by a dict whose 'p' is 0.2"):
+            watch.refuse_replaced_objects()
+    finally:
+        BLOCK_CFG = kept
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    assert ModelWatch(nn.Sequential(nn.Dropout(0.1)))._held == {}  # torch's: not looked into
 
 
 def test_numbers_an_evaluators_fn_reads_through_a_config_are_watched_by_value():
