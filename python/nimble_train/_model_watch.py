@@ -268,8 +268,6 @@ class ModelWatch:
                 watched.add((id(table), key))
                 entries.append(scope_entry(kind.split()[0], table, key))
                 self._what.append((kind, i, key))
-        # And the modules it reads through a dict or list (losses[1]), by identity, and the
-        # number of them each holds (after the hooks' dicts: kind "scope container").
         # And the configs the modules' code and the loss function read numbers through
         # (args.smoothing, cfg["alpha"]), from their scope: each by identity under its name,
         # then its numbers by value (kind "scope held"), as a module's held config's.
@@ -290,6 +288,9 @@ class ModelWatch:
                 entries.append((held, key, held[key]))
                 self._what.append(("scope held", i, label))
             self._held[holder] = list(range(holder + 1, len(entries)))
+        # And the modules the loss function reads through a dict or list (losses[1]), by
+        # identity, and the number of items each holds (after the hooks' dicts: kind "scope
+        # container").
         self._containers = scope_containers(loss_fn)  # (the dict or list, its name) each
         for container, key, name in scope_items(self._containers):
             entries.append((container, key, container[key]))
@@ -473,7 +474,7 @@ class ModelWatch:
 
     def _settle_holders(self) -> None:
         """An object holding numbers the module's code reads (self.cfg) replaced by another, or
-        a config the loss function reads numbers through (args, a dict) under its name: its
+        a config the user's code reads numbers through (args, a dict) under its name: its
         numbers are watched in the new one from now on, after capture only when each is equal
         to the captured one (a config loaded again), else refused. Raised before anything
         runs."""
