@@ -23,8 +23,9 @@ or module under a name it reads one by. The modules it reads there besides the m
 averaged copy the user keeps, ``lambda m, b: ema(b[0])``; a teacher) are run by its graphs as
 they were at capture (ScopeModules): a mode or a number changed (one its code reads from a
 config it holds too), a child module, parameter or buffer replaced, a module added to a
-container, or a forward hook registered or removed, is refused; a parameter's or buffer's
-data replaced (``p.data = t``) goes back where the graphs read it, its values copied there.
+container, a forward hook registered or removed, or a number their classes' own code reads
+from its scope (a global), is refused; a parameter's or buffer's data replaced (``p.data =
+t``) goes back where the graphs read it, its values copied there.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
-                           _same_value, describe, hook_change, named_scope_modules,
+                           _own_code, _same_value, describe, hook_change, named_scope_modules,
                            number_table, replaced_holder, warn_replays_keep, watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
@@ -276,7 +277,10 @@ class ScopeModules:
     there, its values copied; data another step's fused update moved into its flat buffers is
     read there, the graphs captured again). The model's own modules are the Step's to watch
     (and the evaluator puts them in eval mode itself), and so are the tensors the Step's graphs
-    read. Backward hooks do not run under no_grad, and are not watched."""
+    read; the numbers, tensors and modules their classes' own code reads from its scope (a
+    global of its module) are watched as an evaluator's fn's are (ScopeWatch), those of the
+    model's classes by the Step. Backward hooks do not run under no_grad, and are not
+    watched."""
 
     def __init__(self, fn: Callable, step) -> None:
         seen = {id(m) for m in step.model.modules()}
@@ -339,11 +343,22 @@ class ScopeModules:
                     self._tensors.append(t)
         self._storage = _C.ParamWatch(self._tensors, 0)
         self._storage.fix_storage()
+        # The numbers, tensors and modules their classes' own code reads from its scope (a
+        # global of its module), where the Step's watch of its model's classes does not.
+        known = {type(m) for m in step.model.modules()}
+        classes = [cls for cls in dict.fromkeys(type(m) for _, m in named)
+                   if cls not in known and _own_code(cls)[1]]  # torch's code: none of its own
+        code = tuple(f for cls in classes for f in _own_code(cls)[1])
+        self._code = ScopeWatch(
+            code, "the code of " + ", ".join(cls.__name__ for cls in classes) + " (modules the "
+            "evaluator's fn reads)", "make a new evaluator (step.evaluator(fn))") if code else None
 
     def settle(self) -> bool:
         """Before anything runs: a mode changed or an object replaced is refused; replaced data
         goes back where the graphs read it. Returns whether the graphs must be captured again
         (data another step's update moved into its flat buffers is read there from now on)."""
+        if self._code:
+            self._code.check()
         if self._watch.first_changed() >= 0:
             self._refuse_changed()
         storage = self._storage
@@ -369,6 +384,8 @@ class ScopeModules:
         """After a call that ran fn (eagerly, or its capture): what its forwards assigned or
         registered themselves (a buffer a forward sets anew) is what the graphs read, not a
         change of the user's."""
+        if self._code:
+            self._code.after_call()
         if self._watch.first_changed() < 0:
             return
         for e in self._watch.changed():

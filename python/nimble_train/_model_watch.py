@@ -949,13 +949,14 @@ def _scope_of(fn: object, found: Callable) -> list[tuple[str, object, str]]:
 
 
 def _scope_functions(fn: object) -> list[types.FunctionType]:
-    """A function (a partial's, a bound method's) and the helpers it calls (_helpers),
-    followed through: the code whose scope the graphs read."""
-    fn = fn.func if isinstance(fn, functools.partial) else fn
-    fn = getattr(fn, "__func__", fn)  # a bound method: its function
-    if not isinstance(fn, types.FunctionType):
-        return []
-    todo, seen = [fn], {}
+    """A function (a partial's, a bound method's; or each of a tuple of them) and the helpers
+    it calls (_helpers), followed through: the code whose scope the graphs read."""
+    todo, seen = [], {}
+    for root in fn if isinstance(fn, tuple) else (fn,):
+        root = root.func if isinstance(root, functools.partial) else root
+        root = getattr(root, "__func__", root)  # a bound method: its function
+        if isinstance(root, types.FunctionType):
+            todo.append(root)
     while todo:
         fn = todo.pop(0)
         if fn not in seen:
@@ -1216,7 +1217,8 @@ def refuse_scope_change(owner: str, kind: str, key: str, old: object, now: objec
 
 
 class ScopeWatch:
-    """The numbers a function reads from its scope (scope_numbers), as when its graphs were
+    """The numbers a function (or each of a tuple of functions: a module class's own code)
+    reads from its scope (scope_numbers), as when its graphs were
     captured: another value is refused, an equal one taken, one the function changes itself
     taken after each call (after_call). And the tensors and modules it reads there by name
     (scope_tensors, scope_module_names), by identity: another object under the name is

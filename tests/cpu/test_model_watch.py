@@ -1533,6 +1533,27 @@ def test_numbers_a_modules_forward_reads_through_a_global_config_are_watched_by_
     assert ModelWatch(nn.Sequential(nn.Dropout(0.1)))._held == {}  # torch's: not looked into
 
 
+def test_the_globals_the_code_of_modules_an_evaluators_fn_reads_reads_are_watched():
+    """A teacher of a class of the user's whose forward reads a global config: baked into the
+    evaluator's graphs, so another value is refused, naming the class; a class of the Step's
+    model is the Step's to watch."""
+    from nimble_train._evaluator import ScopeModules
+    teacher = nn.Sequential(ConfigDropout(), nn.Linear(4, 4))
+    reads = ScopeModules(lambda m, b: teacher(b[0]), _Stub(nn.Linear(2, 2)))
+    BLOCK_CFG["p"] = 0.5
+    try:
+        with pytest.raises(NimbleError, match=r"the number BLOCK_CFG\['p'\] that the code of "
+                                              r"ConfigDropout \(modules the evaluator's fn "
+                                              r"reads\) reads changed from 0.1 to 0.5.*make a new "
+                                              r"evaluator"):
+            reads.settle()
+    finally:
+        BLOCK_CFG["p"] = 0.1
+    reads.settle()
+    assert ScopeModules(lambda m, b: teacher(b[0]), _Stub(nn.Sequential(ConfigDropout())))._code \
+        is None
+
+
 def test_numbers_an_evaluators_fn_reads_through_a_config_are_watched_by_value():
     loss_fn, weights, set_weights = _config_reading_loss()
     watch = ScopeWatch(loss_fn, "the evaluator's fn", "make a new evaluator")
