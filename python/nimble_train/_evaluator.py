@@ -43,7 +43,8 @@ from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
                            _own_code, _same_value, describe, hook_change, named_scope_modules,
-                           number_table, replaced_holder, warn_replays_keep, watched_numbers)
+                           number_table, replaced_holder, retarget, warn_replays_keep,
+                           watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -404,14 +405,10 @@ class ScopeModules:
         self._entries[e] = (table, key, _now(table, key))
 
     def _retarget_held(self, holder: int, now: object) -> None:
-        """The numbers of the holder entry's object are watched in `now` from now on (one it
-        lacks, in a dict of its own that never changes)."""
+        """The numbers of the holder entry's object are watched in `now` from now on."""
         held = number_table(now)
         for n in self._held[holder]:
-            key = self._entries[n][1]
-            table = held if key in held else {key: _MISSING}
-            self._watch.retarget(n, table)
-            self._entries[n] = (table, key, table[key])
+            self._entries[n] = retarget(self._watch, n, self._entries[n][1], held)
 
     def _take_tables(self) -> None:
         """The containers' keys and the hooks in place now become the watched ones."""

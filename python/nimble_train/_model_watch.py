@@ -510,12 +510,7 @@ class ModelWatch:
                 self._retarget(e, {})
 
     def _retarget(self, e: int, table: dict) -> None:
-        """Entry e watches `table` under its key from now on; one it lacks, a table of its own
-        that never changes."""
-        key = self._entries[e][1]
-        table = table if key in table else {key: _MISSING}
-        self._watch.retarget(e, table)
-        self._entries[e] = (table, key, table[key])
+        self._entries[e] = retarget(self._watch, e, self._entries[e][1], table)
 
     def refuse_replaced_objects(self) -> None:
         """A changed constant, and a child module or a parameter object other than the one
@@ -689,6 +684,15 @@ def hook_change(label: str, table: dict, keys: frozenset) -> tuple[str, str]:
         return f"a {label} ({name}) was registered on", "run without it"
     return (f"a {label} was removed from",
             "run it as they captured it (what it did to tensors, in every replay)")
+
+
+def retarget(watch, e: int, key: str, table: dict) -> tuple:
+    """EntryWatch `watch`'s entry e watches `table` under `key` from now on (one it lacks, a
+    table of its own that never changes: the number a config no longer holds); returns the
+    entry, (table, key, value)."""
+    table = table if key in table else {key: _MISSING}
+    watch.retarget(e, table)
+    return (table, key, table[key])
 
 
 def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) -> None:
@@ -1277,14 +1281,10 @@ class ScopeWatch:
         self.after_call()  # equal values in new objects: the fast path again
 
     def _retarget(self, holder: int, numbers: dict) -> None:
-        """The numbers of config entry `holder` are watched in `numbers` from now on (one it
-        lacks, in a dict of its own that never changes)."""
+        """The numbers of config entry `holder` are watched in `numbers` from now on."""
         for n in self._held[holder]:
-            key = self._what[n][2]
-            table = numbers if key in numbers else {key: _MISSING}
-            self._watch.retarget(n, table)
-            self._what[n] = ("held", table, key)
-            self._entries[n] = (table, key, table[key])
+            self._entries[n] = retarget(self._watch, n, self._what[n][2], numbers)
+            self._what[n] = ("held", self._entries[n][0], self._what[n][2])
 
     def put_back(self) -> None:
         """After a failed capture: the numbers the function changed itself, as after the last
