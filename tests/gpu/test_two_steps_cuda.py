@@ -6,6 +6,7 @@ moved it into its flat buffers first; the loop must train as the eager one, and,
 captured, each call must stay on its step's fast path (no parameter moved back and forth)."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -18,7 +19,10 @@ pytestmark = pytest.mark.cuda
 
 TOL = {"rtol": 2e-4, "atol": 2e-5}
 NOISE, FEATURES, BATCH = 8, 12, 16
-FAIL = {"capture": False}  # the generator's forward raises inside a capture while set
+# The generator's forward raises inside a capture while set. An event, not a flag in a dict: a
+# number the forward reads through a global config is watched, and its change after capture
+# refused before anything runs (the graphs bake the branch it took).
+FAIL_CAPTURE = threading.Event()
 
 
 def generator():
@@ -51,7 +55,7 @@ class GeneratorStep(torch.nn.Module):
         self.g, self.d = g, d
 
     def forward(self, z):
-        if FAIL["capture"] and torch.cuda.is_current_stream_capturing():
+        if FAIL_CAPTURE.is_set() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("injected failure inside the captured forward")
         return self.d(self.g(z)).squeeze(1)
 
@@ -219,12 +223,12 @@ def test_a_failed_capture_after_the_other_step_moved_its_network_loses_nothing()
     gan.run(rounds[:10])  # the critic fused on its fifth call, after the generator's capture
     assert in_flat_buffers(gan.d[0].weight) and gan.gen.stats()["replays"] == 3
     eager_gan(*eager, rounds[:10])
-    FAIL["capture"] = True
+    FAIL_CAPTURE.set()
     try:
         with pytest.raises(nt.CaptureError, match="injected failure"):
             gan.run(rounds[10:11])
     finally:
-        FAIL["capture"] = False
+        FAIL_CAPTURE.clear()
     assert_same_gan(stepped, eager)
     gan.run(rounds[10:])  # the failed call again, then on
     eager_gan(*eager, rounds[10:])
