@@ -7,7 +7,8 @@ new ones between calls (``model.fc = nn.Linear(...)``, ``load_state_dict(sd, ass
 the graph reads. ModelWatch holds those entries and checks them all in one C++ pass
 (``_C.EntryWatch``, a few ns an entry) on every call; the slow path says what changed:
 
-- a training mode: refused (check_modes);
+- a training mode: refused (check_modes) -- the model's modules', and those of a loss
+  module's whose code reads it (reads_mode: a perceptual loss's dropout, not the loss);
 - a constant (an attribute the module's class lists in ``__constants__``: a dropout's ``p``,
   BatchNorm's ``momentum`` and ``eps``, a loss module's ``label_smoothing``), or a number of a
   leaf module's (a public bool, int, float or str attribute of a module without children:
@@ -154,8 +155,8 @@ _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.Mod
 class ModelWatch:
     """`model`'s modules (modules()'s order), their modes and their dicts' entries (their
     tensor attributes among them), as now; and those of `loss_fn` when it is a module of its
-    own (its constants and buffers: a loss's ``label_smoothing``, its class ``weight``), named
-    from ``loss_fn``."""
+    own (its constants and buffers: a loss's ``label_smoothing``, its class ``weight``; the
+    modes of its modules whose code reads theirs), named from ``loss_fn``."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: object = None):
         named = list(model.named_modules())
@@ -171,7 +172,7 @@ class ModelWatch:
                 if id(module) not in seen:
                     seen.add(id(module))
                     named.append((name, module))
-        modes_end = len(named)
+        scope_end = len(named)
         if isinstance(loss_fn, torch.nn.Module):
             named += [(name, module) for name, module in loss_fn.named_modules(prefix="loss_fn")
                       if id(module) not in seen]
@@ -194,10 +195,13 @@ class ModelWatch:
             entries.append((table, key, table[key]))
             self._what.append((kind, i, name or key))
 
-        for i, module in enumerate(self.modules[:modes_end]):
+        # The modes: the model's and its scope's modules', and those of the loss module's
+        # whose code reads theirs (a perceptual loss's dropout; a loss's own mode changes
+        # nothing it computes, and an eval loop may leave it so).
+        for i, module in enumerate(self.modules):
             attributes = vars(module)
-            if "training" in attributes:  # not a property (torch.compile's wrapper: its model's)
-                watch("mode", i, attributes, "training")
+            if "training" in attributes and (i < scope_end or reads_mode(type(module))):
+                watch("mode", i, attributes, "training")  # not a property (a compiled model's)
         self._modes_end = len(entries)
         for i, module in enumerate(self.modules):
             attributes = vars(module)
@@ -214,7 +218,7 @@ class ModelWatch:
                         if (numbers := _held_numbers(module, key, value))]
             for key, p in module._parameters.items():
                 if p is not None and id(p) not in seen_params and not (
-                        scope_start <= i < modes_end):
+                        scope_start <= i < scope_end):
                     seen_params.add(id(p))
                     self._params.append((i, key, p))
             for kind, table in (("module", module._modules), ("parameter", module._parameters),
@@ -844,6 +848,24 @@ def _own_code(cls: type, roots: tuple[str, ...] = _ROOTS
         todo += [getattr(cls, name, None) for name in found - names] + _helpers(fn)
         names |= found
     return frozenset(names), tuple(seen)
+
+
+@functools.cache
+def reads_mode(cls: type) -> bool:
+    """Whether a module class's forward may compute otherwise in another training mode: the
+    code of its class's methods and its bases' (torch's included, nn.Module's own aside) or
+    the user functions it calls (_own_code) names ``training`` (a dropout, a batch norm,
+    ``F.dropout(x, p, self.training)``); a loss's, a container's or a linear layer's does not."""
+    for klass in cls.__mro__:
+        if klass in (torch.nn.Module, object):
+            continue
+        for value in vars(klass).values():
+            value = value.fget if isinstance(value, property) else getattr(
+                value, "__func__", value)
+            if (isinstance(value, types.FunctionType)
+                    and "training" in code_names(value.__code__)):
+                return True
+    return "training" in names_read(cls)
 
 
 def watched_numbers(module: torch.nn.Module) -> tuple[list[str], list[str]]:

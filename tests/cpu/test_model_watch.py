@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
-from nimble_train._model_watch import (ModelWatch, ScopeWatch, named_scope_modules, scope_modules,
-                                      warn_replays_keep)
+from nimble_train._model_watch import (ModelWatch, ScopeWatch, named_scope_modules, reads_mode,
+                                      scope_modules, warn_replays_keep)
 from nimble_train.optim import FusedOptimizer
 from nimble_train.optim.fused import in_flat_buffers
 from step_reference import Tempered
@@ -966,6 +966,72 @@ def test_a_loss_module_is_watched_under_its_own_name_and_not_for_its_mode():
                                           r"changed from 0.1 to 0.0"):
         watch.refuse_replaced_objects()
     assert ModelWatch(model, lambda out, y: out.sum()).names == watch.names[:-1]
+
+
+class PerceptualLoss(nn.Module):
+    """A loss module running a frozen network with dropout in it, and a flag of its own code's
+    read in each mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.3), nn.Linear(8, 5))
+        self.ce = nn.CrossEntropyLoss()
+
+    def forward(self, out, target):
+        return self.ce(self.net(out), target)
+
+
+class NoisyLoss(nn.Module):
+    """A loss module whose own forward reads its mode (noise in training only)."""
+
+    def forward(self, out, target):
+        if self.training:
+            out = out + 0.1 * torch.randn_like(out)
+        return F.cross_entropy(out, target)
+
+
+class PlainLoss(nn.Module):
+    def forward(self, out, target):
+        return F.cross_entropy(out, target)
+
+
+def test_reads_mode_finds_the_classes_whose_code_reads_their_training_flag():
+    assert reads_mode(nn.Dropout) and reads_mode(nn.BatchNorm2d) and reads_mode(NoisyLoss)
+    assert reads_mode(nn.MultiheadAttention) and reads_mode(nn.InstanceNorm1d)
+    assert not any(reads_mode(cls) for cls in (nn.CrossEntropyLoss, nn.Sequential, nn.Linear,
+                                               nn.ReLU, PlainLoss, PerceptualLoss))
+
+
+def test_the_loss_modules_modules_whose_code_reads_their_mode_are_watched_for_it():
+    """The graphs run a loss module's dropout, or its own noise, as captured: another mode is
+    refused, naming the module; the mode of a module whose code reads none (the loss itself,
+    its container) is not watched, so an evaluation loop leaving it in eval mode is fine."""
+    model = _model()
+    loss_fn = PerceptualLoss().eval()
+    watch = captured_watch(model, loss_fn)
+    loss_fn.ce.train()
+    loss_fn.net[0].train()  # a linear layer computes the same in either mode
+    assert watch.first_changed() == -1
+    loss_fn.net.train()
+    with pytest.raises(NimbleError, match=r"module 'loss_fn.net.1' \(Dropout\) is in training "
+                                          r"mode.*captured with it in eval mode \(1 module\(s\) "
+                                          r"changed\).*put the modes back"):
+        watch.check_modes()
+    loss_fn.eval()
+    watch.check_modes()
+    assert watch.first_changed() == -1
+    noisy = NoisyLoss()
+    watch = captured_watch(model, noisy)
+    noisy.eval()
+    with pytest.raises(NimbleError, match=r"module 'loss_fn' \(NoisyLoss\) is in eval mode.*"
+                                          r"captured with it in training mode"):
+        watch.check_modes()
+    noisy.train()
+    assert watch.first_changed() == -1
+    plain = PlainLoss()
+    watch = captured_watch(model, plain)
+    plain.eval()
+    assert watch.first_changed() == -1
 
 
 def test_entry_watch_update_takes_the_value_now():

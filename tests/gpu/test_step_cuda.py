@@ -2205,6 +2205,42 @@ def test_the_terms_a_loss_function_sums_from_a_list_are_run_as_captured_and_a_ch
     train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
 
 
+class DropoutPerceptualLoss(torch.nn.Module):
+    """A loss module running a frozen network with dropout (off in eval mode) on the output."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.Dropout(0.5),
+                                       torch.nn.Linear(16, 5))
+        self.net.requires_grad_(False)
+
+    def forward(self, out, target):
+        return F.cross_entropy(out, target) + self.net(out).logsumexp(1).mean()
+
+
+def test_a_loss_modules_dropout_runs_as_captured_and_another_mode_is_refused():
+    """A loss module whose frozen network has dropout, captured in eval mode: the graphs run
+    no dropout, so putting the loss in training mode after capture (where an eager step would
+    draw dropout masks) is refused before anything runs; put back, training goes on as the
+    eager loop's."""
+    torch.manual_seed(28)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    loss_fn = DropoutPerceptualLoss().cuda().eval()
+    batches = classification_batches(8, 16, device="cuda", seed=28)
+    step = nt.Step(m1, o1, loss_fn, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    before = copy.deepcopy(m1.state_dict())
+    loss_fn.train()
+    with pytest.raises(nt.NimbleError, match=r"module 'loss_fn.net.1' \(Dropout\) is in training "
+                                             r"mode.*captured with it in eval mode.*Nothing was "
+                                             r"run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    loss_fn.eval()
+    train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
+
+
 class ScaledInput(torch.nn.Module):
     """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
     its forward changes itself (a call counter)."""
