@@ -75,7 +75,10 @@ parameters' gradients, which the step that trains them may register (its buckets
 graphs do not run. So are the modules it reads through a dict, list or tuple it names (one
 level: ``losses[1]``, ``nets["vgg"]``), each item of a dict or list by identity and the
 number of items it holds (scope_containers, scope_items; EntryWatch reads a list by index,
-its length closed).
+its length closed), and the modules it reads as a config's attributes (``cfg.critic`` of a
+namespace, a dataclass or an object of the user's it names, or ``self.nets.critic`` of the
+plain object it is a method of; held_modules): each by identity, and the config under its
+name too (scope_module_names).
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -107,7 +110,7 @@ import site
 import sys
 import sysconfig
 import types
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -298,6 +301,10 @@ class ModelWatch:
         self._containers = scope_containers(loss_fn)  # (the dict or list, its name) each
         for container, key, name in scope_items(self._containers):
             entries.append((container, key, container[key]))
+            self._what.append(("item module", -1, name))
+        # And those it reads as a config's attributes (cfg.critic), by identity.
+        for table, key, name in held_modules(loss_fn):
+            entries.append((table, key, table[key]))
             self._what.append(("item module", -1, name))
         self._containers_start = len(self._tables)
         self._tables += [("scope container", -1, container, frozenset())
@@ -1066,6 +1073,7 @@ def named_scope_modules(fn: object) -> list[tuple[str, torch.nn.Module]]:
         found += [(f"args[{i}]", value) for i, value in enumerate(fn.args)]
         found += list(fn.keywords.items())
     found += [(key, _now(table, key)) for _, table, key in _scope_of(fn, _in_scope)]
+    found += [(name, table[key]) for table, key, name in held_modules(fn)]
     modules = {}
     for name, value in found:
         held = ([(name, value)] if isinstance(value, torch.nn.Module) else
@@ -1086,6 +1094,41 @@ def _module_items(value: object) -> list[tuple[object, torch.nn.Module]]:
     else:
         return []
     return [(key, item) for key, item in items if isinstance(item, torch.nn.Module)]
+
+
+def _config_modules(value: object, names: Iterable[str]) -> list[tuple[str, torch.nn.Module]]:
+    """(attribute, module) per module a config (a namespace, a dataclass, an object of the
+    user's: _config_like; not a module, dict, list or tuple) holds under an attribute in
+    `names` (those the reading code names: ``cfg.critic``)."""
+    if (isinstance(value, (torch.nn.Module, dict, list, tuple)) or not _holds_numbers(value)
+            or not _config_like(value)):
+        return []
+    return [(key, module) for key, module in vars(value).items()
+            if key in names and isinstance(module, torch.nn.Module)]
+
+
+def held_modules(fn: object) -> list[tuple[dict, str, str]]:
+    """(the config's attributes, the attribute, its name: ``cfg.critic``) per module a
+    function of the user's reads as an attribute of a config (_config_modules) it reads by
+    name from its scope (helpers followed), or that is an attribute of the plain object it is
+    a method of (``self.nets.critic``: ``nets.critic``)."""
+    out = {}
+
+    def add(holder: object, names: Iterable[str], name: str) -> None:
+        for key, _ in _config_modules(holder, names):
+            out.setdefault((id(holder), key), (vars(holder), key, f"{name}.{key}"))
+
+    for f in _scope_functions(fn):
+        if not _installed(f.__module__):
+            names = code_names(f.__code__)
+            for _, table, name in _in_scope(f):
+                add(_now(table, name), names, name)
+    owner, names = _owner_code(fn)
+    if owner is not None and names:
+        for key, value in vars(owner).items():
+            if key in names:
+                add(value, names, key)
+    return list(out.values())
 
 
 def item_name(name: str, key: object) -> str:
@@ -1124,21 +1167,35 @@ def _attribute_modules(fn: object) -> list[tuple[str, object, str]]:
     module, class or Python module) a bound method belongs to: those the method's code names
     (and the methods of its class it calls, _own_code: ``self.features``, not a metric the
     object also holds); every one when that code is a library's, which is not looked into."""
+    owner, names = _owner_code(fn)
+    if owner is None:
+        return []
+    return [("attribute", vars(owner), key) for key, value in vars(owner).items()
+            if (names is None or key in names)
+            and (_holds_modules(value) or _config_modules(value, names or ()))]
+
+
+def _owner_code(fn: object) -> tuple[object | None, frozenset[str] | None]:
+    """The plain object (not a module, class or Python module) a bound method belongs to, and
+    the names the method's code (and the methods of its class it calls, _own_code) names;
+    None for those names when that code is a library's, which is not looked into."""
     owner = getattr(fn, "__self__", None)
     if (not hasattr(owner, "__dict__") or isinstance(owner, (types.ModuleType, type))
             or isinstance(owner, torch.nn.Module)):
-        return []
+        return None, None
     method = getattr(fn, "__func__", None)
     names, followed = (_own_code(type(owner), (method.__name__,))
                        if isinstance(method, types.FunctionType) else (frozenset(), ()))
-    return [("attribute", vars(owner), key) for key, value in vars(owner).items()
-            if (not followed or key in names) and _holds_modules(value)]
+    return owner, names if followed else None
 
 
 def _modules_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
-    """Those of _in_scope that hold a module, or a dict, list or tuple of modules."""
+    """Those of _in_scope that hold a module, a dict, list or tuple of modules, or a config
+    holding modules under the names fn's code reads (_config_modules: ``cfg.critic``)."""
+    names = code_names(fn.__code__)
     return [(kind, table, name) for kind, table, name in _in_scope(fn)
-            if _holds_modules(_now(table, name))]
+            if _holds_modules(value := _now(table, name)) or (
+                not _installed(fn.__module__) and _config_modules(value, names))]
 
 
 def _holds_modules(value: object) -> bool:
@@ -1198,10 +1255,16 @@ def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: objec
             held, fix = (f"a {type(old).__name__}; the graphs run the module they were "
                          f"captured with", f"Load new weights into that module in place "
                          f"({key}.load_state_dict(state))")
-        else:  # a dict, list or tuple of modules
+        elif _module_items(old):  # a dict, list or tuple of modules
             held, fix = (f"a {type(old).__name__} of modules; the graphs run the modules it "
                          f"held then", f"Load new weights into its modules in place "
                          f"({item_name(key, _module_items(old)[0][0])}.load_state_dict(state))")
+        else:  # a config holding modules (cfg.critic)
+            first = next((k for k, v in vars(old).items() if isinstance(v, torch.nn.Module)),
+                         "module")
+            held, fix = (f"a {type(old).__name__} holding modules; the graphs run the modules "
+                         f"it held then", f"Load new weights into its modules in place "
+                         f"({key}.{first}.load_state_dict(state))")
     raise NimbleError(
         f"nimble_train.Step: {where} {seen} after capture, where it held {held}, whatever the "
         f"name holds now. {fix}, or {rebuild}. Nothing was run for this call.")
@@ -1264,6 +1327,7 @@ class ScopeWatch:
         # per entry, the name it is said by: an item's losses[1], a config's number's
         # args.smoothing
         self._labels = [key for _, _, key in self._what]
+        items += held_modules(fn)  # and the modules it reads as a config's (cfg.critic)
         self._what += [("item module", container, key) for container, key, _ in items]
         self._labels += [name for _, _, name in items]
         self._held: dict[int, list[int]] = {}  # per config's entry, its numbers' entries

@@ -1926,6 +1926,79 @@ def test_modules_a_loss_function_reads_as_globals_or_a_plain_objects_attributes_
         watch.refuse_replaced_objects()
 
 
+NETS = types.SimpleNamespace(critic=nn.Linear(4, 1), logger=nn.Identity(), scale=0.5)
+
+
+class _Trainer:
+    """A plain object whose loss method reads its critic through a config it holds."""
+
+    def __init__(self):
+        self.nets = types.SimpleNamespace(critic=nn.Sequential(nn.Linear(4, 2), nn.Dropout(0.1)),
+                                          unused=nn.Identity())
+
+    def loss(self, out, target):
+        return self.nets.critic(out).mean()
+
+
+def test_modules_a_loss_function_reads_as_a_configs_attributes_are_watched_as_the_models():
+    """A loss function reading its critic as a config's attribute (a namespace of the user's
+    networks, as a global, or held by the object it is a method of): the critic is one of the
+    modules the graphs run -- its parameters read where they are, its modes and children
+    watched, named as the function names it -- and the config's attribute and the config
+    under its name by identity; the config's other modules, which the code does not name,
+    are left alone."""
+    global NETS
+    watch = captured_watch(nn.Linear(3, 4), lambda out, y: NETS.critic(out).mean() * NETS.scale)
+    assert "NETS.critic" in watch.names and "NETS.logger" not in watch.names
+    assert named_scope_modules(lambda out, y: NETS.critic(out))[0] == ("NETS.critic",
+                                                                         NETS.critic)
+    NETS.logger = nn.Linear(2, 2)  # not read: left alone
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    critic = NETS.critic
+    NETS.critic = nn.Linear(4, 1)
+    with pytest.raises(NimbleError, match=r"the module at NETS.critic that loss_fn reads was "
+                                          r"given another Linear after capture"):
+        watch.refuse_replaced_objects()
+    NETS.critic = critic
+    watch.refuse_replaced_objects()
+    nets = NETS
+    try:
+        NETS = types.SimpleNamespace(critic=critic, scale=0.5)
+        with pytest.raises(NimbleError, match=r"the global 'NETS' that loss_fn reads was given "
+                                              r"another SimpleNamespace after capture, where it "
+                                              r"held a SimpleNamespace holding modules.*"
+                                              r"NETS.critic.load_state_dict"):
+            watch.refuse_replaced_objects()
+    finally:
+        NETS = nets
+    watch.refuse_replaced_objects()
+    trainer = _Trainer()
+    watch = captured_watch(nn.Linear(3, 4), trainer.loss)
+    assert "nets.critic.1" in watch.names and "nets.unused" not in watch.names
+    trainer.nets.critic.train(False)
+    with pytest.raises(NimbleError, match=r"module 'nets.critic' \(Sequential\) is in eval"):
+        watch.check_modes()
+    trainer.nets.critic.train()
+    trainer.nets.critic[1] = nn.Identity()
+    with pytest.raises(NimbleError, match=r"'nets.critic.1' \(Dropout\) was replaced"):
+        watch.refuse_replaced_objects()
+
+
+def test_an_evaluators_fn_reading_a_configs_module_watches_it_by_identity():
+    nets = types.SimpleNamespace(teacher=nn.Linear(3, 3))
+    fn = lambda model, batch: nets.teacher(model(batch[0]))  # noqa: E731
+    watch = ScopeWatch(fn, "the evaluator's fn", "make a new evaluator")
+    watch.check()
+    teacher = nets.teacher
+    nets.teacher = nn.Linear(3, 3)
+    with pytest.raises(NimbleError, match=r"the module at nets.teacher that the evaluator's fn "
+                                          r"reads was given another Linear after capture"):
+        watch.check()
+    nets.teacher = teacher
+    watch.check()
+
+
 def test_in_flat_buffers_tells_parameters_a_fused_optimizer_moved():
     torch.manual_seed(0)
     moved, kept = nn.Linear(4, 3), nn.Linear(4, 3)

@@ -7,6 +7,7 @@ captured, each call must stay on its step's fast path (no parameter moved back a
 
 import copy
 import threading
+import types
 
 import pytest
 import torch
@@ -113,11 +114,14 @@ class SteppedGan:
         self.closure = closure
         if closure:
             # The critic's step is given the generator's samples; the generator's step reads
-            # the critic through its loss function only.
+            # the critic through its loss function only: from its closure, or as an attribute
+            # of a config of the user's networks it reads (closure="config").
+            nets = types.SimpleNamespace(critic=d)
+            gen_loss = ((lambda fake, y: bce(nets.critic(fake).squeeze(1), y))
+                        if closure == "config" else lambda fake, y: bce(d(fake).squeeze(1), y))
             self.critic = nt.Step(d, opt_d, lambda out, y: bce(out.squeeze(1), y),
                                   warmup=critic_warmup)
-            self.gen = nt.Step(g, opt_g, lambda fake, y: bce(d(fake).squeeze(1), y),
-                               warmup=generator_warmup)
+            self.gen = nt.Step(g, opt_g, gen_loss, warmup=generator_warmup)
         else:
             self.critic = nt.Step(CriticStep(g, d), opt_d, bce, warmup=critic_warmup)
             self.gen = nt.Step(GeneratorStep(g, d), opt_g, bce, warmup=generator_warmup)
@@ -194,12 +198,14 @@ def test_a_gan_trained_by_two_steps_equals_the_eager_loop(critic_steps, closure)
     assert_on_fast_paths(gan, data(1, seed=2))
 
 
-@pytest.mark.parametrize("closure", [False, True], ids=["wrapped", "through-the-loss"])
+@pytest.mark.parametrize("closure", [False, True, "config"],
+                         ids=["wrapped", "through-the-loss", "through-a-config"])
 def test_a_step_captured_before_the_other_fused_reads_the_others_update(closure):
     """The generator's step captures (reading the critic where it is) before the critic's
     step moves the critic into its flat buffers and updates it there: the generator's graphs
     must read the critic's new values, not the storage it left (a loss function's critic
-    too, which the step knows only from the function's closure)."""
+    too, which the step knows only from the function's closure, or from a config of the
+    user's networks the function reads it through)."""
     stepped, eager = twins(3)
     rounds = gan_rounds(data(10, seed=4), 1, generator_first=True)
     gan = SteppedGan(*stepped, closure=closure, critic_warmup=5, generator_warmup=2)
