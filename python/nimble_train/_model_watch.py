@@ -78,7 +78,11 @@ number of items it holds (scope_containers, scope_items; EntryWatch reads a list
 its length closed), and the modules it reads as a config's attributes (``cfg.critic`` of a
 namespace, a dataclass or an object of the user's it names, or ``self.nets.critic`` of the
 plain object it is a method of; held_modules): each by identity, and the config under its
-name too (scope_module_names).
+name too (scope_module_names). The modules a model's module of the user's holds without
+registering them, under attributes its code names (hidden_modules: ``self._teacher =
+[teacher]``, one set by ``object.__setattr__``, a config's ``self.nets.aux``), are watched
+the same way, named from the model; the attribute by identity (kind "member module"), each
+module in a list, dict or config too, and the number a list or dict holds.
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -141,7 +145,8 @@ _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global", "scope h
 _SCOPE_HOLDERS = ("closure holder", "global holder")
 # tensors and modules read by name from a function's scope: by identity
 _SCOPE_TENSORS = ("closure tensor", "global tensor")
-_SCOPE_MODULES = ("closure module", "global module", "attribute module", "item module")
+_SCOPE_MODULES = ("closure module", "global module", "attribute module", "item module",
+                  "member module")
 # A module's dicts of the hooks that run around its forward and backward, and their kinds.
 _HOOKS = (("_forward_pre_hooks", "forward pre-hook"), ("_forward_hooks", "forward hook"),
           ("_backward_pre_hooks", "backward pre-hook"), ("_backward_hooks", "backward hook"))
@@ -157,7 +162,9 @@ _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.Mod
 
 class ModelWatch:
     """`model`'s modules (modules()'s order), their modes and their dicts' entries (their
-    tensor attributes among them), as now; and those of `loss_fn` when it is a module of its
+    tensor attributes among them), as now, and those of the modules the graphs run besides
+    (read_modules: the loss function's scope's, the model's unregistered ones; their modes,
+    not their gradients' hooks); and those of `loss_fn` when it is a module of its
     own (its constants and buffers: a loss's ``label_smoothing``, its class ``weight``; the
     modes of its modules whose code reads theirs), named from ``loss_fn``."""
 
@@ -170,12 +177,20 @@ class ModelWatch:
         # watched: the step that trains them may hook them (its buckets), which this step's
         # graphs do not run.
         scope_start = len(named)
-        for prefix, scoped in named_scope_modules(loss_fn):
+        # And those the model's modules hold without registering them and their code reads
+        # (self._teacher = [teacher], kept out of the state_dict), likewise, named from them.
+        hidden = [(i, key, held) for i, (_, module) in enumerate(named)
+                  for key, held in hidden_modules(module)]
+        reached = [*named_scope_modules(loss_fn),
+                   *[(_join(named[i][0], label), module) for i, _, held in hidden
+                     for _, _, label, module in held]]
+        for prefix, scoped in reached:
             for name, module in scoped.named_modules(prefix=prefix):
                 if id(module) not in seen:
                     seen.add(id(module))
                     named.append((name, module))
         scope_end = len(named)
+        self._scope = (scope_start, scope_end)
         if isinstance(loss_fn, torch.nn.Module):
             named += [(name, module) for name, module in loss_fn.named_modules(prefix="loss_fn")
                       if id(module) not in seen]
@@ -306,6 +321,19 @@ class ModelWatch:
         for table, key, name in held_modules(loss_fn):
             entries.append((table, key, table[key]))
             self._what.append(("item module", -1, name))
+        # The module reading each container: the loss function's (-1), then the model's that
+        # hide modules in one (their attributes by identity, then what each holds).
+        self._readers = [-1] * len(self._containers)
+        for i, key, held in hidden:
+            attributes = vars(self.modules[i])
+            watch("member module", i, attributes, key)
+            for table, k, label, module in held:  # a tuple's items cannot be replaced
+                if table is not attributes and not isinstance(table, tuple):
+                    entries.append((table, k, module))
+                    self._what.append(("item module", i, label))
+            if isinstance(attributes[key], (dict, list)):
+                self._containers.append((attributes[key], key))
+                self._readers.append(i)
         self._containers_start = len(self._tables)
         self._tables += [("scope container", -1, container, frozenset())
                          for container, _ in self._containers]
@@ -320,6 +348,13 @@ class ModelWatch:
         self.captured = False
         # The whole check on a step's fast path: -1 when nothing changed.
         self.first_changed = self._watch.first_changed
+
+    def read_modules(self) -> list[tuple[str, torch.nn.Module]]:
+        """(name, module) per module the graphs run besides the model's and the loss module's:
+        those the loss function reads from its scope, and those the model's modules hold
+        without registering them (hidden_modules), their children included."""
+        start, end = self._scope
+        return list(zip(self.names[start:end], self.modules[start:end]))
 
     def objects_changed(self) -> bool:
         """A constant or number, child module, parameter, buffer or tensor attribute is not the
@@ -466,9 +501,10 @@ class ModelWatch:
                 refuse_scope_object(self._reader(i), kind, key, old, now, rebuild)
         for k in self._watch.resized():
             if k >= self._containers_start and self.captured:
-                container, name = self._containers[k - self._containers_start]
-                refuse_resized_container("loss_fn", container, name,
-                                         self._sizes[k - self._containers_start], rebuild)
+                k -= self._containers_start
+                container, name = self._containers[k]
+                refuse_resized_container(self._reader(self._readers[k]), container, name,
+                                         self._sizes[k], rebuild)
         for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -1107,6 +1143,41 @@ def _config_modules(value: object, names: Iterable[str]) -> list[tuple[str, torc
             if key in names and isinstance(module, torch.nn.Module)]
 
 
+# What every module holds in its __dict__ (its dicts of children, parameters and hooks): never
+# a hidden module's holder.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
+def hidden_modules(module: torch.nn.Module
+                   ) -> list[tuple[str, list[tuple[object, object, str, torch.nn.Module]]]]:
+    """The modules a module of the user's holds without registering them, under attributes its
+    own code names (names_read): one set past registration (``object.__setattr__``), a list,
+    tuple or dict of them (``self._teacher = [teacher]``, kept out of the state_dict), or a
+    config holding them under names the code reads (_config_modules). Per attribute: (its
+    key, and per module (the dict, list or tuple holding it, or the config's attributes; its
+    key there; its name from the module: ``_teacher[0]``; the module))."""
+    cls = type(module)
+    if _installed(cls.__module__):
+        return []
+    names, out = names_read(cls), []
+    for key, value in vars(module).items():
+        if key in _MODULE_INTERNALS or key not in names:
+            continue
+        if isinstance(value, torch.nn.Module):
+            held = [(vars(module), key, key, value)]
+        elif items := _module_items(value):
+            held = [(value, k, item_name(key, k), m) for k, m in items]
+        else:
+            held = [(vars(value), k, f"{key}.{k}", m) for k, m in _config_modules(value, names)]
+        if held:
+            out.append((key, held))
+    return out
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def held_modules(fn: object) -> list[tuple[dict, str, str]]:
     """(the config's attributes, the attribute, its name: ``cfg.critic``) per module a
     function of the user's reads as an attribute of a config (_config_modules) it reads by
@@ -1211,7 +1282,8 @@ def scope_entry(kind: str, table: object, key: str) -> tuple:
 def scope_name(owner: str, kind: str, key: str) -> str:
     return (f"{owner}'s closure variable {key!r}" if kind == "closure" else
             f"the attribute {key!r} of the object {owner} is a method of"
-            if kind == "attribute" else f"the module at {key} that {owner} reads"
+            if kind == "attribute" else f"the attribute {key!r} that {owner} reads"
+            if kind == "member" else f"the module at {key} that {owner} reads"
             if kind == "item" else f"the number {key} that {owner} reads"
             if kind == "held" else f"the global {key!r} that {owner} reads")
 

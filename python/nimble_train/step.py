@@ -720,13 +720,14 @@ class Step:
         """The tensors the graphs read besides the optimizer's parameters: the model's frozen
         parameters and its buffers, the loss module's parameters (a perceptual loss's frozen
         network) and buffers (a class weight), those of the modules a loss function reads from
-        its scope (a GAN's discriminator), and the tensors the model's and the loss module's
-        modules hold in plain attributes (a temperature)."""
+        its scope (a GAN's discriminator) and of those the model's modules hold unregistered (a
+        teacher in a list: ModelWatch.read_modules), and the tensors the model's and the loss
+        module's modules hold in plain attributes (a temperature)."""
         held = [*self.model.parameters(), *self.model.buffers()]
         if isinstance(self.loss_fn, torch.nn.Module):
             held += [*self.loss_fn.parameters(), *self.loss_fn.buffers()]
-        for module in scope_modules(self.loss_fn):
-            held += [*module.parameters(), *module.buffers()]
+        for _, module in self._model.read_modules():  # a GAN's critic, a hidden teacher
+            held += [*module.parameters(recurse=False), *module.buffers(recurse=False)]
         held += [t for _, t in self._model.tensor_attributes()]
         known = {id(p) for p in self._params}
         return [t for t in unique_tensors(held) if id(t) not in known]
@@ -757,6 +758,12 @@ class Step:
             names.update((id(b), f"buffer {name!r}") for name, b in module.named_buffers())
             if id(t) in names:
                 return f"the loss function's {kind}'s {names[id(t)]}"
+        for prefix, module in self._model.read_modules() if self._model is not None else ():
+            names = {id(q): f"{prefix}.{name}" for name, q in module.named_parameters()}
+            names.update((id(b), f"the buffer {prefix}.{name}")
+                         for name, b in module.named_buffers())
+            if id(t) in names:
+                return names[id(t)]
         return f"optimizer parameter {i} (shape {tuple(t.shape)})"
 
     def _fix_model(self) -> None:

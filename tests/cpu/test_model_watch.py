@@ -4,6 +4,7 @@ calls changes a module's dicts, not what the graphs read: a mode, a module or a 
 refused, naming it; a buffer's new values go where the graphs read them. The GPU tests train
 through these against the eager loop; these check the mechanics."""
 
+import copy
 import dataclasses
 import functools
 import gc
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
-from nimble_train._model_watch import (ModelWatch, ScopeWatch, named_scope_modules, reads_mode,
-                                      scope_modules, warn_replays_keep)
+from nimble_train._model_watch import (ModelWatch, ScopeWatch, hidden_modules, named_scope_modules,
+                                      reads_mode, scope_modules, warn_replays_keep)
 from nimble_train.optim import FusedOptimizer
 from nimble_train.optim.fused import in_flat_buffers
 from step_reference import Tempered
@@ -1997,6 +1998,84 @@ def test_an_evaluators_fn_reading_a_configs_module_watches_it_by_identity():
         watch.check()
     nets.teacher = teacher
     watch.check()
+
+
+class Distiller(nn.Module):
+    """A student that runs modules it holds without registering them: a teacher kept in a list
+    (out of its state_dict and parameters()), a critic set past registration, a config's
+    network; and modules its forward does not read."""
+
+    def __init__(self):
+        super().__init__()
+        self.student = nn.Linear(4, 3)
+        self._teacher = [nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.1)).eval()]
+        object.__setattr__(self, "critic", nn.Linear(3, 3))
+        self.nets = types.SimpleNamespace(aux=nn.Linear(3, 3), unused=nn.Identity())
+        self.meters = [nn.Identity()]  # held, not read by forward
+
+    def forward(self, x):
+        out = self.student(x) + self._teacher[0](x)
+        return self.nets.aux(out) + self.critic(out)
+
+
+def test_modules_a_model_holds_without_registering_them_are_watched_as_its_own():
+    """The graphs run the modules a model's forward reads from its unregistered attributes:
+    they are watched as the model's are (modes, children), named from the model, and their
+    parameters are tensors the graphs read (read_modules); the attribute, each module in it and
+    the number of modules a list holds are watched by identity. What the forward does not
+    read is left alone."""
+    model = Distiller()
+    watch = captured_watch(model)
+    teacher = model._teacher[0]
+    assert [name for name, _ in watch.read_modules()] == [
+        "_teacher[0]", "_teacher[0].0", "_teacher[0].1", "critic", "nets.aux"]
+    assert watch.read_modules()[1][1] is teacher[0]
+    model.meters.append(nn.Identity())
+    model.nets.unused = nn.Linear(2, 2)
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    teacher.train()
+    with pytest.raises(NimbleError, match=r"module '_teacher\[0\]' \(Sequential\) is in "
+                                          r"training mode.*captured with it in eval mode"):
+        watch.check_modes()
+    teacher.eval()
+    teacher[1] = nn.Identity()
+    with pytest.raises(NimbleError, match=r"module '_teacher\[0\].1' \(Dropout\) was "
+                                          r"replaced by a Identity"):
+        watch.refuse_replaced_objects()
+    teacher[1] = watch.modules[watch.names.index("_teacher[0].1")]
+    for change, said in [
+            (lambda: model._teacher.__setitem__(0, copy.deepcopy(teacher)),
+             r"the module at _teacher\[0\] that the model \(Distiller\) reads was given "
+             r"another Sequential after capture"),
+            (lambda: model._teacher.append(nn.Linear(4, 3)),
+             r"the list '_teacher' that the model \(Distiller\) reads holds 2 item\(s\) "
+             r"after capture, where it held 1"),
+            (lambda: setattr(model, "_teacher", [teacher]),
+             r"the attribute '_teacher' that the model \(Distiller\) reads was given another "
+             r"list after capture, where it held a list of modules"),
+            (lambda: object.__setattr__(model, "critic", nn.Linear(3, 3)),
+             r"the attribute 'critic' that the model \(Distiller\) reads was given another "
+             r"Linear after capture"),
+            (lambda: setattr(model.nets, "aux", nn.Linear(3, 3)),
+             r"the module at nets.aux that the model \(Distiller\) reads was given another "
+             r"Linear")]:
+        kept = (model._teacher, list(model._teacher), model.critic, model.nets.aux)
+        change()
+        with pytest.raises(NimbleError, match=said):
+            watch.refuse_replaced_objects()
+        model._teacher, model.nets.aux = kept[0], kept[3]
+        model._teacher[:] = kept[1]
+        object.__setattr__(model, "critic", kept[2])
+        watch.refuse_replaced_objects()
+        assert watch.first_changed() == -1
+
+
+def test_hidden_modules_are_those_of_the_users_classes_its_code_reads():
+    model = Distiller()
+    assert [key for key, _ in hidden_modules(model)] == ["_teacher", "critic", "nets"]
+    assert hidden_modules(nn.Sequential(nn.Linear(2, 2))) == []  # a library's: not looked into
+    assert hidden_modules(model.student) == []
 
 
 def test_in_flat_buffers_tells_parameters_a_fused_optimizer_moved():

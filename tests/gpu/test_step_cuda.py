@@ -632,6 +632,47 @@ def test_a_loss_functions_frozen_network_given_new_data_after_capture_is_what_it
     del old
 
 
+class Distilled(torch.nn.Module):
+    """A student whose forward adds a frozen teacher's logits, the teacher held in a list: out
+    of the state_dict and of parameters(), so the Step learns of it from the code only."""
+
+    def __init__(self, teacher):
+        super().__init__()
+        self.student = MLP()
+        self._teacher = [teacher]
+
+    def forward(self, x):
+        return self.student(x) + self._teacher[0](x)
+
+
+def test_a_teacher_the_model_holds_unregistered_given_new_data_after_capture_is_what_it_reads():
+    """The teacher re-initialised by `p.data = t` after capture: the graphs read its new
+    values, as the eager loop's forward does (they went on reading the old storage)."""
+    teachers = []
+    for _ in range(2):
+        torch.manual_seed(30)
+        teachers.append(torch.nn.Linear(12, 5).cuda().requires_grad_(False))
+    torch.manual_seed(29)
+    models = [Distilled(teacher).cuda() for teacher in teachers]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.Adam(m.parameters(), lr=2e-3) for m in models]
+    batches = classification_batches(9, 16, device="cuda", seed=31)
+    step = nt.Step(models[0], opts[0], per_sample, warmup=2)
+    losses = [step(b).clone() for b in batches[:4]]
+    expected = eager_loop(models[1], opts[1], per_sample, batches[:4])
+    new = torch.randn_like(teachers[0].weight)
+    old = [teacher.weight.data for teacher in teachers]  # kept alive: the old values stay
+    for teacher in teachers:
+        teacher.weight.data = new.clone()
+    losses += [step(b).clone() for b in batches[4:]]
+    expected += eager_loop(models[1], opts[1], per_sample, batches[4:])
+    torch.cuda.synchronize()
+    assert step.stats()["replays"] == 7
+    torch.testing.assert_close(torch.stack(losses), torch.stack(expected), **TOL)
+    assert_same_training(models[0], opts[0], models[1], opts[1], **TOL)
+    del old
+
+
 CLASS_WEIGHT = None  # the class weights _weighted reads, as a global
 
 
