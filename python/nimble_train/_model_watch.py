@@ -78,8 +78,8 @@ number of items it holds (scope_containers, scope_items; EntryWatch reads a list
 its length closed), and the modules it reads as a config's attributes (``cfg.critic`` of a
 namespace, a dataclass or an object of the user's it names, or ``self.nets.critic`` of the
 plain object it is a method of; held_modules): each by identity, and the config under its
-name too (scope_module_names). The modules a model's module of the user's holds without
-registering them, under attributes its code names (hidden_modules: ``self._teacher =
+name too (scope_module_names). The modules a model's (or the loss module's) module of the
+user's holds without registering them, under attributes its code names (hidden_modules: ``self._teacher =
 [teacher]``, one set by ``object.__setattr__``, a config's ``self.nets.aux``), are watched
 the same way, named from the model; the attribute by identity (kind "member module"), each
 module in a list, dict or config too, and the number a list or dict holds.
@@ -163,7 +163,8 @@ _CONTAINERS = {"module": (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.Mod
 class ModelWatch:
     """`model`'s modules (modules()'s order), their modes and their dicts' entries (their
     tensor attributes among them), as now, and those of the modules the graphs run besides
-    (read_modules: the loss function's scope's, the model's unregistered ones; their modes,
+    (read_modules: the loss function's scope's, the unregistered ones of the model's and the
+    loss module's modules; their modes,
     not their gradients' hooks); and those of `loss_fn` when it is a module of its
     own (its constants and buffers: a loss's ``label_smoothing``, its class ``weight``; the
     modes of its modules whose code reads theirs), named from ``loss_fn``."""
@@ -177,12 +178,20 @@ class ModelWatch:
         # watched: the step that trains them may hook them (its buckets), which this step's
         # graphs do not run.
         scope_start = len(named)
-        # And those the model's modules hold without registering them and their code reads
-        # (self._teacher = [teacher], kept out of the state_dict), likewise, named from them.
-        hidden = [(i, key, held) for i, (_, module) in enumerate(named)
-                  for key, held in hidden_modules(module)]
+        loss_named = (list(loss_fn.named_modules(prefix="loss_fn"))
+                      if isinstance(loss_fn, torch.nn.Module) else [])
+        # And those the model's and the loss module's modules hold without registering them
+        # and their code reads (self._teacher = [teacher], kept out of the state_dict; a
+        # perceptual loss's network so kept), likewise, named from them: per attribute (the
+        # module holding it, the attribute, what it holds: hidden_modules).
+        hidden, readers = [], set()
+        for name, module in named + loss_named:
+            if id(module) not in readers:
+                readers.add(id(module))
+                hidden += [(module, key, held) for key, held in hidden_modules(module)]
+        paths = {id(module): name for name, module in reversed(named + loss_named)}
         reached = [*named_scope_modules(loss_fn),
-                   *[(_join(named[i][0], label), module) for i, _, held in hidden
+                   *[(_join(paths[id(reader)], label), module) for reader, _, held in hidden
                      for _, _, label, module in held]]
         for prefix, scoped in reached:
             for name, module in scoped.named_modules(prefix=prefix):
@@ -191,11 +200,12 @@ class ModelWatch:
                     named.append((name, module))
         scope_end = len(named)
         self._scope = (scope_start, scope_end)
-        if isinstance(loss_fn, torch.nn.Module):
-            named += [(name, module) for name, module in loss_fn.named_modules(prefix="loss_fn")
-                      if id(module) not in seen]
+        named += [(name, module) for name, module in loss_named if id(module) not in seen]
         self.names = [name for name, _ in named]
         self.modules = [module for _, module in named]
+        index = {}  # a module's index: where modules() first holds it
+        for i, module in enumerate(self.modules):
+            index.setdefault(id(module), i)
         entries, self._what = [], []  # per entry (kind, module index, key)
         # per container's table (kind, module index, the table, its keys): a key added is refused
         self._tables: list[tuple[str, int, dict, frozenset]] = []
@@ -324,8 +334,9 @@ class ModelWatch:
         # The module reading each container: the loss function's (-1), then the model's that
         # hide modules in one (their attributes by identity, then what each holds).
         self._readers = [-1] * len(self._containers)
-        for i, key, held in hidden:
-            attributes = vars(self.modules[i])
+        for reader, key, held in hidden:
+            i = index[id(reader)]
+            attributes = vars(reader)
             watch("member module", i, attributes, key)
             for table, k, label, module in held:  # a tuple's items cannot be replaced
                 if table is not attributes and not isinstance(table, tuple):

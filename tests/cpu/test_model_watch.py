@@ -2071,6 +2071,38 @@ def test_modules_a_model_holds_without_registering_them_are_watched_as_its_own()
         assert watch.first_changed() == -1
 
 
+class HiddenPerceptualLoss(nn.Module):
+    """A perceptual loss keeping its frozen network out of its state_dict, in a list."""
+
+    def __init__(self):
+        super().__init__()
+        self._net = [nn.Sequential(nn.Linear(5, 4), nn.Dropout(0.2)).eval()]
+
+    def forward(self, out, target):
+        return F.mse_loss(self._net[0](out), self._net[0](F.one_hot(target, 5).float()))
+
+
+def test_a_network_a_loss_module_holds_unregistered_is_watched_as_the_models():
+    loss_fn = HiddenPerceptualLoss()
+    watch = captured_watch(_model(), loss_fn)
+    net = loss_fn._net[0]
+    names = [name for name, _ in watch.read_modules()]
+    assert names == ["loss_fn._net[0]", "loss_fn._net[0].0", "loss_fn._net[0].1"]
+    net.train()
+    with pytest.raises(NimbleError, match=r"module 'loss_fn._net\[0\]' \(Sequential\) is in "
+                                          r"training mode"):
+        watch.check_modes()
+    net.eval()
+    loss_fn._net[0] = copy.deepcopy(net)
+    with pytest.raises(NimbleError, match=r"the module at _net\[0\] that 'loss_fn' "
+                                          r"\(HiddenPerceptualLoss\) reads was given another "
+                                          r"Sequential after capture"):
+        watch.refuse_replaced_objects()
+    loss_fn._net[0] = net
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+
+
 def test_hidden_modules_are_those_of_the_users_classes_its_code_reads():
     model = Distiller()
     assert [key for key, _ in hidden_modules(model)] == ["_teacher", "critic", "nets"]
