@@ -868,6 +868,13 @@ def _installed(module_name: str | None) -> bool:
     return os.path.realpath(path).startswith(_INSTALLED)
 
 
+def _ours(module_name: str | None) -> bool:
+    """Whether a module is nimble_train's own (its integrations' wrappers: the drop-in
+    Trainer's loss module holding the Trainer), a library to the code it runs, wherever it is
+    installed from."""
+    return (module_name or "").partition(".")[0] == __name__.partition(".")[0]
+
+
 def _helpers(fn: types.FunctionType) -> list[types.FunctionType]:
     """The plain functions fn's code (nested functions included) names as globals of its
     module (helpers it calls: ``return _scaled(x)``), those of installed packages aside."""
@@ -1148,7 +1155,7 @@ def _config_modules(value: object, names: Iterable[str]) -> list[tuple[str, torc
     user's: _config_like; not a module, dict, list or tuple) holds under an attribute in
     `names` (those the reading code names: ``cfg.critic``)."""
     if (isinstance(value, (torch.nn.Module, dict, list, tuple)) or not _holds_numbers(value)
-            or not _config_like(value)):
+            or not _config_like(value) or _ours(type(value).__module__)):
         return []
     return [(key, module) for key, module in vars(value).items()
             if key in names and isinstance(module, torch.nn.Module)]
@@ -1168,7 +1175,7 @@ def hidden_modules(module: torch.nn.Module
     key, and per module (the dict, list or tuple holding it, or the config's attributes; its
     key there; its name from the module: ``_teacher[0]``; the module))."""
     cls = type(module)
-    if _installed(cls.__module__):
+    if _installed(cls.__module__) or _ours(cls.__module__):
         return []
     names, out = names_read(cls), []
     for key, value in vars(module).items():
