@@ -79,10 +79,11 @@ its length closed), and the modules it reads as a config's attributes (``cfg.cri
 namespace, a dataclass or an object of the user's it names, or ``self.nets.critic`` of the
 plain object it is a method of; held_modules): each by identity, and the config under its
 name too (scope_module_names). The modules a model's (or the loss module's) module of the
-user's holds without registering them, under attributes its code names (hidden_modules: ``self._teacher =
-[teacher]``, one set by ``object.__setattr__``, a config's ``self.nets.aux``), are watched
-the same way, named from the model; the attribute by identity (kind "member module"), each
-module in a list, dict or config too, and the number a list or dict holds.
+user's holds without registering them, under attributes its code names (hidden_modules:
+``self._teacher = [teacher]``, one set by ``object.__setattr__``, a config's
+``self.nets.aux``), are watched the same way, named from the model; the attribute by identity
+(kind "member module"), each module in a list, dict or config too, and the number a list or
+dict holds.
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -164,10 +165,10 @@ class ModelWatch:
     """`model`'s modules (modules()'s order), their modes and their dicts' entries (their
     tensor attributes among them), as now, and those of the modules the graphs run besides
     (read_modules: the loss function's scope's, the unregistered ones of the model's and the
-    loss module's modules; their modes,
-    not their gradients' hooks); and those of `loss_fn` when it is a module of its
-    own (its constants and buffers: a loss's ``label_smoothing``, its class ``weight``; the
-    modes of its modules whose code reads theirs), named from ``loss_fn``."""
+    loss module's modules; their modes, not their gradients' hooks); and those of `loss_fn`
+    when it is a module of its own (its constants and buffers: a loss's ``label_smoothing``,
+    its class ``weight``; the modes of its modules whose code reads theirs), named from
+    ``loss_fn``."""
 
     def __init__(self, model: torch.nn.Module, loss_fn: object = None):
         named = list(model.named_modules())
@@ -1350,8 +1351,8 @@ def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: objec
                          f"held then", f"Load new weights into its modules in place "
                          f"({item_name(key, _module_items(old)[0][0])}.load_state_dict(state))")
         else:  # a config holding modules (cfg.critic)
-            first = next((k for k, v in vars(old).items() if isinstance(v, torch.nn.Module)),
-                         "module")
+            first = next((k for k, v in getattr(old, "__dict__", {}).items()
+                          if isinstance(v, torch.nn.Module)), "module")
             held, fix = (f"a {type(old).__name__} holding modules; the graphs run the modules "
                          f"it held then", f"Load new weights into its modules in place "
                          f"({key}.{first}.load_state_dict(state))")

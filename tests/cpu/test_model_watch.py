@@ -19,7 +19,8 @@ from torch import nn
 
 from nimble_train import NimbleError, _C
 from nimble_train._model_watch import (ModelWatch, ScopeWatch, hidden_modules, named_scope_modules,
-                                      reads_mode, scope_modules, warn_replays_keep)
+                                      reads_mode, refuse_scope_object, scope_modules,
+                                      warn_replays_keep)
 from nimble_train.optim import FusedOptimizer
 from nimble_train.optim.fused import in_flat_buffers
 from step_reference import Tempered
@@ -2054,6 +2055,9 @@ def test_modules_a_model_holds_without_registering_them_are_watched_as_its_own()
             (lambda: setattr(model, "_teacher", [teacher]),
              r"the attribute '_teacher' that the model \(Distiller\) reads was given another "
              r"list after capture, where it held a list of modules"),
+            (lambda: (model._teacher.clear(), setattr(model, "_teacher", [teacher])),
+             r"the module at _teacher\[0\] that the model \(Distiller\) reads was deleted "
+             r"after capture"),  # the old list emptied in place, then another given
             (lambda: object.__setattr__(model, "critic", nn.Linear(3, 3)),
              r"the attribute 'critic' that the model \(Distiller\) reads was given another "
              r"Linear after capture"),
@@ -2101,6 +2105,14 @@ def test_a_network_a_loss_module_holds_unregistered_is_watched_as_the_models():
     loss_fn._net[0] = net
     watch.refuse_replaced_objects()
     assert watch.first_changed() == -1
+
+
+def test_a_replaced_holder_of_modules_is_said_whatever_it_holds_now():
+    for old, said in [([], r"a list holding modules"),
+                      (types.SimpleNamespace(aux=nn.Linear(2, 2)), r"nets.aux.load_state_dict")]:
+        with pytest.raises(NimbleError, match=r"the attribute 'nets' that the model reads was "
+                                              r"given a int after capture.*" + said):
+            refuse_scope_object("the model", "member module", "nets", old, 1, "rebuild")
 
 
 def test_hidden_modules_are_those_of_the_users_classes_its_code_reads():
