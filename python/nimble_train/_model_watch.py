@@ -72,18 +72,17 @@ too: they are watched as the model's modules are, named as the loss function nam
 (``'critic.1'``), their parameters and buffers as the model's frozen ones (ParamWatch), and the
 names it reads them by by identity (scope_module_names); but not the hooks on their
 parameters' gradients, which the step that trains them may register (its buckets) and these
-graphs do not run. So are the modules it reads through a dict, list or tuple it names (one
-level: ``losses[1]``, ``nets["vgg"]``), each item of a dict or list by identity and the
-number of items it holds (scope_containers, scope_items; EntryWatch reads a list by index,
-its length closed), and the modules it reads as a config's attributes (``cfg.critic`` of a
-namespace, a dataclass or an object of the user's it names, or ``self.nets.critic`` of the
-plain object it is a method of; held_modules): each by identity, and the config under its
-name too (scope_module_names). The modules a model's (or the loss module's) module of the
-user's holds without registering them, under attributes its code names (hidden_modules:
+graphs do not run. So are the modules it reads through a dict, list, tuple or config it
+names (``losses[1]``, ``nets["vgg"]``; ``cfg.critic`` of a namespace, a dataclass or an object
+of the user's, the attributes its code names; ``self.nets.critic`` of the plain object it is a
+method of; followed three levels down: ``nets["gan"]["critic"]``, ``cfg.nets.critic``;
+_reach), each step below the name by identity and the number of items each dict or list on
+the way holds (scope_reach; EntryWatch reads a list by index, its length closed), the name
+by identity too (scope_module_names). The modules a model's (or the loss module's) module of
+the user's holds without registering them, under attributes its code names (hidden_modules:
 ``self._teacher = [teacher]``, one set by ``object.__setattr__``, a config's
 ``self.nets.aux``), are watched the same way, named from the model; the attribute by identity
-(kind "member module"), each module in a list, dict or config too, and the number a list or
-dict holds.
+(kind "member module").
 
 A forward may assign its buffers or tensor attributes anew itself (``self.avg = 0.9 *
 self.avg + 0.1 * m``, an out-of-place running average; ``self.state = f(self.state)``): a graph
@@ -115,7 +114,7 @@ import site
 import sys
 import sysconfig
 import types
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Container, Iterator, NamedTuple
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -189,11 +188,11 @@ class ModelWatch:
         for name, module in named + loss_named:
             if id(module) not in readers:
                 readers.add(id(module))
-                hidden += [(module, key, held) for key, held in hidden_modules(module)]
+                hidden += [(module, key, found) for key, found in hidden_modules(module)]
         paths = {id(module): name for name, module in reversed(named + loss_named)}
         reached = [*named_scope_modules(loss_fn),
-                   *[(_join(paths[id(reader)], label), module) for reader, _, held in hidden
-                     for _, _, label, module in held]]
+                   *[(_join(paths[id(reader)], label), module) for reader, _, found in hidden
+                     for label, module in found.modules]]
         for prefix, scoped in reached:
             for name, module in scoped.named_modules(prefix=prefix):
                 if id(module) not in seen:
@@ -321,31 +320,26 @@ class ModelWatch:
                 entries.append((held, key, held[key]))
                 self._what.append(("scope held", i, label))
             self._held[holder] = list(range(holder + 1, len(entries)))
-        # And the modules the loss function reads through a dict or list (losses[1]), by
-        # identity, and the number of items each holds (after the hooks' dicts: kind "scope
+        # And what the loss function reads modules through, below their names (losses[1],
+        # cfg.critic, nets["gan"]["critic"]: scope_reach), by identity, and the number of
+        # items each dict or list on the way holds (after the hooks' dicts: kind "scope
         # container").
-        self._containers = scope_containers(loss_fn)  # (the dict or list, its name) each
-        for container, key, name in scope_items(self._containers):
-            entries.append((container, key, container[key]))
-            self._what.append(("item module", -1, name))
-        # And those it reads as a config's attributes (cfg.critic), by identity.
-        for table, key, name in held_modules(loss_fn):
+        reach = scope_reach(loss_fn)
+        self._containers = list(reach.containers)  # (the dict or list, its name) each
+        for table, key, name in reach.edges:
             entries.append((table, key, table[key]))
             self._what.append(("item module", -1, name))
         # The module reading each container: the loss function's (-1), then the model's that
-        # hide modules in one (their attributes by identity, then what each holds).
+        # hide modules (their attributes by identity, then what each holds on the way).
         self._readers = [-1] * len(self._containers)
-        for reader, key, held in hidden:
+        for reader, key, found in hidden:
             i = index[id(reader)]
-            attributes = vars(reader)
-            watch("member module", i, attributes, key)
-            for table, k, label, module in held:  # a tuple's items cannot be replaced
-                if table is not attributes and not isinstance(table, tuple):
-                    entries.append((table, k, module))
-                    self._what.append(("item module", i, label))
-            if isinstance(attributes[key], (dict, list)):
-                self._containers.append((attributes[key], key))
-                self._readers.append(i)
+            watch("member module", i, vars(reader), key)
+            for table, k, label in found.edges:
+                entries.append((table, k, table[k]))
+                self._what.append(("item module", i, label))
+            self._containers += found.containers
+            self._readers += [i] * len(found.containers)
         self._containers_start = len(self._tables)
         self._tables += [("scope container", -1, container, frozenset())
                          for container, _ in self._containers]
@@ -1120,28 +1114,26 @@ def scope_modules(fn: object) -> list[torch.nn.Module]:
 
 def named_scope_modules(fn: object) -> list[tuple[str, torch.nn.Module]]:
     """scope_modules, each with the name the function reads it under (a partial's argument:
-    ``args[0]``, or its keyword; a bound method's module: ``self``)."""
+    ``args[0]``, or its keyword; a bound method's module: ``self``; one held deeper:
+    ``nets['gan']['critic']``, ``cfg.critic``: _reach)."""
     owner = getattr(fn, "__self__", None)
     found = [("self", owner)] if isinstance(owner, torch.nn.Module) else []
-    found += [(key, _now(table, key)) for _, table, key in _attribute_modules(fn)]
+    names = _reading_names(fn)
     if isinstance(fn, functools.partial):
-        found += [(f"args[{i}]", value) for i, value in enumerate(fn.args)]
-        found += list(fn.keywords.items())
-    found += [(key, _now(table, key)) for _, table, key in _scope_of(fn, _in_scope)]
-    found += [(name, table[key]) for table, key, name in held_modules(fn)]
+        args = [(f"args[{i}]", value) for i, value in enumerate(fn.args)]
+        for name, value in args + list(fn.keywords.items()):
+            found += _reach(value, name, names).modules
+    for _, table, name, depth in _name_roots(fn):
+        found += _reach(_now(table, name), name, names, depth).modules
     modules = {}
-    for name, value in found:
-        held = ([(name, value)] if isinstance(value, torch.nn.Module) else
-                [(item_name(name, key), module) for key, module in _module_items(value)])
-        for label, module in held:
-            if id(module) not in modules:
-                modules[id(module)] = (label, module)
+    for label, module in found:
+        modules.setdefault(id(module), (label, module))
     return list(modules.values())
 
 
 def _module_items(value: object) -> list[tuple[object, torch.nn.Module]]:
-    """(key or index, module) per module a dict, list or tuple holds (one level: the modules
-    a function reads through ``losses[i]`` or ``nets["vgg"]``); none for anything else."""
+    """(key or index, module) per module a dict, list or tuple holds itself; none for anything
+    else."""
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, (list, tuple)):
@@ -1151,15 +1143,91 @@ def _module_items(value: object) -> list[tuple[object, torch.nn.Module]]:
     return [(key, item) for key, item in items if isinstance(item, torch.nn.Module)]
 
 
-def _config_modules(value: object, names: Iterable[str]) -> list[tuple[str, torch.nn.Module]]:
-    """(attribute, module) per module a config (a namespace, a dataclass, an object of the
-    user's: _config_like; not a module, dict, list or tuple) holds under an attribute in
-    `names` (those the reading code names: ``cfg.critic``)."""
+def item_name(name: str, key: object) -> str:
+    return f"{name}[{key!r}]"
+
+
+# How far a value read by name is followed to the modules it holds, through dicts, lists,
+# tuples and configs (nets["gan"]["critic"], cfg.nets.critic), and how many items of one are
+# looked into below its own modules (a dataset's samples, a vocabulary: no modules there).
+_REACH_DEPTH = 3
+_REACH_ITEMS = 4096
+
+
+class Reach(NamedTuple):
+    """What a value read by name holds that the graphs run (_reach): the modules, (their name
+    from it: ``nets['gan']['critic']``, the module) each; each step below the name on the way
+    to one, (the dict or list, or the config's attributes; the key there; its name) each; and
+    the dicts and lists on the way, (it, its name) each, whose numbers of items are watched."""
+
+    modules: list[tuple[str, torch.nn.Module]]
+    edges: list[tuple[object, object, str]]
+    containers: list[tuple[object, str]]
+
+
+def _reach(value: object, name: str, names: Container[str],
+           depth: int = _REACH_DEPTH) -> Reach:
+    """The value itself when a module; else the modules a dict, list or tuple holds (every
+    item: a loop runs them all) or a config (_config_items) holds under the attributes in
+    `names` (those the reading code names), followed through such holders `depth` levels
+    down. A tuple's items cannot be replaced: no step into one is an edge."""
+    out = Reach([], [], [])
+    if isinstance(value, torch.nn.Module):
+        out.modules.append((name, value))
+        return out
+    if depth == 0:
+        return out
+    if isinstance(value, dict):
+        table, items, label = value, list(value.items()), lambda key: item_name(name, key)
+    elif isinstance(value, (list, tuple)):
+        table, items, label = value, list(enumerate(value)), lambda key: item_name(name, key)
+    elif (items := _config_items(value, names)) is not None:
+        table, label = vars(value), lambda key: f"{name}.{key}"
+    else:
+        return out
+    deep = len(items) <= _REACH_ITEMS
+    for key, item in items:
+        if not (deep or isinstance(item, torch.nn.Module)):
+            continue
+        found = _reach(item, label(key), names, depth - 1)
+        if found.modules:
+            if not isinstance(value, tuple):
+                out.edges.append((table, key, label(key)))
+            for part, more in zip(out, found):
+                part.extend(more)
+    if out.modules and isinstance(value, (dict, list)):
+        out.containers.insert(0, (value, name))
+    return out
+
+
+def _config_items(value: object, names: Container[str]) -> list[tuple[str, object]] | None:
+    """The attributes in `names` of a config (a namespace, a dataclass, an object of the
+    user's: _config_like; not a module, dict, list or tuple, nor an object of
+    nimble_train's), as (key, value) each; None for anything else."""
     if (isinstance(value, (torch.nn.Module, dict, list, tuple)) or not _holds_numbers(value)
             or not _config_like(value) or _ours(type(value).__module__)):
-        return []
-    return [(key, module) for key, module in vars(value).items()
-            if key in names and isinstance(module, torch.nn.Module)]
+        return None
+    return [(key, item) for key, item in vars(value).items() if key in names]
+
+
+class _EveryName:
+    """Every attribute name: a config's every module, where no code says which it reads."""
+
+    def __contains__(self, name: object) -> bool:
+        return True
+
+
+def scope_reach(fn: object) -> Reach:
+    """What the names a function reads modules under (scope_module_names) hold on the way to
+    them (_reach): the steps below each name, and the dicts and lists, once each."""
+    names, out, edges, containers = _reading_names(fn), Reach([], [], []), set(), set()
+    for _, table, name, depth in _name_roots(fn):
+        found = _reach(_now(table, name), name, names, depth)
+        out.edges.extend(e for e in found.edges if (id(e[0]), e[1]) not in edges)
+        edges.update((id(e[0]), e[1]) for e in found.edges)
+        out.containers.extend(c for c in found.containers if id(c[0]) not in containers)
+        containers.update(id(c[0]) for c in found.containers)
+    return out
 
 
 # What every module holds in its __dict__ (its dicts of children, parameters and hooks): never
@@ -1167,29 +1235,22 @@ def _config_modules(value: object, names: Iterable[str]) -> list[tuple[str, torc
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
 
 
-def hidden_modules(module: torch.nn.Module
-                   ) -> list[tuple[str, list[tuple[object, object, str, torch.nn.Module]]]]:
+def hidden_modules(module: torch.nn.Module) -> list[tuple[str, Reach]]:
     """The modules a module of the user's holds without registering them, under attributes its
     own code names (names_read): one set past registration (``object.__setattr__``), a list,
     tuple or dict of them (``self._teacher = [teacher]``, kept out of the state_dict), or a
-    config holding them under names the code reads (_config_modules). Per attribute: (its
-    key, and per module (the dict, list or tuple holding it, or the config's attributes; its
-    key there; its name from the module: ``_teacher[0]``; the module))."""
+    config holding them under names the code reads; followed as _reach follows. Per
+    attribute: (its key, what it holds on the way to them, named from the attribute:
+    ``_teacher[0]``)."""
     cls = type(module)
     if _installed(cls.__module__) or _ours(cls.__module__):
         return []
     names, out = names_read(cls), []
     for key, value in vars(module).items():
-        if key in _MODULE_INTERNALS or key not in names:
-            continue
-        if isinstance(value, torch.nn.Module):
-            held = [(vars(module), key, key, value)]
-        elif items := _module_items(value):
-            held = [(value, k, item_name(key, k), m) for k, m in items]
-        else:
-            held = [(vars(value), k, f"{key}.{k}", m) for k, m in _config_modules(value, names)]
-        if held:
-            out.append((key, held))
+        if key not in _MODULE_INTERNALS and key in names:
+            found = _reach(value, key, names)
+            if found.modules:
+                out.append((key, found))
     return out
 
 
@@ -1197,72 +1258,41 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def held_modules(fn: object) -> list[tuple[dict, str, str]]:
-    """(the config's attributes, the attribute, its name: ``cfg.critic``) per module a
-    function of the user's reads as an attribute of a config (_config_modules) it reads by
-    name from its scope (helpers followed), or that is an attribute of the plain object it is
-    a method of (``self.nets.critic``: ``nets.critic``)."""
-    out = {}
-
-    def add(holder: object, names: Iterable[str], name: str) -> None:
-        for key, _ in _config_modules(holder, names):
-            out.setdefault((id(holder), key), (vars(holder), key, f"{name}.{key}"))
-
-    for f in _scope_functions(fn):
-        if not _installed(f.__module__):
-            names = code_names(f.__code__)
-            for _, table, name in _in_scope(f):
-                add(_now(table, name), names, name)
-    owner, names = _owner_code(fn)
-    if owner is not None and names:
-        for key, value in vars(owner).items():
-            if key in names:
-                add(value, names, key)
-    return list(out.values())
-
-
-def item_name(name: str, key: object) -> str:
-    return f"{name}[{key!r}]"
-
-
-def scope_containers(fn: object) -> list[tuple[object, str]]:
-    """(the dict or list, its name) per dict or list of modules under a name a function reads
-    (scope_module_names), once each: the number of items it holds is watched, and each module
-    item (scope_items). A tuple's items cannot be replaced: the name's identity is enough."""
-    out = {}
-    for _, table, name in scope_module_names(fn):
-        value = _now(table, name)
-        if isinstance(value, (dict, list)) and _module_items(value):
-            out.setdefault(id(value), (value, name))
-    return list(out.values())
-
-
-def scope_items(containers: list[tuple[object, str]]) -> list[tuple[object, object, str]]:
-    """(the dict or list, key or index, its name: ``losses[1]``) per module item of each of
-    scope_containers' `containers`."""
-    return [(container, key, item_name(name, key)) for container, name in containers
-            for key, _ in _module_items(container)]
-
-
 def scope_module_names(fn: object) -> list[tuple[str, object, str]]:
     """("closure", cell, name), ("global", globals, name) and ("attribute", the object's
-    dict, name) for each name a function reads a module (or a dict, list or tuple holding
-    modules) under: from its scope (helpers followed), or as an attribute of the plain object
-    it is a method of."""
-    return _attribute_modules(fn) + _scope_of(fn, _modules_in_scope)
+    dict, name) for each name a function reads a module under, or a dict, list, tuple or
+    config holding modules (_reach): from its scope (helpers followed), or as an attribute of
+    the plain object it is a method of."""
+    names = _reading_names(fn)
+    return [(kind, table, name) for kind, table, name, depth in _name_roots(fn)
+            if _reach(_now(table, name), name, names, depth).modules]
 
 
-def _attribute_modules(fn: object) -> list[tuple[str, object, str]]:
-    """("attribute", the object's dict, name) per module held by the plain object (not a
-    module, class or Python module) a bound method belongs to: those the method's code names
-    (and the methods of its class it calls, _own_code: ``self.features``, not a metric the
-    object also holds); every one when that code is a library's, which is not looked into."""
+def _name_roots(fn: object) -> list[tuple[str, object, str, int]]:
+    """(kind, table, name, how deep _reach follows it) per name a function reads from: the
+    attributes of the plain object it is a method of that its code names (every one, one level
+    deep, when that code is a library's), and the names it reads from its scope, helpers
+    followed (one level deep for an installed package's function: its globals are its own)."""
+    out, seen = [], set()
     owner, names = _owner_code(fn)
-    if owner is None:
-        return []
-    return [("attribute", vars(owner), key) for key, value in vars(owner).items()
-            if (names is None or key in names)
-            and (_holds_modules(value) or _config_modules(value, names or ()))]
+    if owner is not None:
+        out += [("attribute", vars(owner), key, _REACH_DEPTH if names is not None else 1)
+                for key in vars(owner) if names is None or key in names]
+    for f in _scope_functions(fn):
+        depth = 1 if _installed(f.__module__) else _REACH_DEPTH
+        for kind, table, name in _in_scope(f):
+            if (id(table), name) not in seen:
+                seen.add((id(table), name))
+                out.append((kind, table, name, depth))
+    return out
+
+
+def _reading_names(fn: object) -> frozenset[str]:
+    """The attribute names the user's code a function runs names (its helpers', and the
+    methods' of the plain object it is a method of): the configs' attributes _reach follows."""
+    names = {name for f in _scope_functions(fn) if not _installed(f.__module__)
+             for name in code_names(f.__code__)}
+    return frozenset(names | (_owner_code(fn)[1] or set()))
 
 
 def _owner_code(fn: object) -> tuple[object | None, frozenset[str] | None]:
@@ -1279,22 +1309,10 @@ def _owner_code(fn: object) -> tuple[object | None, frozenset[str] | None]:
     return owner, names if followed else None
 
 
-def _modules_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
-    """Those of _in_scope that hold a module, a dict, list or tuple of modules, or a config
-    holding modules under the names fn's code reads (_config_modules: ``cfg.critic``)."""
-    names = code_names(fn.__code__)
-    return [(kind, table, name) for kind, table, name in _in_scope(fn)
-            if _holds_modules(value := _now(table, name)) or (
-                not _installed(fn.__module__) and _config_modules(value, names))]
-
-
-def _holds_modules(value: object) -> bool:
-    return isinstance(value, torch.nn.Module) or bool(_module_items(value))
-
-
 def scope_entry(kind: str, table: object, key: str) -> tuple:
     """The EntryWatch entry of one of scope_numbers: (cell, None, value) or (globals, name,
-    value); or of scope_items: (the dict or list, key or index, value)."""
+    value); or of a step below a name (scope_reach): (the dict or list, key or index,
+    value)."""
     return (table, None if kind == "closure" else key, _now(table, key))
 
 
@@ -1346,16 +1364,13 @@ def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: objec
             held, fix = (f"a {type(old).__name__}; the graphs run the module they were "
                          f"captured with", f"Load new weights into that module in place "
                          f"({key}.load_state_dict(state))")
-        elif _module_items(old):  # a dict, list or tuple of modules
-            held, fix = (f"a {type(old).__name__} of modules; the graphs run the modules it "
-                         f"held then", f"Load new weights into its modules in place "
-                         f"({item_name(key, _module_items(old)[0][0])}.load_state_dict(state))")
-        else:  # a config holding modules (cfg.critic)
-            first = next((k for k, v in getattr(old, "__dict__", {}).items()
-                          if isinstance(v, torch.nn.Module)), "module")
-            held, fix = (f"a {type(old).__name__} holding modules; the graphs run the modules "
-                         f"it held then", f"Load new weights into its modules in place "
-                         f"({key}.{first}.load_state_dict(state))")
+        else:  # a dict, list or tuple of modules, or a config holding them
+            labels = [label for label, _ in _reach(old, key, _EveryName()).modules]
+            held = (f"a {type(old).__name__} "
+                    f"{'of modules' if _module_items(old) else 'holding modules'}; the graphs "
+                    f"run the modules it held then")
+            fix = ("Load new weights into its modules in place"
+                   + (f" ({labels[0]}.load_state_dict(state))" if labels else ""))
     raise NimbleError(
         f"nimble_train.Step: {where} {seen} after capture, where it held {held}, whatever the "
         f"name holds now. {fix}, or {rebuild}. Nothing was run for this call.")
@@ -1363,8 +1378,8 @@ def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: objec
 
 def refuse_resized_container(owner: str, container: object, name: str, size: int,
                              rebuild: str) -> None:
-    """Raises the error for a dict or list of modules `owner` reads (scope_containers) that
-    holds another number of them than at capture (`size`)."""
+    """Raises the error for a dict or list `owner` reads modules through (scope_reach) that
+    holds another number of items than at capture (`size`)."""
     now = len(container)
     raise NimbleError(
         f"nimble_train.Step: the {type(container).__name__} {name!r} that {owner} reads holds "
@@ -1402,15 +1417,16 @@ class ScopeWatch:
     captured: another value is refused, an equal one taken, one the function changes itself
     taken after each call (after_call). And the tensors and modules it reads there by name
     (scope_tensors, scope_module_names), by identity: another object under the name is
-    refused, one the function assigns itself taken; so is another module in a dict or list
-    it reads modules through (scope_items), or another number of them; and the numbers it
+    refused, one the function assigns itself taken; so is another object at a step below a
+    name it reads modules through (scope_reach: losses[1], cfg.critic), or another number of
+    items in a dict or list on the way; and the numbers it
     reads through a config (scope_holders: ``args.smoothing``, ``cfg["alpha"]``) by value,
     the config under its name by identity (another one with equal numbers is taken)."""
 
     def __init__(self, fn: object, owner: str, rebuild: str):
         self._owner, self._rebuild = owner, rebuild
-        self._containers = scope_containers(fn)
-        items = scope_items(self._containers)
+        reach = scope_reach(fn)
+        self._containers, items = reach.containers, reach.edges
         self._what = [*scope_numbers(fn),
                       *[(kind + " tensor", table, key) for kind, table, key in scope_tensors(fn)],
                       *[(kind + " module", table, key)
@@ -1418,7 +1434,6 @@ class ScopeWatch:
         # per entry, the name it is said by: an item's losses[1], a config's number's
         # args.smoothing
         self._labels = [key for _, _, key in self._what]
-        items += held_modules(fn)  # and the modules it reads as a config's (cfg.critic)
         self._what += [("item module", container, key) for container, key, _ in items]
         self._labels += [name for _, _, name in items]
         self._held: dict[int, list[int]] = {}  # per config's entry, its numbers' entries

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nimble_train import NimbleError, _C
-from nimble_train._model_watch import (ModelWatch, ScopeWatch, hidden_modules, named_scope_modules,
-                                      reads_mode, refuse_scope_object, scope_modules,
-                                      warn_replays_keep)
+from nimble_train._model_watch import (ModelWatch, ScopeWatch, _reach, hidden_modules,
+                                      named_scope_modules, reads_mode, refuse_scope_object,
+                                      scope_modules, warn_replays_keep)
 from nimble_train.optim import FusedOptimizer
 from nimble_train.optim.fused import in_flat_buffers
 from step_reference import Tempered
@@ -1987,6 +1987,64 @@ def test_modules_a_loss_function_reads_as_a_configs_attributes_are_watched_as_th
         watch.refuse_replaced_objects()
 
 
+def test_modules_a_loss_function_reads_deeper_in_dicts_and_configs_are_watched():
+    """``nets["gan"]["critic"]`` and ``cfg.nets.critic``: the module is run by the graphs (its
+    mode watched, named as the function reads it), and each step on the way is watched by
+    identity, the dicts' numbers of items too."""
+    nets = {"gan": {"critic": nn.Sequential(nn.Linear(4, 1), nn.Dropout(0.1))}, "lr": 0.1}
+    cfg = types.SimpleNamespace(nets=types.SimpleNamespace(aux=nn.Linear(4, 4)), epochs=3)
+    watch = captured_watch(nn.Linear(3, 4), lambda out, y: (
+        nets["gan"]["critic"](cfg.nets.aux(out)).mean()))
+    assert sorted(name for name, _ in watch.read_modules()) == [
+        "cfg.nets.aux", "nets['gan']['critic']", "nets['gan']['critic'].0",
+        "nets['gan']['critic'].1"]
+    nets["gan"]["critic"].train(False)
+    with pytest.raises(NimbleError, match=r"module 'nets\['gan'\]\['critic'\]' "
+                                          r"\(Sequential\) is in eval mode"):
+        watch.check_modes()
+    nets["gan"]["critic"].train()
+    gan = nets["gan"]
+    for change, said in [
+            (lambda: gan.__setitem__("critic", nn.Linear(4, 1)),
+             r"the module at nets\['gan'\]\['critic'\] that loss_fn reads was given a Linear"),
+            (lambda: nets.__setitem__("gan", {"critic": gan["critic"]}),
+             r"the module at nets\['gan'\] that loss_fn reads was given another dict after "
+             r"capture, where it held a dict of modules.*nets\['gan'\]\['critic'\]"
+             r".load_state_dict"),
+            (lambda: gan.__setitem__("other", nn.Linear(4, 1)),
+             r"the dict \"nets\['gan'\]\" that loss_fn reads holds 2 item"),
+            (lambda: setattr(cfg.nets, "aux", nn.Linear(4, 4)),
+             r"the module at cfg.nets.aux that loss_fn reads was given another Linear"),
+            (lambda: setattr(cfg, "nets", types.SimpleNamespace(aux=cfg.nets.aux)),
+             r"the module at cfg.nets that loss_fn reads was given another SimpleNamespace "
+             r"after capture, where it held a SimpleNamespace holding modules.*"
+             r"cfg.nets.aux.load_state_dict")]:
+        kept = (dict(nets), dict(gan), cfg.nets, cfg.nets.aux)
+        change()
+        with pytest.raises(NimbleError, match=said):
+            watch.refuse_replaced_objects()
+        nets.clear(), nets.update(kept[0]), gan.clear(), gan.update(kept[1])
+        cfg.nets = kept[2]
+        cfg.nets.aux = kept[3]
+        watch.refuse_replaced_objects()
+        assert watch.first_changed() == -1
+    nets["lr"] = 0.2  # not a step to a module: left alone
+    cfg.epochs = 4
+    watch.refuse_replaced_objects()
+
+
+def test_reach_stops_at_its_depth_and_looks_through_no_large_container_below_its_modules():
+    deep = {"a": {"b": {"c": {"d": nn.Linear(2, 2)}}}}
+    assert _reach(deep, "deep", ()).modules == []  # four levels: past the depth
+    assert [name for name, _ in _reach(deep["a"], "a", ()).modules] == ["a['b']['c']['d']"]
+    many = [[nn.Linear(2, 2)]] + [[i] for i in range(5000)]
+    assert _reach(many, "many", ()).modules == []
+    assert len(_reach([nn.Identity()] * 5000, "many", ()).modules) == 5000
+    found = _reach((nn.Identity(), [nn.Identity()]), "pair", ())
+    assert [name for _, _, name in found.edges] == ["pair[1][0]"]  # a tuple's items stay
+    assert [name for _, name in found.containers] == ["pair[1]"]
+
+
 def test_an_evaluators_fn_reading_a_configs_module_watches_it_by_identity():
     nets = types.SimpleNamespace(teacher=nn.Linear(3, 3))
     fn = lambda model, batch: nets.teacher(model(batch[0]))  # noqa: E731
@@ -2120,6 +2178,10 @@ def test_hidden_modules_are_those_of_the_users_classes_its_code_reads():
     assert [key for key, _ in hidden_modules(model)] == ["_teacher", "critic", "nets"]
     assert hidden_modules(nn.Sequential(nn.Linear(2, 2))) == []  # a library's: not looked into
     assert hidden_modules(model.student) == []
+    model._teacher = {"teachers": [model._teacher[0]]}  # deeper: followed as a loss's are
+    [(key, found)] = [item for item in hidden_modules(model) if item[0] == "_teacher"]
+    assert [name for name, _ in found.modules] == ["_teacher['teachers'][0]"]
+    assert [name for _, name in found.containers] == ["_teacher", "_teacher['teachers']"]
     # nimble_train's own wrappers hold what they run unregistered (the drop-in Trainer's loss
     # module holds the Trainer, and it the model): a library's, not looked into
     wrapper = type("_Wrapper", (Distiller,), {"__module__": "nimble_train.integrations.x"})
