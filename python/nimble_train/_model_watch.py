@@ -1148,10 +1148,12 @@ def item_name(name: str, key: object) -> str:
 
 
 # How far a value read by name is followed to the modules it holds, through dicts, lists,
-# tuples and configs (nets["gan"]["critic"], cfg.nets.critic), and how many items of one are
-# looked into below its own modules (a dataset's samples, a vocabulary: no modules there).
+# tuples and configs (nets["gan"]["critic"], cfg.nets.critic); how many items of one are
+# looked into below its own modules (a dataset's samples, a vocabulary: no modules there), and
+# how many in all below one name.
 _REACH_DEPTH = 3
 _REACH_ITEMS = 4096
+_REACH_VISITS = 1 << 16
 
 
 class Reach(NamedTuple):
@@ -1170,34 +1172,40 @@ def _reach(value: object, name: str, names: Container[str],
     """The value itself when a module; else the modules a dict, list or tuple holds (every
     item: a loop runs them all) or a config (_config_items) holds under the attributes in
     `names` (those the reading code names), followed through such holders `depth` levels
-    down. A tuple's items cannot be replaced: no step into one is an edge."""
-    out = Reach([], [], [])
-    if isinstance(value, torch.nn.Module):
-        out.modules.append((name, value))
+    down (_REACH_ITEMS, _REACH_VISITS bound the search). A tuple's items cannot be replaced:
+    no step into one is an edge."""
+    visits = [_REACH_VISITS]
+
+    def reach(value: object, name: str, depth: int) -> Reach:
+        out = Reach([], [], [])
+        if isinstance(value, torch.nn.Module):
+            out.modules.append((name, value))
+            return out
+        if depth == 0 or visits[0] <= 0:
+            return out
+        if isinstance(value, (dict, list, tuple)):
+            table, label = value, lambda key: item_name(name, key)
+            items = list(value.items() if isinstance(value, dict) else enumerate(value))
+        elif (items := _config_items(value, names)) is not None:
+            table, label = vars(value), lambda key: f"{name}.{key}"
+        else:
+            return out
+        deep = len(items) <= _REACH_ITEMS
+        for key, item in items:
+            if not (deep or isinstance(item, torch.nn.Module)):
+                continue
+            visits[0] -= 1
+            found = reach(item, label(key), depth - 1)
+            if found.modules:
+                if not isinstance(value, tuple):
+                    out.edges.append((table, key, label(key)))
+                for part, more in zip(out, found):
+                    part.extend(more)
+        if out.modules and isinstance(value, (dict, list)):
+            out.containers.insert(0, (value, name))
         return out
-    if depth == 0:
-        return out
-    if isinstance(value, dict):
-        table, items, label = value, list(value.items()), lambda key: item_name(name, key)
-    elif isinstance(value, (list, tuple)):
-        table, items, label = value, list(enumerate(value)), lambda key: item_name(name, key)
-    elif (items := _config_items(value, names)) is not None:
-        table, label = vars(value), lambda key: f"{name}.{key}"
-    else:
-        return out
-    deep = len(items) <= _REACH_ITEMS
-    for key, item in items:
-        if not (deep or isinstance(item, torch.nn.Module)):
-            continue
-        found = _reach(item, label(key), names, depth - 1)
-        if found.modules:
-            if not isinstance(value, tuple):
-                out.edges.append((table, key, label(key)))
-            for part, more in zip(out, found):
-                part.extend(more)
-    if out.modules and isinstance(value, (dict, list)):
-        out.containers.insert(0, (value, name))
-    return out
+
+    return reach(value, name, depth)
 
 
 def _config_items(value: object, names: Container[str]) -> list[tuple[str, object]] | None:

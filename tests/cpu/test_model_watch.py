@@ -2040,6 +2040,11 @@ def test_reach_stops_at_its_depth_and_looks_through_no_large_container_below_its
     many = [[nn.Linear(2, 2)]] + [[i] for i in range(5000)]
     assert _reach(many, "many", ()).modules == []
     assert len(_reach([nn.Identity()] * 5000, "many", ()).modules) == 5000
+    table = {i: list(range(4000)) for i in range(4000)}  # 16M numbers: the search stops early
+    table[3999] = [nn.Identity()]
+    assert _reach(table, "table", ()).modules == []
+    table[0] = [nn.Identity()]
+    assert [name for name, _ in _reach(table, "table", ()).modules] == ["table[0][0]"]
     found = _reach((nn.Identity(), [nn.Identity()]), "pair", ())
     assert [name for _, _, name in found.edges] == ["pair[1][0]"]  # a tuple's items stay
     assert [name for _, name in found.containers] == ["pair[1]"]
