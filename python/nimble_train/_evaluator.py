@@ -42,9 +42,9 @@ from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
-                           _own_code, _same_value, describe, hook_change, named_scope_modules,
-                           number_table, replaced_holder, retarget, warn_replays_keep,
-                           watched_numbers)
+                           _own_code, _put_back, _same_value, describe, hook_change,
+                           named_scope_modules, number_table, replaced_holder, retarget,
+                           warn_replays_keep, watched_numbers)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -236,6 +236,7 @@ class Evaluator:
         except NimbleError as failure:
             step._undo_forwards()  # what fn's forwards assigned, changed or gave new data
             scope.put_back()
+            reads.undo_capture()  # in the modules fn reads from its scope too
             cause = str(failure).splitlines()[0]
             if bucket in self._met:  # it failed after an eager call met its shapes too
                 self._deferred.discard(bucket)
@@ -380,6 +381,18 @@ class ScopeModules:
             storage.adopt(taken)
         storage.restore()
         return bool(taken)
+
+    def undo_capture(self) -> None:
+        """After a failed capture: what fn's forwards changed in these modules (a number they
+        count calls in, a buffer assigned anew: a tensor with no values, a capture runs
+        nothing), and the data they gave, as before it; and so are the numbers their classes'
+        code changed in its scope."""
+        for e in self._watch.changed():
+            if e != self._hook_count:  # torch's count goes on: handles' ids are never reused
+                _put_back(self._entries[e])
+        self._storage.undo_moves()
+        if self._code:
+            self._code.put_back()
 
     def take(self) -> None:
         """After a call that ran fn (eagerly, or its capture): what its forwards assigned or

@@ -724,6 +724,42 @@ def test_a_number_of_a_module_an_evaluators_fn_reads_is_watched_by_value():
         reads.settle()
 
 
+class Smoothing(nn.Module):
+    """Keeps a running mean of its input, assigned anew at each call (out of place)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4))
+
+    def forward(self, x):
+        self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return x - self.mean
+
+
+def test_a_failed_evaluator_capture_leaves_the_modules_fn_reads_as_before():
+    """A capture runs fn's Python once and its kernels never: what the forwards of the modules
+    fn reads changed (a call counter, a buffer assigned anew holding no values, data given
+    anew) is put back as before the capture, as an eager loop that never made that call
+    would have it."""
+    from nimble_train._evaluator import ScopeModules
+    torch.manual_seed(0)
+    averaged = nn.Sequential(Counting(), Smoothing(), nn.Linear(4, 4))
+    averaged(torch.randn(3, 4))  # an eager call before: its changes are the values now
+    reads = ScopeModules(lambda m, b: averaged(b[0]), _Stub(nn.Linear(2, 2)))
+    reads.take()
+    calls, mean, weight = averaged[0].calls, averaged[1].mean, averaged[2].weight.data
+    values = mean.clone()
+    averaged(torch.randn(3, 4))  # as a capture runs it
+    averaged[2].weight.data = torch.empty(4, 4)  # data a forward gave anew
+    assert averaged[0].calls == calls + 1 and averaged[1].mean is not mean
+    reads.undo_capture()
+    assert averaged[0].calls == calls and averaged[1].mean is mean
+    assert torch.equal(averaged[1].mean, values)
+    assert averaged[2].weight.data_ptr() == weight.data_ptr()
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+
+
 def test_a_hook_on_a_module_an_evaluators_fn_reads_changed_after_capture_is_refused():
     """A replay runs no Python: a forward hook registered on (or removed from) a module fn
     reads from its scope after capture would silently not run (or still run), so it is
