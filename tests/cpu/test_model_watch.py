@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import nimble_train as nt
 from nimble_train import NimbleError, _C
 from nimble_train._model_watch import (ModelWatch, ScopeWatch, _reach, hidden_modules,
                                       named_scope_modules, reads_mode, refuse_scope_object,
@@ -2212,6 +2213,30 @@ def test_a_replaced_holder_of_modules_is_said_whatever_it_holds_now():
         with pytest.raises(NimbleError, match=r"the attribute 'nets' that the model reads was "
                                               r"given a int after capture.*" + said):
             refuse_scope_object("the model", "member module", "nets", old, 1, "rebuild")
+
+
+def test_the_step_reads_the_data_of_unregistered_and_scope_modules_besides_its_own():
+    """The tensors a Step watches where its graphs read them, besides the optimizer's: the
+    hidden teacher's and a loss function's critic's parameters and buffers among them, each
+    once, and none of the trained ones."""
+    model = Distiller()
+    critic = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    loss_fn = lambda out, y: critic(out).mean()  # noqa: E731
+    params = list(model.parameters())
+    step = types.SimpleNamespace(model=model, loss_fn=loss_fn, _params=params,
+                                 _model=ModelWatch(model, loss_fn))
+    read = nt.Step._read_besides(step)
+    expected = [*model._teacher[0].parameters(), *model.critic.parameters(),
+                *model.nets.aux.parameters(), *critic.parameters(), *critic.buffers()]
+    assert {id(t) for t in read} == {id(t) for t in expected}
+    assert len(read) == len(expected)
+    assert not {id(p) for p in params} & {id(t) for t in read}
+    named = types.SimpleNamespace(**vars(step), _watched=[*params, *read])
+    at = [i for i, t in enumerate(named._watched) if t is model._teacher[0][0].weight]
+    assert nt.Step._param_name(named, at[0]) == "_teacher[0].0.weight"
+    at = [i for i, t in enumerate(named._watched) if t is critic[1].running_mean]
+    assert nt.Step._param_name(named, at[0]) == ("the loss function's Sequential's buffer "
+                                                 "'1.running_mean'")
 
 
 def test_hidden_modules_are_those_of_the_users_classes_its_code_reads():
