@@ -66,7 +66,7 @@ class's, the loss function's) reads through a config it names (code_holders, sco
 equal numbers is taken, as a module's ``self.cfg``). A tensor either reads there by name (class
 weights a loss function reads as a global) is watched by identity: another tensor under the
 name after capture is refused, an in-place change is what the graphs read; one the step's own
-forwards assign is taken. The modules it reads there (scope_modules: a GAN's
+forwards assign is taken. The modules it reads there (named_scope_modules: a GAN's
 discriminator in its generator's loss, a perceptual loss's network) are run by the graphs
 too: they are watched as the model's modules are, named as the loss function names them
 (``'critic.1'``), their parameters and buffers as the model's frozen ones (ParamWatch), and the
@@ -1103,19 +1103,15 @@ def number_table(holder: object) -> dict:
     return holder if isinstance(holder, dict) else vars(holder) if _holds_numbers(holder) else {}
 
 
-def scope_modules(fn: object) -> list[torch.nn.Module]:
+def named_scope_modules(fn: object) -> list[tuple[str, torch.nn.Module]]:
     """The modules a function (a loss function) reads by name from its scope (as
     scope_numbers finds numbers, helpers followed), or holds as a partial's argument, a bound
     method's object or that object's attribute (``self.features`` in a method of a plain
     object): a GAN's discriminator in its generator's loss, the frozen network a perceptual
-    loss runs. Their parameters and buffers are tensors the graphs read."""
-    return [module for _, module in named_scope_modules(fn)]
-
-
-def named_scope_modules(fn: object) -> list[tuple[str, torch.nn.Module]]:
-    """scope_modules, each with the name the function reads it under (a partial's argument:
-    ``args[0]``, or its keyword; a bound method's module: ``self``; one held deeper:
-    ``nets['gan']['critic']``, ``cfg.critic``: _reach)."""
+    loss runs; their parameters and buffers are tensors the graphs read. Each with the name
+    the function reads it under (a partial's argument: ``args[0]``, or its keyword; a bound
+    method's module: ``self``; one held deeper: ``nets['gan']['critic']``, ``cfg.critic``:
+    _reach)."""
     owner = getattr(fn, "__self__", None)
     found = [("self", owner)] if isinstance(owner, torch.nn.Module) else []
     names = _reading_names(fn)
@@ -1167,11 +1163,11 @@ class Reach(NamedTuple):
     containers: list[tuple[object, str]]
 
 
-def _reach(value: object, name: str, names: Container[str],
+def _reach(value: object, name: str, names: Container[str] | None,
            depth: int = _REACH_DEPTH) -> Reach:
     """The value itself when a module; else the modules a dict, list or tuple holds (every
     item: a loop runs them all) or a config (_config_items) holds under the attributes in
-    `names` (those the reading code names), followed through such holders `depth` levels
+    `names` (those the reading code names; None: every one), followed through such holders `depth` levels
     down (_REACH_ITEMS, _REACH_VISITS bound the search). A tuple's items cannot be replaced:
     no step into one is an edge."""
     visits = [_REACH_VISITS]
@@ -1208,21 +1204,15 @@ def _reach(value: object, name: str, names: Container[str],
     return reach(value, name, depth)
 
 
-def _config_items(value: object, names: Container[str]) -> list[tuple[str, object]] | None:
-    """The attributes in `names` of a config (a namespace, a dataclass, an object of the
+def _config_items(value: object, names: Container[str] | None
+                  ) -> list[tuple[str, object]] | None:
+    """The attributes in `names` (None: every one) of a config (a namespace, a dataclass, an object of the
     user's: _config_like; not a module, dict, list or tuple, nor an object of
     nimble_train's), as (key, value) each; None for anything else."""
     if (isinstance(value, (torch.nn.Module, dict, list, tuple)) or not _holds_numbers(value)
             or not _config_like(value) or _ours(type(value).__module__)):
         return None
-    return [(key, item) for key, item in vars(value).items() if key in names]
-
-
-class _EveryName:
-    """Every attribute name: a config's every module, where no code says which it reads."""
-
-    def __contains__(self, name: object) -> bool:
-        return True
+    return [(key, item) for key, item in vars(value).items() if names is None or key in names]
 
 
 def scope_reach(fn: object) -> Reach:
@@ -1373,7 +1363,7 @@ def refuse_scope_object(owner: str, kind: str, key: str, old: object, now: objec
                          f"captured with", f"Load new weights into that module in place "
                          f"({key}.load_state_dict(state))")
         else:  # a dict, list or tuple of modules, or a config holding them
-            labels = [label for label, _ in _reach(old, key, _EveryName()).modules]
+            labels = [label for label, _ in _reach(old, key, None).modules]
             held = (f"a {type(old).__name__} "
                     f"{'of modules' if _module_items(old) else 'holding modules'}; the graphs "
                     f"run the modules it held then")

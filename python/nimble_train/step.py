@@ -45,7 +45,7 @@ from ._evaluator import Evaluator
 from ._extension import _C
 from ._gradsync import GradientSync
 from ._iteration import Call, Iteration, LateGradient, autocast_name, model_arguments
-from ._model_watch import ModelWatch, refuse_replaced, scope_modules, warn_replays_keep
+from ._model_watch import ModelWatch, refuse_replaced, warn_replays_keep
 from ._multistream import traced_submodule
 from ._padding import BucketPadding, mixing_reason
 from ._sync import SyncRecorder
@@ -752,16 +752,13 @@ class Step:
         names = {id(a): name for name, a in attributes}
         if id(t) in names:
             return f"the tensor attribute {names[id(t)]}"
-        for module in scope_modules(self.loss_fn):
-            kind = type(module).__name__
-            names = {id(q): f"parameter {name!r}" for name, q in module.named_parameters()}
-            names.update((id(b), f"buffer {name!r}") for name, b in module.named_buffers())
-            if id(t) in names:
-                return f"the loss function's {kind}'s {names[id(t)]}"
+        # a module the graphs run besides (a loss function's critic, a hidden teacher): as
+        # named from who reads it
         for prefix, module in self._model.read_modules() if self._model is not None else ():
-            names = {id(q): f"{prefix}.{name}" for name, q in module.named_parameters()}
+            names = {id(q): f"{prefix}.{name}"
+                     for name, q in module.named_parameters(recurse=False)}
             names.update((id(b), f"the buffer {prefix}.{name}")
-                         for name, b in module.named_buffers())
+                         for name, b in module.named_buffers(recurse=False))
             if id(t) in names:
                 return names[id(t)]
         return f"optimizer parameter {i} (shape {tuple(t.shape)})"

@@ -542,6 +542,16 @@ class SideBySide:
         assert_same_training(self.m1, self.o1, self.m2, self.o2, **TOL)
 
 
+def replaying_after_four(model, optimizer, loss_fn, seed):
+    """A Step (warm-up 2) over eight batches, called on the first four: its graphs captured and
+    replaying. Returns it, the batches, and a copy of the model's state then."""
+    batches = classification_batches(8, 16, device="cuda", seed=seed)
+    step = nt.Step(model, optimizer, loss_fn, warmup=2)
+    for b in batches[:4]:
+        step(b)
+    return step, batches, copy.deepcopy(model.state_dict())
+
+
 def train_on_as_the_eager_loop(step, ours, theirs, loss_fn, batches):
     """After refusals at the fifth batch, put right: the step trains on from it, and the model
     and optimizer end as the eager loop's over all the batches (six replays, warm-up 2)."""
@@ -2182,11 +2192,7 @@ def test_a_network_the_loss_function_reads_is_run_as_captured_and_a_change_is_re
     def loss_fn(out, target):
         return F.cross_entropy(critic(out), target)
 
-    batches = classification_batches(8, 16, device="cuda", seed=26)
-    step = nt.Step(m1, o1, loss_fn, warmup=2)
-    for b in batches[:4]:
-        step(b)
-    before = copy.deepcopy(m1.state_dict())
+    step, batches, before = replaying_after_four(m1, o1, loss_fn, seed=26)
     critic.train()
     with pytest.raises(nt.NimbleError, match=r"module 'critic' \(Sequential\) is in training "
                                              r"mode.*captured with it in eval mode.*Nothing was "
@@ -2219,11 +2225,7 @@ def test_the_terms_a_loss_function_sums_from_a_list_are_run_as_captured_and_a_ch
     def loss_fn(out, target):
         return terms[0](out, target) + terms[1](out).logsumexp(1).mean()
 
-    batches = classification_batches(8, 16, device="cuda", seed=27)
-    step = nt.Step(m1, o1, loss_fn, warmup=2)
-    for b in batches[:4]:
-        step(b)
-    before = copy.deepcopy(m1.state_dict())
+    step, batches, before = replaying_after_four(m1, o1, loss_fn, seed=27)
     terms[0].label_smoothing = 0.3
     with pytest.raises(nt.NimbleError, match=r"'terms\[0\].label_smoothing' \(CrossEntropyLoss\) "
                                              r"changed from 0.1 to 0.3 after capture.*Nothing was "
@@ -2267,11 +2269,7 @@ def test_a_loss_modules_dropout_runs_as_captured_and_another_mode_is_refused():
     torch.manual_seed(28)
     (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
     loss_fn = DropoutPerceptualLoss().cuda().eval()
-    batches = classification_batches(8, 16, device="cuda", seed=28)
-    step = nt.Step(m1, o1, loss_fn, warmup=2)
-    for b in batches[:4]:
-        step(b)
-    before = copy.deepcopy(m1.state_dict())
+    step, batches, before = replaying_after_four(m1, o1, loss_fn, seed=28)
     loss_fn.train()
     with pytest.raises(nt.NimbleError, match=r"module 'loss_fn.net.1' \(Dropout\) is in training "
                                              r"mode.*captured with it in eval mode.*Nothing was "
