@@ -50,7 +50,12 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   or device);
 - a tensor a module holds in a plain attribute (``self.temperature = torch.tensor(...)``, or a
   mask, that user code sets anew): as a buffer; except that one named with a leading
-  underscore that no longer fits is taken as it is (a module's private cache).
+  underscore that no longer fits is taken as it is (a module's private cache);
+- an attribute that held None at capture, where a number would be watched (a focal loss's
+  ``self.alpha = None``, a head's optional class weights): the graphs ran the forward's
+  branch for None, so anything set there after capture is refused (check_constants); what
+  the step's own forwards set there is taken, and watched from then on as what it is (a
+  tensor, a number).
 
 A loss function given as a function reads numbers from the scope it was made in: a closure
 variable (``lambda out, y: F.cross_entropy(out, y, label_smoothing=smoothing)`` made inside a
@@ -236,12 +241,14 @@ class ModelWatch:
             constants, numbers = watched_numbers(module)
             for key in constants:
                 watch("constant", i, attributes, key)
-            numbers = set(numbers)
+            numbers, unset = set(numbers), set(watched_unset(module))
             for key, value in attributes.items():
                 if isinstance(value, torch.Tensor):
                     watch("tensor", i, attributes, key)
                 elif key in numbers:
                     watch("number", i, attributes, key)
+                elif key in unset:
+                    watch("unset", i, attributes, key)
             holders += [(i, key, numbers) for key, value in attributes.items()
                         if (numbers := _held_numbers(module, key, value))]
             for key, p in module._parameters.items():
@@ -418,6 +425,14 @@ class ModelWatch:
                 self._take(e)
             elif what in _SCOPE_TENSORS + _SCOPE_MODULES and now is not _MISSING:
                 self._take(e)  # a tensor the step's own forwards assigned: their output
+            elif what == "unset" and now is not _MISSING:
+                # set by the step's own forwards (or before capture): watched as what it is
+                if type(now) in _NUMBERS:
+                    self._what[e] = ("number", i, key)
+                    changed.append((self._entry_name("number", i, key), was, now))
+                elif isinstance(now, torch.Tensor):
+                    self._what[e] = ("tensor", i, key)
+                self._take(e)
         return changed
 
     def _take(self, e: int) -> None:
@@ -511,6 +526,18 @@ class ModelWatch:
                 container, name = self._containers[k]
                 refuse_resized_container(self._reader(self._readers[k]), container, name,
                                          self._sizes[k], rebuild)
+        for i, key, old, now in self._unequal("unset"):
+            seen = "was deleted" if now is _MISSING else f"is now {_held(now)}"
+            raise NimbleError(
+                f"nimble_train.Step: {self._name(i, key)} ({type(self.modules[i]).__name__}) "
+                f"held {_held(old)} when the step's graphs "
+                f"were captured and {seen}; the graphs run what the forward did with it then (a "
+                "replay runs no Python, so the forward's code for the new value never runs). "
+                "Set it before the Step's first call, or build a new Step to train with it: "
+                "step.close(), then nt.Step(model, optimizer, ...) again (the optimizer's state "
+                "carries over). Nothing was run for this call. An attribute the forward does "
+                f"not read can be named with a leading underscore (_{key}): those are not "
+                "watched.")
         for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
                 seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
@@ -827,6 +854,13 @@ def _description(value: object) -> str:
     return describe(value) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
+def _held(value: object) -> str:
+    """What an attribute holds, as a refusal names it: None, a tensor (its dtype, shape and
+    device), or an object of its type."""
+    return ("None" if value is None else f"a tensor ({describe(value)})"
+            if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+
+
 def _now(table, key):
     """What a dict (a class's own) holds under key, a list at index key, or a closure cell
     holds; _MISSING when none."""
@@ -926,16 +960,30 @@ def reads_mode(cls: type) -> bool:
 
 def watched_numbers(module: torch.nn.Module) -> tuple[list[str], list[str]]:
     """The keys of a module's attributes a graph bakes in as they are: its constants (those of
-    its class's ``__constants__`` it holds), then its numbers -- a leaf's public numbers, which
-    are what its forward reads, or a parent's that its own code names (names_read; a counter
-    user code keeps on the model is not)."""
+    its class's ``__constants__`` it holds), then its numbers (_read_attributes')."""
     attributes = vars(module)
     constants = [key for key in getattr(type(module), "__constants__", ()) if key in attributes]
-    named = None if not module._modules else names_read(type(module))
-    numbers = [key for key, value in attributes.items()
-               if type(value) in _NUMBERS and not key.startswith("_") and key != "training"
-               and key not in constants and (named is None or key in named)]
+    numbers = [key for key in _read_attributes(module)
+               if type(attributes[key]) in _NUMBERS and key not in constants]
     return constants, numbers
+
+
+def watched_unset(module: torch.nn.Module) -> list[str]:
+    """The keys of those of a module's attributes a number would be watched in that hold None
+    (an optional class weight, a focal loss's ``alpha``): the graphs run the forward's code
+    for None."""
+    attributes = vars(module)
+    return [key for key in _read_attributes(module) if attributes[key] is None
+            and key not in getattr(type(module), "__constants__", ())]
+
+
+def _read_attributes(module: torch.nn.Module) -> list[str]:
+    """The keys of the plain attributes a module's forward reads as they are: a leaf's public
+    ones, or a parent's that its own code names (names_read; a counter user code keeps on the
+    model is not)."""
+    named = None if not module._modules else names_read(type(module))
+    return [key for key in vars(module) if not key.startswith("_") and key != "training"
+            and (named is None or key in named)]
 
 
 def names_read(cls: type) -> frozenset[str]:
@@ -1167,9 +1215,9 @@ def _reach(value: object, name: str, names: Container[str] | None,
            depth: int = _REACH_DEPTH) -> Reach:
     """The value itself when a module; else the modules a dict, list or tuple holds (every
     item: a loop runs them all) or a config (_config_items) holds under the attributes in
-    `names` (those the reading code names; None: every one), followed through such holders `depth` levels
-    down (_REACH_ITEMS, _REACH_VISITS bound the search). A tuple's items cannot be replaced:
-    no step into one is an edge."""
+    `names` (those the reading code names; None: every one), followed through such holders
+    `depth` levels down (_REACH_ITEMS, _REACH_VISITS bound the search). A tuple's items cannot
+    be replaced: no step into one is an edge."""
     visits = [_REACH_VISITS]
 
     def reach(value: object, name: str, depth: int) -> Reach:
@@ -1206,8 +1254,8 @@ def _reach(value: object, name: str, names: Container[str] | None,
 
 def _config_items(value: object, names: Container[str] | None
                   ) -> list[tuple[str, object]] | None:
-    """The attributes in `names` (None: every one) of a config (a namespace, a dataclass, an object of the
-    user's: _config_like; not a module, dict, list or tuple, nor an object of
+    """The attributes in `names` (None: every one) of a config (a namespace, a dataclass, an
+    object of the user's: _config_like; not a module, dict, list or tuple, nor an object of
     nimble_train's), as (key, value) each; None for anything else."""
     if (isinstance(value, (torch.nn.Module, dict, list, tuple)) or not _holds_numbers(value)
             or not _config_like(value) or _ours(type(value).__module__)):

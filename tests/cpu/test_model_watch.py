@@ -1141,6 +1141,107 @@ def test_a_leaf_modules_number_changed_is_refused_and_a_parents_or_private_one_i
     assert watch.first_changed() == -1
 
 
+class Focal(nn.Module):
+    """A loss module of the user's (a leaf) whose optional class weights are None unless set."""
+
+    def __init__(self):
+        super().__init__()
+        self.alpha, self.gamma = None, 2.0
+
+    def forward(self, out, y):
+        ce = F.cross_entropy(out, y, reduction="none")
+        weight = 1.0 if self.alpha is None else self.alpha[y]
+        return (weight * (1 - torch.exp(-ce)) ** self.gamma * ce).mean()
+
+
+class Gated(nn.Module):
+    """A parent whose forward applies a mask when one is set; a note user code keeps on it is
+    not read, nor is a private cache."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.mask, self.note, self._cache = None, None, None
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y if self.mask is None else y * self.mask
+
+
+def test_an_attribute_the_forward_reads_that_held_none_at_capture_is_refused_when_set():
+    """The graphs ran the forward's code for None (no mask, no class weights): a tensor, a
+    number or anything else set there after capture would never be read, so it is refused,
+    naming it; None again is what they read. An attribute the code does not name, or a
+    private one, is left alone."""
+    model, loss_fn = Gated(), Focal()
+    watch = captured_watch(model, loss_fn)
+    assert [(what, key) for what, _, key in watch._what if what == "unset"] == [
+        ("unset", "mask"), ("unset", "alpha")]
+    model.mask = torch.zeros(4)
+    assert watch.first_changed() >= 0 and watch.objects_changed()
+    with pytest.raises(NimbleError, match=r"'mask' \(Gated\) held None when the step's graphs "
+                                          r"were captured and is now a tensor \(torch.float32 "
+                                          r"\[4\] on cpu\); the graphs run what the forward did.*"
+                                          r"the forward's code for the new value never runs.*"
+                                          r"build a new Step.*leading underscore \(_mask\)"):
+        watch.refuse_replaced_objects()
+    model.mask = None
+    watch.refuse_replaced_objects()
+    loss_fn.alpha = 0.25
+    with pytest.raises(NimbleError, match=r"'loss_fn.alpha' \(Focal\) held None when .* and "
+                                          r"is now a float"):
+        watch.refuse_replaced_objects()
+    del loss_fn.alpha
+    with pytest.raises(NimbleError, match=r"'loss_fn.alpha' \(Focal\) held None .* and was "
+                                          r"deleted"):
+        watch.refuse_replaced_objects()
+    loss_fn.alpha = None
+    model.note, model._cache = "new", torch.ones(2)  # not read, private
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    out, y = model(torch.randn(3, 4)), torch.tensor([0, 1, 2])
+    assert torch.equal(loss_fn(out, y), Focal()(out, y))  # the reference: None's branch
+
+
+def test_an_attribute_that_held_none_set_before_capture_or_by_a_forward_is_watched_as_it_is():
+    """Set before the first capture: the capture reads it, so it is taken, and watched from
+    then on as the tensor it is (new values in the same shape go where the graphs read them,
+    another shape is refused). Set by the step's own forwards: taken, a number reported as
+    one a capture changed; a failed capture puts None back."""
+    model = Gated()
+    watch = ModelWatch(model)
+    mask = torch.ones(4)
+    model.mask = mask
+    watch.refuse_replaced_objects()  # before capture: taken
+    watch.captured = True
+    assert ("tensor", 0, "mask") in watch._what and watch.first_changed() == -1
+    model.mask = torch.full((4,), 2.0)
+    (table, key, read, now), = watch.replaced_tensors()
+    assert read is mask and key == "mask" and torch.equal(now, torch.full((4,), 2.0))
+    watch.put_back([(table, key, read, now)])
+    assert model.mask is mask and torch.equal(mask, torch.full((4,), 2.0))
+    model.mask = torch.ones(5)
+    with pytest.raises(NimbleError, match=r"tensor attribute 'mask' was replaced"):
+        watch.replaced_tensors()
+    model.mask = mask
+
+    focal = Focal()
+    watch = captured_watch(nn.Linear(4, 3), focal)
+    focal.alpha = 0.5  # as a forward of the step's sets it
+    assert watch.after_forward() == [("'loss_fn.alpha' (Focal)", None, 0.5)]
+    assert ("number", 1, "alpha") in watch._what and watch.first_changed() == -1
+    focal.alpha = 0.75
+    with pytest.raises(NimbleError, match=r"'loss_fn.alpha' \(Focal\) changed from 0.5 to "
+                                          r"0.75"):
+        watch.refuse_replaced_objects()
+
+    model = Gated()
+    watch = captured_watch(model)
+    model.mask = torch.ones(4)  # a capture's forward that fails
+    watch.undo_capture()
+    assert model.mask is None and watch.first_changed() == -1
+
+
 class Masked(nn.Module):
     """A module with children whose own code reads numbers: its forward one, a method it calls
     another, a comprehension in that method a third; a counter user code keeps on it is read

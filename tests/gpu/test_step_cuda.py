@@ -2280,6 +2280,37 @@ def test_a_loss_modules_dropout_runs_as_captured_and_another_mode_is_refused():
     train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
 
 
+class FocalLoss(torch.nn.Module):
+    """A focal loss whose per-class weights are None unless set."""
+
+    def __init__(self, gamma=2.0):
+        super().__init__()
+        self.alpha, self.gamma = None, gamma
+
+    def forward(self, out, y):
+        ce = F.cross_entropy(out, y, reduction="none")
+        weight = 1.0 if self.alpha is None else self.alpha[y]
+        return (weight * (1 - torch.exp(-ce)) ** self.gamma * ce).mean()
+
+
+def test_class_weights_set_on_a_loss_after_capture_where_it_held_none_are_refused():
+    """The graphs ran the focal loss without class weights (alpha None): weights set after
+    capture would never be read, so the call is refused before anything runs; set back to
+    None, training goes on as the eager loop's."""
+    torch.manual_seed(29)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    loss_fn = FocalLoss()
+    step, batches, before = replaying_after_four(m1, o1, loss_fn, seed=29)
+    loss_fn.alpha = torch.rand(5, device="cuda")
+    with pytest.raises(nt.NimbleError, match=r"'loss_fn.alpha' \(FocalLoss\) held None when the "
+                                             r"step's graphs were captured and is now a tensor.*"
+                                             r"Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    loss_fn.alpha = None
+    train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
+
+
 class ScaledInput(torch.nn.Module):
     """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
     its forward changes itself (a call counter)."""
