@@ -44,7 +44,7 @@ from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
                            _own_code, _put_back, _same_value, describe, hook_change,
                            named_scope_modules, number_table, replaced_holder, retarget,
-                           warn_replays_keep, watched_numbers)
+                           shown, warn_replays_keep, watched_numbers, watched_unset)
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -271,7 +271,8 @@ class Evaluator:
 class ScopeModules:
     """The modules an evaluator's fn reads from its scope besides the Step's model (an averaged
     copy of the model the user keeps, a teacher), as its graphs run them: their modes and
-    numbers (those of the configs their code reads too: ``self.cfg.scale``) by value; child
+    numbers (those of the configs their code reads too: ``self.cfg.scale``), and the
+    attributes where a number would be watched that held None (a mask), by value; child
     modules, parameters and buffers by identity (another one is refused: the graphs run the
     old); the keys of their containers (a module appended to a Sequential) and of their forward
     hooks (a hook registered or removed: the graphs run those of the capture); and the data of
@@ -306,7 +307,7 @@ class ScopeModules:
             if "training" in attributes:
                 watch("mode", name, attributes, "training")
             constants, numbers = watched_numbers(module)  # as the Step's ModelWatch picks them
-            for key in constants + numbers:
+            for key in constants + numbers + watched_unset(module):  # None: by value too
                 watch("number", f"{name}.{key}", attributes, key)
             holders += [(name, attributes, key, held) for key, value in attributes.items()
                         if (held := _held_numbers(module, key, value))]
@@ -444,13 +445,16 @@ class ScopeModules:
                 self._take(e)  # an equal value in another object (training = 1)
                 continue
             if kind == "number":
-                seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+                seen = ("was deleted" if now is _MISSING else
+                        f"changed from {shown(old)} to {shown(now)}")
+                what = "an attribute" if old is None else "a number"
                 raise NimbleError(
-                    f"step.evaluator: {name!r}, a number of a module fn reads from its scope, "
+                    f"step.evaluator: {name!r}, {what} of a module fn reads from its scope, "
                     f"{seen} after the evaluator's capture; its graphs run the value they were "
-                    "captured with (the Python numbers a forward reads are baked into a CUDA "
-                    "graph). Set it back, or make a new evaluator for the new value "
-                    "(step.evaluator(fn)). Nothing was run for this call.")
+                    "captured with (the Python numbers a forward reads, and the code it ran "
+                    "for None, are baked into a CUDA graph). Set it back, or make a new "
+                    "evaluator for the new value (step.evaluator(fn)). Nothing was run for "
+                    "this call.")
             if kind == "mode":
                 mode = lambda training: "training" if training else "eval"  # noqa: E731
                 raise NimbleError(

@@ -540,7 +540,8 @@ class ModelWatch:
                 "watched.")
         for kind in ("constant", "number", "held"):
             for i, key, old, now in self._unequal(kind):
-                seen = "was deleted" if now is _MISSING else f"changed from {old!r} to {now!r}"
+                seen = ("was deleted" if now is _MISSING else
+                        f"changed from {shown(old)} to {shown(now)}")
                 unread = ("" if kind != "number" else
                           f" An attribute the forward does not read can be named with a leading "
                           f"underscore (_{key}): those are not watched.")
@@ -859,6 +860,11 @@ def _held(value: object) -> str:
     device), or an object of its type."""
     return ("None" if value is None else f"a tensor ({describe(value)})"
             if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+
+
+def shown(value: object) -> str:
+    """A watched value as a refusal names it: a number or None as written, else as _held."""
+    return repr(value) if value is None or type(value) in _NUMBERS else _held(value)
 
 
 def _now(table, key):

@@ -729,6 +729,27 @@ def test_a_number_of_a_module_an_evaluators_fn_reads_is_watched_by_value():
         reads.settle()
 
 
+def test_an_attribute_that_held_none_in_a_module_an_evaluators_fn_reads_is_watched():
+    """A teacher's mask, None when the evaluator captured: set after, refused (the graphs ran
+    the code for None); None again passes; set by fn's own forwards, taken."""
+    from nimble_train._evaluator import ScopeModules
+    teacher = Gated()
+    reads = ScopeModules(lambda m, b: teacher(b[0]), _Stub(nn.Linear(2, 2)))
+    teacher.mask = torch.ones(4)
+    with pytest.raises(NimbleError, match=r"'teacher.mask', an attribute of a module fn reads "
+                                          r"from its scope, changed from None to a tensor "
+                                          r"\(torch.float32 \[4\] on cpu\) after the "
+                                          r"evaluator's capture.*the code it ran for None"):
+        reads.settle()
+    teacher.mask = None
+    reads.settle()
+    teacher.note, teacher._cache = 1.0, 2.0  # not read, private
+    assert reads._watch.first_changed() == -1
+    teacher.mask = torch.ones(4)  # as fn's forward sets it
+    reads.take()
+    reads.settle()
+
+
 class Smoothing(nn.Module):
     """Keeps a running mean of its input, assigned anew at each call (out of place)."""
 
