@@ -44,7 +44,8 @@ from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
                            _own_code, _put_back, _same_value, describe, hook_change,
                            named_scope_modules, number_table, replaced_holder, retarget,
-                           shown, warn_replays_keep, watched_numbers, watched_unset)
+                           warn_replays_keep, watched_attributes)
+from ._optimizer_state import shown
 from ._padding import BucketPadding
 from ._sync import warn_at_user
 from .errors import NimbleError
@@ -306,8 +307,8 @@ class ScopeModules:
             attributes = vars(module)
             if "training" in attributes:
                 watch("mode", name, attributes, "training")
-            constants, numbers = watched_numbers(module)  # as the Step's ModelWatch picks them
-            for key in constants + numbers + watched_unset(module):  # None: by value too
+            # as the Step's ModelWatch picks them; those that hold None by value too
+            for key in (key for keys in watched_attributes(module) for key in keys):
                 watch("number", f"{name}.{key}", attributes, key)
             holders += [(name, attributes, key, held) for key, value in attributes.items()
                         if (held := _held_numbers(module, key, value))]

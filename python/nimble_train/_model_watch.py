@@ -126,6 +126,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private
 from ._extension import _C
+from ._optimizer_state import shown
 from ._sync import warn_at_user
 from .errors import NimbleError
 
@@ -238,10 +239,10 @@ class ModelWatch:
         self._modes_end = len(entries)
         for i, module in enumerate(self.modules):
             attributes = vars(module)
-            constants, numbers = watched_numbers(module)
+            constants, numbers, unset = watched_attributes(module)
             for key in constants:
                 watch("constant", i, attributes, key)
-            numbers, unset = set(numbers), set(watched_unset(module))
+            numbers, unset = set(numbers), set(unset)
             for key, value in attributes.items():
                 if isinstance(value, torch.Tensor):
                     watch("tensor", i, attributes, key)
@@ -527,10 +528,10 @@ class ModelWatch:
                 refuse_resized_container(self._reader(self._readers[k]), container, name,
                                          self._sizes[k], rebuild)
         for i, key, old, now in self._unequal("unset"):
-            seen = "was deleted" if now is _MISSING else f"is now {_held(now)}"
+            seen = "was deleted" if now is _MISSING else f"is now {shown(now)}"
             raise NimbleError(
                 f"nimble_train.Step: {self._name(i, key)} ({type(self.modules[i]).__name__}) "
-                f"held {_held(old)} when the step's graphs "
+                f"held {shown(old)} when the step's graphs "
                 f"were captured and {seen}; the graphs run what the forward did with it then (a "
                 "replay runs no Python, so the forward's code for the new value never runs). "
                 "Set it before the Step's first call, or build a new Step to train with it: "
@@ -855,18 +856,6 @@ def _description(value: object) -> str:
     return describe(value) if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
-def _held(value: object) -> str:
-    """What an attribute holds, as a refusal names it: None, a tensor (its dtype, shape and
-    device), or an object of its type."""
-    return ("None" if value is None else f"a tensor ({describe(value)})"
-            if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
-
-
-def shown(value: object) -> str:
-    """A watched value as a refusal names it: a number or None as written, else as _held."""
-    return repr(value) if value is None or type(value) in _NUMBERS else _held(value)
-
-
 def _now(table, key):
     """What a dict (a class's own) holds under key, a list at index key, or a closure cell
     holds; _MISSING when none."""
@@ -964,32 +953,20 @@ def reads_mode(cls: type) -> bool:
     return "training" in names_read(cls)
 
 
-def watched_numbers(module: torch.nn.Module) -> tuple[list[str], list[str]]:
+def watched_attributes(module: torch.nn.Module) -> tuple[list[str], list[str], list[str]]:
     """The keys of a module's attributes a graph bakes in as they are: its constants (those of
-    its class's ``__constants__`` it holds), then its numbers (_read_attributes')."""
+    its class's ``__constants__`` it holds); then, of the plain attributes its forward reads (a
+    leaf's public ones, or a parent's that its own code names: names_read; a counter user code
+    keeps on the model is not), its numbers, and those that hold None (an optional class
+    weight, a focal loss's ``alpha``: the graphs run the forward's code for None)."""
     attributes = vars(module)
     constants = [key for key in getattr(type(module), "__constants__", ()) if key in attributes]
-    numbers = [key for key in _read_attributes(module)
-               if type(attributes[key]) in _NUMBERS and key not in constants]
-    return constants, numbers
-
-
-def watched_unset(module: torch.nn.Module) -> list[str]:
-    """The keys of those of a module's attributes a number would be watched in that hold None
-    (an optional class weight, a focal loss's ``alpha``): the graphs run the forward's code
-    for None."""
-    attributes = vars(module)
-    return [key for key in _read_attributes(module) if attributes[key] is None
-            and key not in getattr(type(module), "__constants__", ())]
-
-
-def _read_attributes(module: torch.nn.Module) -> list[str]:
-    """The keys of the plain attributes a module's forward reads as they are: a leaf's public
-    ones, or a parent's that its own code names (names_read; a counter user code keeps on the
-    model is not)."""
     named = None if not module._modules else names_read(type(module))
-    return [key for key in vars(module) if not key.startswith("_") and key != "training"
+    read = [key for key, value in attributes.items()
+            if not key.startswith("_") and key != "training" and key not in constants
             and (named is None or key in named)]
+    return (constants, [key for key in read if type(attributes[key]) in _NUMBERS],
+            [key for key in read if attributes[key] is None])
 
 
 def names_read(cls: type) -> frozenset[str]:

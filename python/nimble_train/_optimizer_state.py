@@ -64,7 +64,7 @@ def _same(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _shown(value: Any) -> str:
+def shown(value: Any) -> str:
     """A value for a message; a device tensor's values are not read (inside a capture a read
     would synchronise)."""
     if isinstance(value, torch.Tensor):
@@ -179,12 +179,12 @@ class HostState:
                     obj.copy_(new)  # in the graph: the replays carry it to the next step
                     values[key] = obj
                     continue
-                changes.append(f"{held.name(key)} went from {_shown(obj)} to {_shown(new)}")
+                changes.append(f"{held.name(key)} went from {shown(obj)} to {shown(new)}")
             elif not _same(picture, _picture(new)):
                 was = picture[1] if isinstance(obj, torch.Tensor) else obj  # a CPU tensor's copy
-                changes.append(f"{held.name(key)} went from {_shown(was)} to {_shown(new)}")
+                changes.append(f"{held.name(key)} went from {shown(was)} to {shown(new)}")
         for key in held.added():
-            changes.append(f"{held.name(key)} was added ({_shown(values[key])})")
+            changes.append(f"{held.name(key)} was added ({shown(values[key])})")
         return changes
 
     def restore(self) -> None:

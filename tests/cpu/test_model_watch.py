@@ -737,9 +737,9 @@ def test_an_attribute_that_held_none_in_a_module_an_evaluators_fn_reads_is_watch
     reads = ScopeModules(lambda m, b: teacher(b[0]), _Stub(nn.Linear(2, 2)))
     teacher.mask = torch.ones(4)
     with pytest.raises(NimbleError, match=r"'teacher.mask', an attribute of a module fn reads "
-                                          r"from its scope, changed from None to a tensor "
-                                          r"\(torch.float32 \[4\] on cpu\) after the "
-                                          r"evaluator's capture.*the code it ran for None"):
+                                          r"from its scope, changed from None to a CPU tensor "
+                                          r"of shape \(4,\) \(float32\) after the evaluator's "
+                                          r"capture.*the code it ran for None"):
         reads.settle()
     teacher.mask = None
     reads.settle()
@@ -1201,8 +1201,9 @@ def test_an_attribute_the_forward_reads_that_held_none_at_capture_is_refused_whe
     model.mask = torch.zeros(4)
     assert watch.first_changed() >= 0 and watch.objects_changed()
     with pytest.raises(NimbleError, match=r"'mask' \(Gated\) held None when the step's graphs "
-                                          r"were captured and is now a tensor \(torch.float32 "
-                                          r"\[4\] on cpu\); the graphs run what the forward did.*"
+                                          r"were captured and is now a CPU tensor of shape "
+                                          r"\(4,\) \(float32\); the graphs run what the forward "
+                                          r"did.*"
                                           r"the forward's code for the new value never runs.*"
                                           r"build a new Step.*leading underscore \(_mask\)"):
         watch.refuse_replaced_objects()
@@ -1210,7 +1211,7 @@ def test_an_attribute_the_forward_reads_that_held_none_at_capture_is_refused_whe
     watch.refuse_replaced_objects()
     loss_fn.alpha = 0.25
     with pytest.raises(NimbleError, match=r"'loss_fn.alpha' \(Focal\) held None when .* and "
-                                          r"is now a float"):
+                                          r"is now 0.25"):
         watch.refuse_replaced_objects()
     del loss_fn.alpha
     with pytest.raises(NimbleError, match=r"'loss_fn.alpha' \(Focal\) held None .* and was "

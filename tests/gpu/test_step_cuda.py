@@ -2303,8 +2303,8 @@ def test_class_weights_set_on_a_loss_after_capture_where_it_held_none_are_refuse
     step, batches, before = replaying_after_four(m1, o1, loss_fn, seed=29)
     loss_fn.alpha = torch.rand(5, device="cuda")
     with pytest.raises(nt.NimbleError, match=r"'loss_fn.alpha' \(FocalLoss\) held None when the "
-                                             r"step's graphs were captured and is now a tensor.*"
-                                             r"Nothing was run"):
+                                             r"step's graphs were captured and is now a cuda "
+                                             r"tensor of shape \(5,\).*Nothing was run"):
         step(batches[4])
     assert_nothing_ran(m1, before)
     loss_fn.alpha = None
