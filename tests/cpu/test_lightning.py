@@ -239,3 +239,20 @@ def test_package_does_not_import_lightning_and_the_module_says_how_to_install_it
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "pip install 'nimble_train[lightning]'" in out.stdout
+
+
+def test_the_batch_index_each_call_passes_to_training_step_is_not_a_watched_number():
+    """batch_idx is the captured one in a replay (the strategy's contract), and every call
+    passes the next: the Step's watch of the numbers a forward reads (a tuple of them among
+    those) must not refuse the call that hands it over, nor its keyword arguments."""
+    from nimble_train._model_watch import ModelWatch
+    from nimble_train.integrations.lightning import _TrainingStepModule
+
+    wrapper = _TrainingStepModule(Classifier())
+    wrapper._step_args, wrapper._step_kwargs = (2,), {}
+    watch = ModelWatch(wrapper)
+    watch.captured = True
+    wrapper._step_args, wrapper._step_kwargs = (3,), {"dataloader_idx": 0}
+    assert watch.first_changed() == -1
+    watch.refuse_replaced_objects()
+    watch.check_constants()

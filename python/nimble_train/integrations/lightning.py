@@ -159,8 +159,11 @@ class _TrainingStepModule(torch.nn.Module):
     def __init__(self, module: pl.LightningModule):
         super().__init__()
         self.module = module
-        self.step_args: tuple = ()     # training_step's arguments after the batch (batch_idx)
-        self.step_kwargs: dict = {}
+        # training_step's arguments after the batch (batch_idx): the captured ones are what the
+        # replays run (the module's docstring); private, so that the Step's watch of the
+        # numbers a forward reads does not refuse the next call's batch_idx
+        self._step_args: tuple = ()
+        self._step_kwargs: dict = {}
         # The bodies that ran, by the address of the loss they returned: an eager step's body
         # just ran, a replay's ran in its capture (Step._loss_made).
         self.bodies: dict[int, _Body] = {}
@@ -168,7 +171,7 @@ class _TrainingStepModule(torch.nn.Module):
     def forward(self, batch: Any) -> torch.Tensor:
         logs: list[_Logged] = []
         with _recording_logs(self.module, logs, "training_step"):
-            output = self.module.training_step(batch, *self.step_args, **self.step_kwargs)
+            output = self.module.training_step(batch, *self._step_args, **self._step_kwargs)
         loss, extra = _split_output(output)
         capturing = loss.is_cuda and torch.cuda.is_current_stream_capturing()
         self.bodies[loss.data_ptr()] = _Body(logs, extra, captured=capturing)
@@ -191,8 +194,8 @@ class _TrainingStepModule(torch.nn.Module):
         and leaves in `meta` how to log them."""
         logs: list[_Logged] = []
         with _recording_logs(self.module, logs, "validation_step"):
-            output = self.module.validation_step(batch["batch"], *self.step_args,
-                                                 **self.step_kwargs)
+            output = self.module.validation_step(batch["batch"], *self._step_args,
+                                                 **self._step_kwargs)
         out = {}
         for i, logged in enumerate(logs):
             if isinstance(logged.value, torch.Tensor):
@@ -331,7 +334,7 @@ class NimbleStrategy(SingleDeviceStrategy):
                 "updates inside training_step, so an override of LightningModule.optimizer_step "
                 "must run the closure through optimizer.step(closure=optimizer_closure)")
         batch, args, kwargs = _split_batch(args, kwargs)
-        self._module.step_args, self._module.step_kwargs = args, kwargs
+        self._module._step_args, self._module._step_kwargs = args, kwargs
         loss = step({"batch": batch}, update=self._stepping)
         self._calls += 1
         self._micro = 0 if self._stepping else self._micro + 1
@@ -406,7 +409,7 @@ class NimbleStrategy(SingleDeviceStrategy):
                 lambda model, b: module.evaluate(model, b, meta))
             self._evaluators[loader] = (evaluator, meta)
         evaluator, meta = self._evaluators[loader]
-        self._module.step_args, self._module.step_kwargs = args, kwargs
+        self._module._step_args, self._module._step_kwargs = args, kwargs
         out = evaluator({"batch": batch})
         logs = [_Logged(m.name, out[f"log/{i}"] if isinstance(m.value, torch.Tensor)
                         else m.value, m.args, m.kwargs) for i, m in enumerate(meta)]
