@@ -144,7 +144,7 @@ def refuse_replaced(what: str, why: str) -> None:
 
 
 _MISSING = object()
-_NUMBERS = (bool, int, float, str)  # the attributes watched as numbers
+_NUMBERS = (bool, int, float, str)  # the attributes watched as numbers (and tuples of them)
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global", "scope held")
 # A config a function reads numbers through, by the name it reads it under (scope_holders)
@@ -428,7 +428,7 @@ class ModelWatch:
                 self._take(e)  # a tensor the step's own forwards assigned: their output
             elif what == "unset" and now is not _MISSING:
                 # set by the step's own forwards (or before capture): watched as what it is
-                if type(now) in _NUMBERS:
+                if is_number(now):
                     self._what[e] = ("number", i, key)
                     changed.append((self._entry_name("number", i, key), was, now))
                 elif isinstance(now, torch.Tensor):
@@ -843,7 +843,7 @@ def _held_numbers(module: torch.nn.Module, key: str, value: object) -> list[str]
                                             types.FunctionType)))
         names = names | _own_code(held, ("__call__",) * callable(value) + called)[0]
     return [name for name, number in vars(value).items()
-            if name in names and not name.startswith("_") and type(number) in _NUMBERS]
+            if name in names and not name.startswith("_") and is_number(number)]
 
 
 def _fits(now: object, read: object) -> bool:
@@ -965,7 +965,7 @@ def watched_attributes(module: torch.nn.Module) -> tuple[list[str], list[str], l
     read = [key for key, value in attributes.items()
             if not key.startswith("_") and key != "training" and key not in constants
             and (named is None or key in named)]
-    return (constants, [key for key in read if type(attributes[key]) in _NUMBERS],
+    return (constants, [key for key in read if is_number(attributes[key])],
             [key for key in read if attributes[key] is None])
 
 
@@ -998,9 +998,9 @@ def _in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
 
 
 def _numbers_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
-    """Those of _in_scope that hold a number (bool, int, float, str)."""
+    """Those of _in_scope that hold a number (bool, int, float, str, or a tuple of them)."""
     return [(kind, table, name) for kind, table, name in _in_scope(fn)
-            if type(_now(table, name)) in _NUMBERS]
+            if is_number(_now(table, name))]
 
 
 def _tensors_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
@@ -1108,11 +1108,11 @@ def _holders(functions: list[types.FunctionType]
         holder = _now(table, name)
         if isinstance(holder, dict):
             numbers = [(holder, key, item_name(name, key)) for key, value in holder.items()
-                       if isinstance(key, str) and key in keys and type(value) in _NUMBERS]
+                       if isinstance(key, str) and key in keys and is_number(value)]
         elif _holds_numbers(holder) and _config_like(holder):
             numbers = [(vars(holder), key, f"{name}.{key}") for key, value in vars(holder).items()
                        if key in attributes and not key.startswith("_")
-                       and type(value) in _NUMBERS]
+                       and is_number(value)]
         else:
             continue
         if numbers:
@@ -1535,12 +1535,23 @@ class ScopeWatch:
         return changed
 
 
+def is_number(value: object) -> bool:
+    """A value a graph bakes in as it is: a bool, int, float or str, or a tuple of them (a
+    kernel size, a pair of scales; a tuple cannot change in place)."""
+    return type(value) in _NUMBERS or (type(value) is tuple and all(map(is_number, value)))
+
+
 def _same_value(now: object, old: object, same_type: bool = True) -> bool:
     """A watched number (or mode) set again to an equal value in a new object: taken as the
-    captured one. A number must keep its type too (an int where a float was is another value
-    for the graphs' kernels); a mode need not (training = 1)."""
+    captured one. A number must keep its type too, a tuple's items theirs (an int where a
+    float was is another value for the graphs' kernels); a mode need not (training = 1)."""
     return (now is not _MISSING and _equal(now, old)
-            and (not same_type or type(now) is type(old)))
+            and (not same_type or _same_types(now, old)))
+
+
+def _same_types(a: object, b: object) -> bool:
+    return type(a) is type(b) and (type(a) is not tuple
+                                   or all(map(_same_types, a, b)))  # equal: of one length
 
 
 def _equal(a: object, b: object) -> bool:

@@ -1162,6 +1162,60 @@ def test_a_leaf_modules_number_changed_is_refused_and_a_parents_or_private_one_i
     assert watch.first_changed() == -1
 
 
+class Scaled(nn.Module):
+    """A leaf of the user's whose forward scales its input's channels by a pair of numbers."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = (0.5, 2.0)
+
+    def forward(self, x):
+        return torch.cat([x[:, :2] * self.scales[0], x[:, 2:] * self.scales[1]], dim=1)
+
+
+CROP = (1, 3)  # a global tuple Cropped's code reads
+
+
+class Cropped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)[:, CROP[0]:CROP[1]]
+
+
+def test_a_tuple_of_numbers_a_forward_reads_is_watched_as_a_number():
+    """A tuple cannot change in place, so one given anew is what changes: refused with its old
+    and new values, as a number is; an equal tuple passes, one whose items changed type (an
+    int where a float was) does not. A global tuple is watched as a global number is."""
+    global CROP
+    model = nn.Sequential(Scaled(), Cropped())
+    watch = captured_watch(model)
+    assert ("number", 1, "scales") in watch._what and ("global", 2, "CROP") in watch._what
+    model[0].scales = (0.5, 3.0)
+    with pytest.raises(NimbleError, match=r"'0.scales' \(Scaled\) changed from \(0.5, 2.0\) "
+                                          r"to \(0.5, 3.0\) after capture.*build a new Step"):
+        watch.refuse_replaced_objects()
+    model[0].scales = (0.5, 2)  # equal, but an int where the graphs baked a float
+    with pytest.raises(NimbleError, match=r"changed from \(0.5, 2.0\) to \(0.5, 2\)"):
+        watch.refuse_replaced_objects()
+    model[0].scales = tuple([0.5, float("2")])  # equal, another object: taken
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    CROP = (0, 2)
+    try:
+        with pytest.raises(NimbleError, match=r"the global 'CROP' that '1' \(Cropped\) reads "
+                                              r"changed from \(1, 3\) to \(0, 2\)"):
+            watch.refuse_replaced_objects()
+    finally:
+        CROP = (1, 3)
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    x = torch.randn(3, 4)
+    assert torch.equal(model[0](x), x * torch.tensor([0.5, 0.5, 2.0, 2.0]))
+
+
 class Focal(nn.Module):
     """A loss module of the user's (a leaf) whose optional class weights are None unless set."""
 
