@@ -17,9 +17,9 @@ graph and updates each bucket right after its all-reduce, while the backward goe
 time is the slowest rank's median of --repeats runs of --steps steps. With --shard-optimizer
 two last rows time nt.Step(shard_optimizer=True) (ZeRO-1: reduce-scatter, each rank's update
 of its part, all-gather, in the graph; each GPU keeps 1/N of the optimizer state), with the
-update and all-gather after the backward and per bucket. With --sync-bn every mode on N GPUs converts the model's BatchNorm layers to SyncBatchNorm
-(statistics over all GPUs' samples: one all-gather in the forward and one all-reduce in the
-backward per layer); the one-GPU
+update and all-gather after the backward and per bucket. With --sync-bn every mode on N GPUs
+converts the model's BatchNorm layers to SyncBatchNorm (statistics over all GPUs' samples: one
+all-gather in the forward and one all-reduce in the backward per layer); the one-GPU
 baseline keeps BatchNorm. With --grad-clip every mode clips the global gradient norm
 (clip_grad_norm_ with foreach, captured in ddp-graph; nt.Step(grad_clip=MAX), whose update then
 needs every gradient: its "step" rows take each bucket's share of the norm right after the

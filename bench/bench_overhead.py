@@ -217,7 +217,8 @@ def run(name: str, args, cycles_per_ms: float) -> list[tuple[str, float, float]]
         gc.collect()
         torch.cuda.synchronize()
     print(f"\n{title}, batch {batch}")
-    print("| way | host µs per call | wall µs per step | host ÷ hand-written | wall ÷ hand-written |")
+    print("| way | host µs per call | wall µs per step | host ÷ hand-written "
+          "| wall ÷ hand-written |")
     print("|---|---|---|---|---|")
     hand = next(r for r in rows if r[0].startswith("hand"))
     for way, h, w in rows:

@@ -11,8 +11,8 @@ with a BertTokenizer over a generated 30522-word vocabulary (pad id 0, max lengt
 
 Both rows use the same TrainingArguments, what a user fine-tuning on an H100 would pick:
 bf16=True, per_device_train_batch_size=16, learning_rate 2e-5 with a linear schedule and 6%
-warm-up (warmup_steps), Trainer's defaults otherwise (its fused AdamW, max_grad_norm=1.0, logging every 50
-steps, no checkpoints during the run). Each row trains a fresh model from the same seed on the
+warm-up (warmup_steps), Trainer's defaults otherwise (its fused AdamW, max_grad_norm=1.0,
+logging every 50 steps, no checkpoints during the run). Each row trains a fresh model from the same seed on the
 same data in the same order:
 
 - trainer: transformers.Trainer.
@@ -182,7 +182,8 @@ def main(argv=None) -> int:
         results = [run_row(key, args, data, tokenizer, tmp) for key in args.rows]
     if args.device != "cuda":
         for r in results:
-            print(f"{r['key']}: ran {args.steps} steps, last loss {r['last_loss']}; {r.get('note', '')}")
+            print(f"{r['key']}: ran {args.steps} steps, last loss {r['last_loss']}; "
+                  f"{r.get('note', '')}")
         return 0
     base = next((r for r in results if r["key"] == "trainer" and "samples_s" in r), None)
     print(f"\nBERT-{args.size} sequence classification, batch {args.batch}, bf16, dynamic "

@@ -15,7 +15,8 @@ nt_python_env() {
     local venv=${NT_VENV:-$HOME/.venvs/nimble_train}
     if [ ! -x "$venv/bin/python" ]; then
       nt_log "creating the virtual environment $venv"
-      python3 -m venv "$venv" || { nt_log "python3 -m venv failed: install python3-venv"; return 1; }
+      python3 -m venv "$venv" ||
+        { nt_log "python3 -m venv failed: install python3-venv"; return 1; }
     fi
     # shellcheck disable=SC1091
     . "$venv/bin/activate"

@@ -1,4 +1,5 @@
-"""The errors nimble_train raises; each message says what was expected, what was seen, and the fix."""
+"""The errors nimble_train raises; each message says what was expected, what was seen, and the
+fix."""
 
 
 class NimbleError(Exception):

@@ -269,7 +269,8 @@ class Step:
         call of the window). Both are staged values: no recapture."""
         window = self._window
         window.set_call(update, loss_weight)
-        if self._phase is Phase.REPLAY and not (window.ends and window.micro != self.accumulate - 1):
+        ends_early = window.ends and window.micro != self.accumulate - 1
+        if self._phase is Phase.REPLAY and not ends_early:
             try:
                 tensors = self._template.tensors(batch)
                 full = tensors[self._lead].shape[0] == self._template.batch_size

@@ -13,9 +13,10 @@ namespace {
 // its backend's, else the generic one; none set anywhere is IEEE.
 at::Float32Precision fp32_precision(at::Float32Op op) {
   const auto& context = at::globalContext();
-  for (const auto& [backend, level] : {std::pair{at::Float32Backend::CUDA, op},
-                                       std::pair{at::Float32Backend::CUDA, at::Float32Op::ALL},
-                                       std::pair{at::Float32Backend::GENERIC, at::Float32Op::ALL}}) {
+  using at::Float32Backend, at::Float32Op;
+  for (const auto& [backend, level] : {std::pair{Float32Backend::CUDA, op},
+                                       std::pair{Float32Backend::CUDA, Float32Op::ALL},
+                                       std::pair{Float32Backend::GENERIC, Float32Op::ALL}}) {
     const at::Float32Precision precision = context.float32Precision(backend, level);
     if (precision != at::Float32Precision::NONE) return precision;
   }

@@ -157,8 +157,8 @@ StaticInputs::StaticInputs(std::vector<LeafSpec> specs) : specs_(std::move(specs
                spec.path, ")");
       batch_size_ = spec.sizes[0];
     }
-    buffers_.push_back(at::empty_strided(spec.sizes, spec.strides,
-                                         at::TensorOptions().dtype(spec.dtype).device(spec.device)));
+    const auto options = at::TensorOptions().dtype(spec.dtype).device(spec.device);
+    buffers_.push_back(at::empty_strided(spec.sizes, spec.strides, options));
   }
 }
 

@@ -16,7 +16,8 @@
 namespace nimble_train::capture {
 
 struct StepGraph::Entry {
-  explicit Entry(std::shared_ptr<StaticInputs> in) : inputs_ptr(std::move(in)), inputs(*inputs_ptr) {}
+  explicit Entry(std::shared_ptr<StaticInputs> in)
+      : inputs_ptr(std::move(in)), inputs(*inputs_ptr) {}
   std::shared_ptr<StaticInputs> inputs_ptr;  // shared by the entries of one batch layout
   StaticInputs& inputs;
   std::unique_ptr<TorchGraph> graph;  // set while capturing and once captured

@@ -80,9 +80,12 @@ std::vector<Found> members_of(nn::Module& module) {
     return {{"weight", false, &m->weight}, {"pos_weight", false, &m->pos_weight}};
   }
   if (auto* m = as<nn::MultiheadAttentionImpl>(module)) {  // out_proj is a child Linear
-    return {{"in_proj_weight", true, &m->in_proj_weight}, {"in_proj_bias", true, &m->in_proj_bias},
-            {"bias_k", true, &m->bias_k},                 {"bias_v", true, &m->bias_v},
-            {"q_proj_weight", true, &m->q_proj_weight},   {"k_proj_weight", true, &m->k_proj_weight},
+    return {{"in_proj_weight", true, &m->in_proj_weight},
+            {"in_proj_bias", true, &m->in_proj_bias},
+            {"bias_k", true, &m->bias_k},
+            {"bias_v", true, &m->bias_v},
+            {"q_proj_weight", true, &m->q_proj_weight},
+            {"k_proj_weight", true, &m->k_proj_weight},
             {"v_proj_weight", true, &m->v_proj_weight}};
   }
   return out;

@@ -757,7 +757,9 @@ at::Tensor Step::Impl::forward(const Batch& batch) {
 
 at::Tensor Step::Impl::loss_of(const Batch& batch, int64_t batch_size, const at::Tensor& valid) {
   at::Tensor losses = forward(batch);
-  if (!losses.defined()) throw Error("nimble_train::Step: forward_loss returned an undefined tensor");
+  if (!losses.defined()) {
+    throw Error("nimble_train::Step: forward_loss returned an undefined tensor");
+  }
   int kind;
   if (losses.dim() == 0) {
     kind = 0;
@@ -1121,8 +1123,8 @@ void Step::Impl::keep_state_bound() {
   auto& state = optimizer_.state();
   size_t index = 0;
   for (const optim::FlatTensors& flat : flats_) {
-    const char* base = flat.state.empty() ? nullptr
-                                          : static_cast<const char*>(flat.state[0].const_data_ptr());
+    const char* base =
+        flat.state.empty() ? nullptr : static_cast<const char*>(flat.state[0].const_data_ptr());
     const int64_t element_size = flat.param.element_size();
     for (size_t i = 0; i < flat.params.size(); ++i, ++index) {
       if (bound_[index] == nullptr) continue;
@@ -1568,7 +1570,9 @@ StepStats Step::Impl::stats() const {
   s.updates = updates_;
   s.host_syncs_in_warmup = syncs_.count;
 #if NT_HAVE_CUDA
-  if (graph_ && entry_ >= 0 && graph_->num_entries() > 0) s.graph_nodes = graph_->node_count(entry_);
+  if (graph_ && entry_ >= 0 && graph_->num_entries() > 0) {
+    s.graph_nodes = graph_->node_count(entry_);
+  }
 #endif
   s.update = fused_ ? "fused" : "eager";
   s.capture_error = capture_error_;
