@@ -126,7 +126,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _torch_private
 from ._extension import _C
-from ._optimizer_state import shown
+from ._optimizer_state import same, shown
 from ._sync import warn_at_user
 from .errors import NimbleError
 
@@ -145,6 +145,14 @@ def refuse_replaced(what: str, why: str) -> None:
 
 _MISSING = object()
 _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers (and tuples of them)
+
+
+def is_number(value: object) -> bool:
+    """A value a graph bakes in as it is: a bool, int, float or str, or a tuple of them (a
+    kernel size, a pair of scales; a tuple cannot change in place)."""
+    return type(value) in _NUMBERS or (type(value) is tuple and all(map(is_number, value)))
+
+
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global", "scope held")
 # A config a function reads numbers through, by the name it reads it under (scope_holders)
@@ -1535,23 +1543,11 @@ class ScopeWatch:
         return changed
 
 
-def is_number(value: object) -> bool:
-    """A value a graph bakes in as it is: a bool, int, float or str, or a tuple of them (a
-    kernel size, a pair of scales; a tuple cannot change in place)."""
-    return type(value) in _NUMBERS or (type(value) is tuple and all(map(is_number, value)))
-
-
 def _same_value(now: object, old: object, same_type: bool = True) -> bool:
     """A watched number (or mode) set again to an equal value in a new object: taken as the
     captured one. A number must keep its type too, a tuple's items theirs (an int where a
     float was is another value for the graphs' kernels); a mode need not (training = 1)."""
-    return (now is not _MISSING and _equal(now, old)
-            and (not same_type or _same_types(now, old)))
-
-
-def _same_types(a: object, b: object) -> bool:
-    return type(a) is type(b) and (type(a) is not tuple
-                                   or all(map(_same_types, a, b)))  # equal: of one length
+    return now is not _MISSING and _equal(now, old) and (not same_type or same(now, old))
 
 
 def _equal(a: object, b: object) -> bool:

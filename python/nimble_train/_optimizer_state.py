@@ -52,13 +52,15 @@ def _picture(value: Any, depth: int = 0) -> Any:
     return ("object", id(value))
 
 
-def _same(a: Any, b: Any) -> bool:
+def same(a: Any, b: Any) -> bool:
+    """Two values alike in value and type, a tuple's items each (an int is not a float), NaN
+    alike; tensors in dtype, shape and values."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.dtype == b.dtype and a.shape == b.shape
                 and bool(torch.eq(a, b).logical_or(a.ne(a).logical_and(b.ne(b))).all()))
     if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True  # NaN stays NaN
     return type(a) is type(b) and a == b
@@ -180,7 +182,7 @@ class HostState:
                     values[key] = obj
                     continue
                 changes.append(f"{held.name(key)} went from {shown(obj)} to {shown(new)}")
-            elif not _same(picture, _picture(new)):
+            elif not same(picture, _picture(new)):
                 was = picture[1] if isinstance(obj, torch.Tensor) else obj  # a CPU tensor's copy
                 changes.append(f"{held.name(key)} went from {shown(was)} to {shown(new)}")
         for key in held.added():
