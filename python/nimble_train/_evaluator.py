@@ -42,7 +42,7 @@ from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
-                           _own_code, _put_back, _same_value, describe, hook_change,
+                           _own_code, _put_back, _same_value, describe, hook_change, kept,
                            named_scope_modules, number_table, replaced_holder, retarget,
                            warn_replays_keep, watched_attributes)
 from ._optimizer_state import shown
@@ -334,8 +334,12 @@ class ScopeModules:
         # in its place leave a dict's number of keys as it was, not the count.
         self._hook_count = len(entries)
         watch("hook count", "", RemovableHandle, "next_id")
-        self._entries = entries
-        self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
+        # the numbers' entries: a list there is compared by its items, from a copy
+        self._items = frozenset(e for e, (kind, _) in enumerate(self._what) if kind == "number")
+        self._entries = [(table, key, kept(value)) if e in self._items else (table, key, value)
+                         for e, (table, key, value) in enumerate(entries)]
+        self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables],
+                                    sorted(self._items))
         known = {id(t) for t in step._watched}
         self._names, self._tensors = [], []
         for name, module in named:
@@ -417,7 +421,8 @@ class ScopeModules:
         """Entry e's value becomes what its dict holds now."""
         table, key, _ = self._entries[e]
         self._watch.update(e)
-        self._entries[e] = (table, key, _now(table, key))
+        now = _now(table, key)
+        self._entries[e] = (table, key, kept(now) if e in self._items else now)
 
     def _retarget_held(self, holder: int, now: object) -> None:
         """The numbers of the holder entry's object are watched in `now` from now on."""

@@ -13,7 +13,8 @@ the graph reads. ModelWatch holds those entries and checks them all in one C++ p
   BatchNorm's ``momentum`` and ``eps``, a loss module's ``label_smoothing``), or a number of a
   leaf module's (a public bool, int, float or str attribute of a module without children:
   timm's ``DropPath.drop_prob``, torchvision's ``StochasticDepth.p``, a focal loss's
-  ``gamma``), or one of a module with children that its own code names (names_read: a model's
+  ``gamma``; a tuple of them, or a list, whose items are watched: is_number), or one of a
+  module with children that its own code names (names_read: a model's
   ``self.mask_ratio`` its forward reads, not a counter user code keeps on it): the graphs run
   the Python value they were captured with, so another value is refused (before the first
   capture any value is taken: the capture bakes it); an equal one in a new object is taken as
@@ -149,8 +150,22 @@ _NUMBERS = (bool, int, float, str)  # the attributes watched as numbers (and tup
 
 def is_number(value: object) -> bool:
     """A value a graph bakes in as it is: a bool, int, float or str, or a tuple of them (a
-    kernel size, a pair of scales; a tuple cannot change in place)."""
-    return type(value) in _NUMBERS or (type(value) is tuple and all(map(is_number, value)))
+    kernel size, a pair of scales); or a list of them, not empty (per-stage widths, a list of
+    loss weights), which may change in place: the watch compares its items (EntryWatch's
+    items; kept holds a copy to compare with). An empty list is an accumulator as often as not
+    (of tensors a forward appends), and is not watched."""
+    return _frozen_number(value) or (type(value) is list and bool(value)
+                                     and all(map(_frozen_number, value)))
+
+
+def _frozen_number(value: object) -> bool:
+    return type(value) in _NUMBERS or (type(value) is tuple and all(map(_frozen_number, value)))
+
+
+def kept(value: object) -> object:
+    """A watched number as the watch keeps it to compare with: a list as a copy (the list
+    itself may change in place); anything else as it is."""
+    return list(value) if type(value) is list else value
 
 
 # entries compared by value, not identity
@@ -360,8 +375,13 @@ class ModelWatch:
         self._tables += [("scope container", -1, container, frozenset())
                          for container, _ in self._containers]
         self._sizes = [len(container) for container, _ in self._containers]
-        self._entries = entries
-        self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables])
+        # the numbers' entries: a list there is compared by its items, from a copy
+        self._items = frozenset(e for e, (what, _, _) in enumerate(self._what)
+                                if what in _BY_VALUE + ("unset",))
+        self._entries = [(table, key, kept(value)) if e in self._items else (table, key, value)
+                         for e, (table, key, value) in enumerate(entries)]
+        self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables],
+                                    sorted(self._items))
         # per parameter, the keys of each kind of hook on its gradient (_GRAD_HOOKS); the
         # dicts' numbers of keys are watched (a parameter has none until its first hook)
         self._grad_hooks: list[tuple[frozenset, ...]] = []
@@ -448,7 +468,8 @@ class ModelWatch:
         """Entry e's value becomes what its dict holds now."""
         table, key, _ = self._entries[e]
         self._watch.update(e)
-        self._entries[e] = (table, key, _now(table, key))
+        now = _now(table, key)
+        self._entries[e] = (table, key, kept(now) if e in self._items else now)
 
     def _path(self, i: int, key: str | None = None) -> str:
         """Module i's attribute `key` as named from the model (``'0.temperature'``'s path)."""
@@ -782,7 +803,7 @@ def retarget(watch, e: int, key: str, table: dict) -> tuple:
     entry, (table, key, value)."""
     table = table if key in table else {key: _MISSING}
     watch.retarget(e, table)
-    return (table, key, table[key])
+    return (table, key, kept(table[key]))
 
 
 def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) -> None:
@@ -798,9 +819,13 @@ def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) ->
 
 
 def _put_back(entry: tuple) -> None:
-    """The dict or closure cell of an EntryWatch entry holds its value again."""
+    """The dict or closure cell of an EntryWatch entry holds its value again (a list of
+    numbers changed in place: its items, in place)."""
     table, key, value = entry
-    if isinstance(table, types.CellType):
+    if type(value) is list and type(now := _now(table, key)) is list:
+        if now is not value:
+            now[:] = value
+    elif isinstance(table, types.CellType):
         table.cell_contents = value
     else:
         table[key] = value
@@ -1481,10 +1506,15 @@ class ScopeWatch:
             self._what += [("held", held, key) for held, key, _ in numbers]
             self._labels += [label for _, _, label in numbers]
             self._held[holder] = list(range(holder + 1, len(self._what)))
-        self._entries = [scope_entry(kind.split()[0], table, key)
-                         for kind, table, key in self._what]
+        entries = [scope_entry(kind.split()[0], table, key) for kind, table, key in self._what]
+        # the numbers' entries: a list there is compared by its items, from a copy
+        self._items = frozenset(e for e, (kind, _, _) in enumerate(self._what)
+                                if kind in ("closure", "global", "held"))
+        self._entries = [(table, key, kept(value)) if e in self._items else (table, key, value)
+                         for e, (table, key, value) in enumerate(entries)]
         self._sizes = [len(container) for container, _ in self._containers]
-        self._watch = _C.EntryWatch(self._entries, [c for c, _ in self._containers])
+        self._watch = _C.EntryWatch(entries, [c for c, _ in self._containers],
+                                    sorted(self._items))
 
     def check(self) -> None:
         """Raised before anything runs."""
@@ -1535,7 +1565,8 @@ class ScopeWatch:
                     changed.append((scope_name(self._owner, kind.split()[0], self._labels[e]),
                                     was, now))
                 self._watch.update(e)
-                self._entries[e] = scope_entry(kind.split()[0], table, key)
+                entry = scope_entry(kind.split()[0], table, key)
+                self._entries[e] = (*entry[:2], kept(now)) if e in self._items else entry
                 if e in self._held:  # its numbers, in the config it holds now
                     self._retarget(e, number_table(now))
         self._watch.take_sizes()  # modules the function put in its dicts or lists itself
@@ -1545,8 +1576,10 @@ class ScopeWatch:
 
 def _same_value(now: object, old: object, same_type: bool = True) -> bool:
     """A watched number (or mode) set again to an equal value in a new object: taken as the
-    captured one. A number must keep its type too, a tuple's items theirs (an int where a
-    float was is another value for the graphs' kernels); a mode need not (training = 1)."""
+    captured one. A number must keep its type too, a tuple's or list's items theirs (an int where
+    a float was is another value for the graphs' kernels); a mode need not (training = 1)."""
+    if type(now) is list and type(old) is list:
+        now, old = tuple(now), tuple(old)
     return now is not _MISSING and _equal(now, old) and (not same_type or same(now, old))
 
 

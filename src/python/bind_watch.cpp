@@ -17,6 +17,10 @@
 // dicts whose numbers of keys must stay are set anew (set_sized) besides those closed at
 // construction. A list stands in for a dict too, its index for a key: the modules a loss
 // function reads through a list it names (each item by identity, the list's length closed).
+// And an entry may watch a list value by its items (`items`): a list of numbers a forward reads
+// (self.scales = [1.0, 0.5], a global list of loss weights) changes in place, which its
+// identity does not show; the entry keeps a copy and compares the items, by identity, and
+// their number.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -37,8 +41,10 @@ class EntryWatch {
   // class's own dict must hold (a class of Python code's; a builtin's dict is not kept there);
   // or (list, index, value): what the list must hold at index (a non-negative int).
   // closed: dicts (or lists) that must keep as many keys (items) as they hold now (those not in
-  // entries, too).
-  EntryWatch(const py::list& entries, const py::list& closed) {
+  // entries, too). items: the indices of the entries whose values, when lists, are compared by
+  // their items (another list holding the same objects is the same value) from a copy taken
+  // now and at each update.
+  EntryWatch(const py::list& entries, const py::list& closed, const py::list& items) {
     entries_.reserve(entries.size());
     for (size_t i = 0; i < entries.size(); ++i) {
       const py::handle item = entries[i];
@@ -70,7 +76,19 @@ class EntryWatch {
                                std::string(py::repr(t[1])));
         }
       }
-      entries_.push_back({table, t[1], t[2], index});
+      entries_.push_back({table, t[1], t[2], index, false, py::object()});
+    }
+    for (const py::handle item : items) {
+      const Py_ssize_t i = PyLong_Check(item.ptr()) ? PyLong_AsSsize_t(item.ptr()) : -1;
+      if (i < 0 || size_t(i) >= entries_.size()) {
+        PyErr_Clear();
+        throw py::index_error("EntryWatch: items must hold entry indices in [0, " +
+                              std::to_string(entries_.size()) + "); got " +
+                              std::string(py::repr(item)));
+      }
+      Entry& e = entries_[size_t(i)];
+      e.by_items = true;
+      e.items = copy_if_list(e.value.ptr());
     }
     closed_ = sizes_of(closed, "closed");
   }
@@ -81,7 +99,7 @@ class EntryWatch {
   // else -1.
   int64_t first_changed(int64_t start) const {
     for (size_t i = first(start); i < entries_.size(); ++i) {
-      if (value_now(entries_[i]) != entries_[i].value.ptr()) return int64_t(i);
+      if (is_changed(entries_[i])) return int64_t(i);
     }
     for (size_t k = 0; k < closed_.size(); ++k) {
       if (size_of(closed_[k].dict) != closed_[k].size) {
@@ -117,7 +135,7 @@ class EntryWatch {
   std::vector<int64_t> changed(int64_t start) const {
     std::vector<int64_t> out;
     for (size_t i = first(start); i < entries_.size(); ++i) {
-      if (value_now(entries_[i]) != entries_[i].value.ptr()) out.push_back(int64_t(i));
+      if (is_changed(entries_[i])) out.push_back(int64_t(i));
     }
     return out;
   }
@@ -134,6 +152,7 @@ class EntryWatch {
                           " to update it to");
     }
     e.value = py::reinterpret_borrow<py::object>(now);
+    if (e.by_items) e.items = copy_if_list(now);
   }
 
   // Entry i watches `dict` under its key from now on, holding its value now (the object
@@ -144,13 +163,14 @@ class EntryWatch {
       throw py::type_error("EntryWatch: entry " + std::to_string(i) + " watches a " +
                            (e.index >= 0 ? "list" : "closure cell") + ", not a dict");
     }
-    Entry moved{dict, e.key, py::none(), -1};
+    Entry moved{dict, e.key, py::none(), -1, e.by_items, py::object()};
     PyObject* now = value_now(moved);
     if (now == nullptr) {
       throw py::key_error("EntryWatch: the dict entry " + std::to_string(i) +
                           " is to watch holds no " + std::string(py::repr(e.key)));
     }
     moved.value = py::reinterpret_borrow<py::object>(now);
+    if (moved.by_items) moved.items = copy_if_list(now);
     e = std::move(moved);
   }
 
@@ -170,7 +190,31 @@ class EntryWatch {
     py::object key;
     py::object value;  // kept alive: identity is what is compared
     Py_ssize_t index;  // a list's: the index the key names; else -1
+    bool by_items;     // a list value is compared by its items
+    py::object items;  // by_items and the value a list: a copy of it; else null
   };
+
+  // Whether entry e's dict no longer holds its value: another object, or none; for a list
+  // watched by its items, anything but a list holding the same objects.
+  static bool is_changed(const Entry& e) {
+    PyObject* now = value_now(e);
+    if (!e.items) return now != e.value.ptr();
+    if (now == nullptr || !PyList_Check(now)) return true;
+    const Py_ssize_t n = PyList_GET_SIZE(e.items.ptr());
+    if (PyList_GET_SIZE(now) != n) return true;
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      if (PyList_GET_ITEM(now, k) != PyList_GET_ITEM(e.items.ptr(), k)) return true;
+    }
+    return false;
+  }
+
+  // A copy of a list (its items, by reference); null for anything else.
+  static py::object copy_if_list(PyObject* value) {
+    if (value == nullptr || !PyList_Check(value)) return py::object();
+    PyObject* copy = PyList_GetSlice(value, 0, PyList_GET_SIZE(value));
+    if (copy == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(copy);
+  }
 
   Entry& at(int64_t i) {
     if (i < 0 || size_t(i) >= entries_.size()) {
@@ -231,10 +275,11 @@ void bind_watch(py::module_& m) {
                          "Entries of Python dicts as they were: (dict, key, value) triples, "
                          "each compared by identity ((cell, None, value): a closure cell's "
                          "contents; (class, key, value): the class's own dict's; (list, index, "
-                         "value): a list's item), and the numbers of keys of closed dicts (or "
-                         "items of closed lists) and of set_sized's.")
-      .def(py::init<const py::list&, const py::list&>(), py::arg("entries"),
-           py::arg("closed") = py::list())
+                         "value): a list's item), a list value of the entries in items by its "
+                         "items, and the numbers of keys of closed dicts (or items of closed "
+                         "lists) and of set_sized's.")
+      .def(py::init<const py::list&, const py::list&, const py::list&>(), py::arg("entries"),
+           py::arg("closed") = py::list(), py::arg("items") = py::list())
       .def("first_changed", &EntryWatch::first_changed, py::arg("start") = 0,
            "The index of the first entry from start on whose dict no longer holds its value; "
            "else len(self) + k for the first closed dict k with another number of keys; else "

@@ -407,6 +407,38 @@ def test_entry_watch_reads_a_lists_items_by_index_and_counts_a_closed_lists():
         _C.EntryWatch([(items, -1, first)])
 
 
+def test_entry_watch_compares_a_list_value_of_an_items_entry_by_its_items():
+    """A list of numbers changes in place, which its identity does not show: an entry named in
+    items keeps a copy and compares the items (by identity) and their number; any other entry
+    compares the list itself by identity."""
+    weights = [0.5, 2.0]
+    a, b = {"w": weights}, {"w": weights}
+    watch = _C.EntryWatch([(a, "w", weights), (b, "w", weights)], [], [0])
+    assert watch.first_changed() == -1
+    weights[1] = 3.0
+    assert watch.changed() == [0]  # entry 1: the same list, by identity
+    watch.update(0)  # the copy is taken again
+    assert watch.first_changed() == -1
+    weights.append(1.0)
+    assert watch.changed() == [0]
+    weights.pop()
+    assert watch.first_changed() == -1  # the same items again
+    a["w"] = list(weights)  # another list holding the same objects: the same value
+    assert watch.changed() == []
+    a["w"] = 1.0  # no list at all
+    assert watch.changed() == [0]
+    watch.update(0)
+    a["w"] = [1.0]
+    assert watch.changed() == [0]
+    other = {"w": [4.0, 5.0]}
+    watch.retarget(0, other)  # a config replaced: its list, by its items from now on
+    assert watch.first_changed() == -1
+    other["w"][0] = 4.5
+    assert watch.changed() == [0]
+    with pytest.raises(IndexError, match=r"items must hold entry indices in \[0, 2\); got 2"):
+        _C.EntryWatch([(a, "w", a["w"]), (b, "w", weights)], [], [2])
+
+
 def test_buffers_a_forward_assigned_in_a_capture_go_where_the_graphs_read_them():
     """Inside a capture the forward's `self.avg = ...` gets a copy into the buffer the graphs
     read; after a failed capture the assignment is undone with the values untouched."""
@@ -726,6 +758,35 @@ def test_a_number_of_a_module_an_evaluators_fn_reads_is_watched_by_value():
     reads.settle()
     averaged[2].calls = 7
     with pytest.raises(NimbleError, match=r"'averaged.2.calls'.*changed from 1 to 7"):
+        reads.settle()
+
+
+def test_a_list_of_numbers_of_a_module_an_evaluators_fn_reads_is_watched_by_its_items():
+    """A leaf's list of scales changed in place after the evaluator's capture: refused; an
+    equal item taken. One fn's forwards append to is taken (take), and put back in place after
+    a failed capture (undo_capture)."""
+    from nimble_train._evaluator import ScopeModules
+    averaged = nn.Sequential(Staged(), Appending())
+    reads = ScopeModules(lambda m, b: averaged(b[0]), _Stub(nn.Linear(2, 2)))
+    averaged[0].scales[0] = 0.75
+    with pytest.raises(NimbleError, match=r"'averaged.0.scales', a number of a module fn reads "
+                                          r"from its scope, changed from \[0.5, 2.0\] to "
+                                          r"\[0.75, 2.0\] after the evaluator's capture"):
+        reads.settle()
+    averaged[0].scales[0] = float("0.5")  # equal, another object: taken
+    reads.settle()
+    assert reads._watch.first_changed() == -1
+    sizes = averaged[1].sizes
+    averaged(torch.randn(2, 4))  # a capture that fails after its forward
+    reads.undo_capture()
+    assert averaged[1].sizes is sizes and sizes == [0] and reads._watch.first_changed() == -1
+    averaged(torch.randn(3, 4))  # fn's own change
+    reads.take()
+    reads.settle()
+    assert sizes == [0, 3]
+    sizes.append(5)
+    with pytest.raises(NimbleError, match=r"'averaged.1.sizes'.*changed from \[0, 3\] to "
+                                          r"\[0, 3, 5\]"):
         reads.settle()
 
 
@@ -1214,6 +1275,119 @@ def test_a_tuple_of_numbers_a_forward_reads_is_watched_as_a_number():
     assert watch.first_changed() == -1
     x = torch.randn(3, 4)
     assert torch.equal(model[0](x), x * torch.tensor([0.5, 0.5, 2.0, 2.0]))
+
+
+class Staged(nn.Module):
+    """A leaf of the user's whose forward scales its input's channels by a list of numbers;
+    an empty list it keeps is not one (an accumulator, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales, self.seen = [0.5, 2.0], []
+
+    def forward(self, x):
+        return torch.cat([x[:, :2] * self.scales[0], x[:, 2:] * self.scales[1]], dim=1)
+
+
+TERMS = [1.0, 0.25]  # a global list of loss weights the loss function below reads
+
+
+def _terms_loss(out, y):
+    return TERMS[0] * F.cross_entropy(out, y) + TERMS[1] * out.square().mean()
+
+
+def test_a_list_of_numbers_a_forward_reads_is_watched_by_its_items():
+    """A list changes in place, which its identity does not show: its items are compared with
+    a copy taken at capture. An item changed, added or of another type (an int where a float
+    was) is refused with the list's old and new values, as a number is; an equal item passes.
+    A global list a loss function reads is watched as a global number is."""
+    model = nn.Sequential(Staged(), nn.Flatten())
+    watch = captured_watch(model, _terms_loss)
+    assert ("number", 1, "scales") in watch._what and ("global", -1, "TERMS") in watch._what
+    assert not any(key == "seen" for _, _, key in watch._what)
+    model[0].scales[1] = 3.0
+    with pytest.raises(NimbleError, match=r"'0.scales' \(Staged\) changed from \[0.5, 2.0\] "
+                                          r"to \[0.5, 3.0\] after capture.*build a new Step"):
+        watch.refuse_replaced_objects()
+    model[0].scales[1] = 2  # equal, but an int where the graphs baked a float
+    with pytest.raises(NimbleError, match=r"changed from \[0.5, 2.0\] to \[0.5, 2\]"):
+        watch.refuse_replaced_objects()
+    model[0].scales.append(1.0)
+    with pytest.raises(NimbleError, match=r"changed from \[0.5, 2.0\] to \[0.5, 2, 1.0\]"):
+        watch.refuse_replaced_objects()
+    model[0].scales[1:] = [float("2")]  # equal, another object: taken
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    model[0].scales = [0.5, 2.0]  # another list, equal: taken, and watched from now on
+    watch.refuse_replaced_objects()
+    model[0].scales[0] = 1.0
+    with pytest.raises(NimbleError, match=r"changed from \[0.5, 2.0\] to \[1.0, 2.0\]"):
+        watch.refuse_replaced_objects()
+    model[0].scales[0] = 0.5
+    model[0].seen.append(torch.zeros(1))  # not watched
+    TERMS[1] = 0.5
+    try:
+        with pytest.raises(NimbleError, match=r"the global 'TERMS' that loss_fn reads changed "
+                                              r"from \[1.0, 0.25\] to \[1.0, 0.5\]"):
+            watch.refuse_replaced_objects()
+    finally:
+        TERMS[1] = 0.25
+    watch.refuse_replaced_objects()
+    assert watch.first_changed() == -1
+    x = torch.randn(3, 4)
+    assert torch.equal(model[0](x), x * torch.tensor([0.5, 0.5, 2.0, 2.0]))
+
+
+class Appending(nn.Module):
+    """A forward that changes a list of numbers in place as it runs (a log of its inputs'
+    batch sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = [0]
+
+    def forward(self, x):
+        self.sizes.append(x.shape[0])
+        return x
+
+
+def test_a_list_a_failed_captures_forward_changed_in_place_goes_back_in_place():
+    """A forward that appends to a watched list: a capture that fails leaves the list as after
+    the last completed call, the same list object (others may hold it); one that succeeds has
+    it taken and said (after_forward)."""
+    model = nn.Sequential(Appending(), nn.ReLU())
+    sizes = model[0].sizes
+    watch = captured_watch(model)
+    model(torch.randn(2, 4))  # a capture that fails after its forward
+    assert sizes == [0, 2]
+    watch.undo_capture()
+    assert model[0].sizes is sizes and sizes == [0] and watch.first_changed() == -1
+    model(torch.randn(3, 4))  # one that succeeds
+    assert watch.after_forward() == [("'0.sizes' (Appending)", [0], [0, 3])]
+    assert watch.first_changed() == -1 and watch.after_forward() == []
+
+
+def test_a_scope_watch_watches_a_list_of_numbers_by_its_items():
+    from nimble_train._model_watch import ScopeWatch
+    thresholds = [0.25, 0.75]
+
+    def fn(model, batch):
+        out = model(batch[0])
+        return (out > thresholds[0]).sum() + (out > thresholds[1]).sum()
+
+    watch = ScopeWatch(fn, "the evaluator's fn", "make a new evaluator")
+    watch.check()
+    thresholds[0] = 0.5
+    with pytest.raises(NimbleError, match=r"closure variable 'thresholds' changed from "
+                                          r"\[0.25, 0.75\] to \[0.5, 0.75\] after capture"):
+        watch.check()
+    thresholds[0] = float("0.25")  # equal, another object: taken
+    watch.check()
+    held = thresholds
+    thresholds.append(1.0)  # as fn would change it in a capture that then fails
+    watch.put_back()
+    assert thresholds is held and thresholds == [0.25, 0.75]
+    watch.check()
 
 
 class Focal(nn.Module):

@@ -2341,6 +2341,37 @@ def test_a_tuple_of_numbers_changed_on_a_loss_after_capture_is_refused():
     train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
 
 
+class ListWeightedTerms(torch.nn.Module):
+    """A loss of two terms weighted by a list of numbers, which user code may change in
+    place."""
+
+    def __init__(self):
+        super().__init__()
+        self.weights = [1.0, 0.1]
+
+    def forward(self, out, y):
+        return (self.weights[0] * F.cross_entropy(out, y)
+                + self.weights[1] * out.pow(2).mean())
+
+
+def test_a_list_of_numbers_changed_in_place_on_a_loss_after_capture_is_refused():
+    """The graphs baked the loss's weights [1.0, 0.1]: an item changed in place after capture
+    (the list itself is the same object) is refused before anything runs; the item set back
+    to an equal value passes, and training goes on as the eager loop's."""
+    torch.manual_seed(37)
+    (m1, o1), (m2, o2) = cuda_twin(MLP(), lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    loss_fn = ListWeightedTerms()
+    step, batches, before = replaying_after_four(m1, o1, loss_fn, seed=37)
+    loss_fn.weights[1] = 0.5
+    with pytest.raises(nt.NimbleError, match=r"'loss_fn.weights' \(ListWeightedTerms\) changed "
+                                             r"from \[1.0, 0.1\] to \[1.0, 0.5\] after "
+                                             r"capture.*Nothing was run"):
+        step(batches[4])
+    assert_nothing_ran(m1, before)
+    loss_fn.weights[1] = float("0.1")
+    train_on_as_the_eager_loop(step, (m1, o1), (m2, o2), loss_fn, batches)
+
+
 class ScaledInput(torch.nn.Module):
     """A leaf with a public number its forward reads (like timm's DropPath.drop_prob) and one
     its forward changes itself (a call counter)."""
