@@ -395,7 +395,7 @@ class ScopeModules:
         code changed in its scope."""
         for e in self._watch.changed():
             if e != self._hook_count:  # torch's count goes on: handles' ids are never reused
-                _put_back(self._entries[e])
+                _put_back(self._entries[e], e in self._items)
         self._storage.undo_moves()
         if self._code:
             self._code.put_back()

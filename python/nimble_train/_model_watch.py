@@ -772,7 +772,7 @@ class ModelWatch:
         value."""
         for e in self._watch.changed(self._modes_end):
             if e != self._hook_count:  # torch's count goes on: handles' ids are never reused
-                _put_back(self._entries[e])
+                _put_back(self._entries[e], e in self._items)
 
     @staticmethod
     def put_back(tensors) -> None:
@@ -818,13 +818,13 @@ def _refuse_hook_change(label: str, where: str, table: dict, keys: frozenset) ->
         "was run for this call.")
 
 
-def _put_back(entry: tuple) -> None:
-    """The dict or closure cell of an EntryWatch entry holds its value again (a list of
-    numbers changed in place: its items, in place)."""
+def _put_back(entry: tuple, numbers: bool = False) -> None:
+    """The dict or closure cell of an EntryWatch entry holds its value again; for a numbers'
+    entry (`numbers`: its value a copy of a list, kept's) a list there takes the copy's items
+    in place (the same list, which others may hold)."""
     table, key, value = entry
-    if type(value) is list and type(now := _now(table, key)) is list:
-        if now is not value:
-            now[:] = value
+    if numbers and type(value) is list and type(now := _now(table, key)) is list:
+        now[:] = value
     elif isinstance(table, types.CellType):
         table.cell_contents = value
     else:
@@ -1549,7 +1549,7 @@ class ScopeWatch:
         """After a failed capture: the numbers the function changed itself, as after the last
         completed call."""
         for e in self._watch.changed():
-            _put_back(self._entries[e])
+            _put_back(self._entries[e], e in self._items)
 
     def after_call(self) -> list[tuple[str, object, object]]:
         """The numbers the function changed itself are taken; returns those that took another
