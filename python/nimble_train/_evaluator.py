@@ -43,8 +43,8 @@ from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
                            _own_code, _put_back, _same_value, describe, hook_change, kept,
-                           named_scope_modules, number_table, replaced_holder, retarget,
-                           warn_replays_keep, watched_attributes)
+                           kept_entries, named_scope_modules, number_table, replaced_holder,
+                           retarget, warn_replays_keep, watched_attributes)
 from ._optimizer_state import shown
 from ._padding import BucketPadding
 from ._sync import warn_at_user
@@ -336,8 +336,7 @@ class ScopeModules:
         watch("hook count", "", RemovableHandle, "next_id")
         # the numbers' entries: a list there is compared by its items, from a copy
         self._items = frozenset(e for e, (kind, _) in enumerate(self._what) if kind == "number")
-        self._entries = [(table, key, kept(value)) if e in self._items else (table, key, value)
-                         for e, (table, key, value) in enumerate(entries)]
+        self._entries = kept_entries(entries, self._items)
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables],
                                     sorted(self._items))
         known = {id(t) for t in step._watched}

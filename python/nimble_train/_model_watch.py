@@ -168,6 +168,13 @@ def kept(value: object) -> object:
     return list(value) if type(value) is list else value
 
 
+def kept_entries(entries: list[tuple], numbers: frozenset[int]) -> list[tuple]:
+    """EntryWatch entries as their watch's owner keeps them to compare with: the value of each
+    numbers' entry (its index in `numbers`, the EntryWatch's items) as kept's."""
+    return [(table, key, kept(value)) if e in numbers else (table, key, value)
+            for e, (table, key, value) in enumerate(entries)]
+
+
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global", "scope held")
 # A config a function reads numbers through, by the name it reads it under (scope_holders)
@@ -378,8 +385,7 @@ class ModelWatch:
         # the numbers' entries: a list there is compared by its items, from a copy
         self._items = frozenset(e for e, (what, _, _) in enumerate(self._what)
                                 if what in _BY_VALUE + ("unset",))
-        self._entries = [(table, key, kept(value)) if e in self._items else (table, key, value)
-                         for e, (table, key, value) in enumerate(entries)]
+        self._entries = kept_entries(entries, self._items)
         self._watch = _C.EntryWatch(entries, [table for _, _, table, _ in self._tables],
                                     sorted(self._items))
         # per parameter, the keys of each kind of hook on its gradient (_GRAD_HOOKS); the
@@ -1031,7 +1037,8 @@ def _in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
 
 
 def _numbers_in_scope(fn: types.FunctionType) -> list[tuple[str, object, str]]:
-    """Those of _in_scope that hold a number (bool, int, float, str, or a tuple of them)."""
+    """Those of _in_scope that hold a number (is_number: a bool, int, float or str, or a tuple
+    or list of them)."""
     return [(kind, table, name) for kind, table, name in _in_scope(fn)
             if is_number(_now(table, name))]
 
@@ -1510,8 +1517,7 @@ class ScopeWatch:
         # the numbers' entries: a list there is compared by its items, from a copy
         self._items = frozenset(e for e, (kind, _, _) in enumerate(self._what)
                                 if kind in ("closure", "global", "held"))
-        self._entries = [(table, key, kept(value)) if e in self._items else (table, key, value)
-                         for e, (table, key, value) in enumerate(entries)]
+        self._entries = kept_entries(entries, self._items)
         self._sizes = [len(container) for container, _ in self._containers]
         self._watch = _C.EntryWatch(entries, [c for c, _ in self._containers],
                                     sorted(self._items))
@@ -1578,8 +1584,6 @@ def _same_value(now: object, old: object, same_type: bool = True) -> bool:
     """A watched number (or mode) set again to an equal value in a new object: taken as the
     captured one. A number must keep its type too, a tuple's or list's items theirs (an int where
     a float was is another value for the graphs' kernels); a mode need not (training = 1)."""
-    if type(now) is list and type(old) is list:
-        now, old = tuple(now), tuple(old)
     return now is not _MISSING and _equal(now, old) and (not same_type or same(now, old))
 
 

@@ -53,13 +53,14 @@ def _picture(value: Any, depth: int = 0) -> Any:
 
 
 def same(a: Any, b: Any) -> bool:
-    """Two values alike in value and type, a tuple's items each (an int is not a float), NaN
-    alike; tensors in dtype, shape and values."""
+    """Two values alike in value and type, a tuple's or list's items each (an int is not a
+    float), NaN alike; tensors in dtype, shape and values."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
                 and a.dtype == b.dtype and a.shape == b.shape
                 and bool(torch.eq(a, b).logical_or(a.ne(a).logical_and(b.ne(b))).all()))
-    if isinstance(a, tuple) and isinstance(b, tuple):
+    if (isinstance(a, tuple) and isinstance(b, tuple)
+            or type(a) is list and type(b) is list):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True  # NaN stays NaN
