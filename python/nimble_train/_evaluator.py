@@ -42,9 +42,9 @@ from ._buckets import BucketLayout
 from ._extension import _C
 from ._iteration import autocast_name
 from ._model_watch import (_CONTAINERS, _HOOKS, _MISSING, ScopeWatch, _held_numbers, _now,
-                           _own_code, _put_back, _same_value, describe, hook_change, kept,
+                           _own_code, _put_back, _same_value, describe, hook_change,
                            kept_entries, named_scope_modules, number_table, replaced_holder,
-                           retarget, warn_replays_keep, watched_attributes)
+                           retarget, take, warn_replays_keep, watched_attributes)
 from ._optimizer_state import shown
 from ._padding import BucketPadding
 from ._sync import warn_at_user
@@ -417,11 +417,7 @@ class ScopeModules:
         self._take_tables()
 
     def _take(self, e: int) -> None:
-        """Entry e's value becomes what its dict holds now."""
-        table, key, _ = self._entries[e]
-        self._watch.update(e)
-        now = _now(table, key)
-        self._entries[e] = (table, key, kept(now) if e in self._items else now)
+        take(self._watch, self._entries, self._items, e)
 
     def _retarget_held(self, holder: int, now: object) -> None:
         """The numbers of the holder entry's object are watched in `now` from now on."""

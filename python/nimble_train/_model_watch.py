@@ -175,6 +175,15 @@ def kept_entries(entries: list[tuple], numbers: frozenset[int]) -> list[tuple]:
             for e, (table, key, value) in enumerate(entries)]
 
 
+def take(watch, entries: list[tuple], numbers: frozenset[int], e: int) -> None:
+    """EntryWatch entry e's value becomes what its dict holds now, in the watch and in its
+    owner's entries (kept's, for a numbers' entry)."""
+    table, key, _ = entries[e]
+    watch.update(e)
+    now = _now(table, key)
+    entries[e] = (table, key, kept(now) if e in numbers else now)
+
+
 # entries compared by value, not identity
 _BY_VALUE = ("mode", "constant", "number", "held", "closure", "global", "scope held")
 # A config a function reads numbers through, by the name it reads it under (scope_holders)
@@ -471,11 +480,7 @@ class ModelWatch:
         return changed
 
     def _take(self, e: int) -> None:
-        """Entry e's value becomes what its dict holds now."""
-        table, key, _ = self._entries[e]
-        self._watch.update(e)
-        now = _now(table, key)
-        self._entries[e] = (table, key, kept(now) if e in self._items else now)
+        take(self._watch, self._entries, self._items, e)
 
     def _path(self, i: int, key: str | None = None) -> str:
         """Module i's attribute `key` as named from the model (``'0.temperature'``'s path)."""
