@@ -1,7 +1,7 @@
 """The gradient hand-over: captured steps that copy autograd's gradients into the flat buffers
 once, against steps that add each into its zeroed view, side by side.
 
-    python bench/bench_grad_handover.py     # ResNet-18 (1 stream, auto, over torch.compile), branchy
+    python bench/bench_grad_handover.py  # ResNet-18 (1 stream, auto, over torch.compile), branchy
     python bench/bench_grad_handover.py --workloads bert:32:step-compile --rounds 5
 
 One process, one GPU. Each workload ``model:batch:mode`` (mode: ``step`` for one stream,

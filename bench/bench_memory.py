@@ -1,6 +1,6 @@
 """Peak memory of a training step: nt.Step against eager and torch.compile, one process each.
 
-    python bench/bench_memory.py                          # ResNet-18 b32, branchy b32, airbench b1024
+    python bench/bench_memory.py                     # ResNet-18 b32, branchy b32, airbench b1024
     python bench/bench_memory.py --workloads bert --batch 32
 
 Every row runs in a process of its own, so that nothing a previous row left (a compiled

@@ -12,8 +12,8 @@ with a BertTokenizer over a generated 30522-word vocabulary (pad id 0, max lengt
 Both rows use the same TrainingArguments, what a user fine-tuning on an H100 would pick:
 bf16=True, per_device_train_batch_size=16, learning_rate 2e-5 with a linear schedule and 6%
 warm-up (warmup_steps), Trainer's defaults otherwise (its fused AdamW, max_grad_norm=1.0,
-logging every 50 steps, no checkpoints during the run). Each row trains a fresh model from the same seed on the
-same data in the same order:
+logging every 50 steps, no checkpoints during the run). Each row trains a fresh model from the
+same seed on the same data in the same order:
 
 - trainer: transformers.Trainer.
 - one-stream: nimble_train.integrations.transformers.Trainer with nimble=dict(streams=1): the

@@ -290,8 +290,9 @@ def assert_same_training(model_a, opt_a, model_b, opt_b, *, rtol=1e-5, atol=1e-6
         for field in state_a[key]:
             a, b = state_a[key][field], state_b[key][field]
             if isinstance(a, torch.Tensor):
-                torch.testing.assert_close(a.float().cpu(), b.float().cpu(), rtol=rtol, atol=atol,
-                                           msg=lambda m, key=key, field=field: f"state {key} {field}: {m}")
+                torch.testing.assert_close(
+                    a.float().cpu(), b.float().cpu(), rtol=rtol, atol=atol,
+                    msg=lambda m, key=key, field=field: f"state {key} {field}: {m}")
             else:
                 assert a == b
 

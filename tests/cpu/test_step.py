@@ -187,7 +187,8 @@ def test_loss_of_the_wrong_shape_is_rejected():
     model = MLP()
     step = nt.Step(model, torch.optim.SGD(model.parameters(), lr=0.1),
                    lambda out, y: F.cross_entropy(out, y, reduction="none").reshape(2, -1))
-    with pytest.raises(ValueError, match=r"one loss per sample \(shape \[8\]\); got shape \(2, 4\)"):
+    with pytest.raises(ValueError,
+                       match=r"one loss per sample \(shape \[8\]\); got shape \(2, 4\)"):
         step(classification_batches(1, 8)[0])
 
 

@@ -50,7 +50,8 @@ STEP_WARNINGS = r"(nimble_train|Step |step\.evaluator)"
 
 @pytest.mark.parametrize("make_opt", [
     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=5e-4),
-    lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.05),  # capturable=False, as users build it
+    # capturable=False, as users build it
+    lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.05),
 ], ids=["sgd-momentum", "adamw-default"])
 def test_captured_cnn_with_batchnorm_equals_eager(make_opt):
     torch.manual_seed(0)
