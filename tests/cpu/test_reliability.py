@@ -13,10 +13,13 @@ step:
 | failure in the forward        | the model raises       | the user's error          |
 | failure in the backward       | a gradient hook raises | the user's error          |
 | failure in the update         | an optimizer pre-hook  | the user's error          |
-| failure while staging         | the replay path (CUDA) | tests/gpu/test_runtime_cuda.py, test_loop_cuda.py |
+| failure while staging         | the replay path (CUDA) | the injected error (GPU)  |
 | a rank raises                 | 2 gloo ranks           | DistributedError on peers, naming it |
 | a rank stalls                 | 2 gloo ranks           | DistributedError after timeout_s |
 | a rank is killed              | 2 gloo ranks           | DistributedError on peers |
+
+The staging failures run on a GPU only: tests/gpu/test_runtime_cuda.py and
+tests/gpu/test_loop_cuda.py.
 """
 
 import copy
